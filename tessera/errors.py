@@ -1,0 +1,60 @@
+"""Named exceptions, by kind.
+
+Broken internal invariants are ``assert`` statements with the offending values; integrity
+failures (bad epoch, checksum mismatch, missing blocks) and bad configuration are the named
+exceptions below; bad client input becomes an HTTP 4xx in the services.
+"""
+
+from __future__ import annotations
+
+
+class TesseraError(Exception):
+    """Base class of every error Tessera raises on purpose."""
+
+
+class ConfigError(TesseraError):
+    """The configuration names a bad key or value; the message says which and what is allowed."""
+
+
+class BadRequest(TesseraError):
+    """Client input that cannot be served (HTTP 4xx); the message says what to fix."""
+
+    status = 400
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Overloaded(TesseraError):
+    """A node refuses new work rather than queueing without bound (HTTP 429/503)."""
+
+    status = 429
+
+
+class IntegrityError(TesseraError):
+    """Stored or transferred state failed a consistency check (epoch, writer, blocks, checksum)."""
+
+
+class PublishRejected(IntegrityError):
+    """A publish request was refused: wrong writer, stale epoch, incomplete block set."""
+
+
+class LeaseError(IntegrityError):
+    """A lease is unknown, expired, or refers to another epoch."""
+
+
+class TransferError(TesseraError):
+    """A KV block transfer failed; the caller falls back to computing the unit."""
+
+
+class TransferTimeout(TransferError):
+    """A KV block transfer did not finish within its timeout."""
+
+
+class ChecksumMismatch(TransferError, IntegrityError):
+    """A block's header or payload checksum did not match what the reader expected."""
+
+
+class ModelLoadError(TesseraError):
+    """A model checkpoint could not be loaded; the message says why and what is supported."""

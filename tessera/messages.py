@@ -1,0 +1,273 @@
+"""Typed messages between roles (paper §5.1, Fig. 10).
+
+One frozen dataclass per message, encoded with :mod:`tessera.wire`. Every top-level message
+carries ``version`` so that a node speaking another protocol version is refused with a clear
+error instead of being misread. The same types serve the HTTP API, the tests and the bench.
+
+Time values on the wire are *durations* (seconds from receipt), never absolute clock
+readings: roles do not share a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tessera.errors import BadRequest
+from tessera.wire import WIRE_VERSION
+
+
+class Preparation(enum.StrEnum):
+    """Where the state of a unit comes from for the current request."""
+
+    LOCAL = "local"  # copy from the node's host-memory unit cache
+    REMOTE = "remote"  # fetch from the shared KV Pool under a read lease
+    COMPUTE = "compute"  # prefill from text
+
+
+class Retention(enum.StrEnum):
+    """Where the state may be kept for future requests (independent of preparation)."""
+
+    LOCAL = "local"
+    SHARED = "shared"
+    BOTH = "both"
+    NEITHER = "neither"
+
+    @property
+    def local(self) -> bool:
+        return self in (Retention.LOCAL, Retention.BOTH)
+
+    @property
+    def shared(self) -> bool:
+        return self in (Retention.SHARED, Retention.BOTH)
+
+    @staticmethod
+    def of(local: bool, shared: bool) -> Retention:
+        if local and shared:
+            return Retention.BOTH
+        if local:
+            return Retention.LOCAL
+        if shared:
+            return Retention.SHARED
+        return Retention.NEITHER
+
+
+def check_version(version: int) -> None:
+    if version != WIRE_VERSION:
+        raise BadRequest(f"protocol version {version} is not supported; this node speaks version {WIRE_VERSION}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """One storage block: a slot index in a memory node's arena."""
+
+    node: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLease:
+    """Permission to read a READY shared entry at one storage epoch; blocks stay until released."""
+
+    lease_id: str
+    unit_id: str
+    epoch: int
+    blocks: tuple[BlockRef, ...]
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WriteGrant:
+    """Reservation of a PENDING shared entry: only ``writer`` may write these blocks and publish."""
+
+    unit_id: str
+    epoch: int
+    blocks: tuple[BlockRef, ...]
+    writer: str
+    n_tokens: int
+    # writes must start within this many seconds; afterwards the reservation is cancelled
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlan:
+    """Per-unit plan: how to prepare the unit now and whether to retain it."""
+
+    unit_id: str
+    n_tokens: int
+    preparation: Preparation
+    retention: Retention
+    lease: ReadLease | None = None  # set iff preparation is REMOTE
+    grant: WriteGrant | None = None  # set iff retention is SHARED or BOTH
+
+    def __post_init__(self) -> None:
+        if (self.preparation is Preparation.REMOTE) != (self.lease is not None):
+            raise ValueError(f"unit {self.unit_id}: a remote preparation needs a lease and only it has one")
+        if self.retention.shared != (self.grant is not None):
+            raise ValueError(f"unit {self.unit_id}: a shared retention needs a write grant and only it has one")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    version: int
+    request_id: str
+    node: str
+    units: tuple[UnitPlan, ...]
+    # units the node should drop from its local cache to make room for local retention
+    local_evict: tuple[str, ...] = ()
+
+
+# --- prompt layout -------------------------------------------------------------------------
+
+
+class SegmentKind(enum.StrEnum):
+    TEXT = "text"  # request-specific tokens (system prompt, separators, question, template)
+    UNIT = "unit"  # a context unit whose state may be reused
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    kind: SegmentKind
+    token_ids: tuple[int, ...]
+    unit_id: str = ""  # set iff kind is UNIT
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLayout:
+    """The prompt as an ordered list of segments. Position of a token = its index in the prompt.
+
+    The layout is fixed before any preparation starts; unit states are placed at the offsets
+    it implies.
+    """
+
+    segments: tuple[Segment, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    def token_ids(self) -> list[int]:
+        out: list[int] = []
+        for s in self.segments:
+            out.extend(s.token_ids)
+        return out
+
+    def unit_offsets(self) -> list[tuple[int, Segment]]:
+        """(offset, segment) of every unit segment, in prompt order."""
+        out: list[tuple[int, Segment]] = []
+        offset = 0
+        for s in self.segments:
+            if s.kind is SegmentKind.UNIT:
+                out.append((offset, s))
+            offset += len(s.token_ids)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+# --- control RPCs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRequest:
+    """Step 3 of the plan: the chosen node reports which of these units it holds locally.
+
+    The node pins the units it reports until the request executes or is aborted.
+    """
+
+    version: int
+    request_id: str
+    unit_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResponse:
+    version: int
+    request_id: str
+    node: str
+    held: tuple[str, ...]
+    inflight: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteRequest:
+    """Step 4: the finalized plan and the fixed prompt layout, sent to the chosen node."""
+
+    version: int
+    request_id: str
+    layout: PromptLayout
+    plan: RequestPlan
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishRequest:
+    version: int
+    unit_id: str
+    epoch: int
+    writer: str
+    blocks: tuple[BlockRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    """The writer gives up a reservation; ``settle_s`` covers transfers that may still land."""
+
+    version: int
+    unit_id: str
+    epoch: int
+    writer: str
+    settle_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest:
+    version: int
+    lease_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyReport:
+    """A generation node's local cache changed (insertions it made, evictions, declines)."""
+
+    version: int
+    node: str
+    inserted: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    version: int
+    node: str
+    inflight: int
+    queued_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNodeHello:
+    """A memory node announces itself; a new ``boot_id`` means it restarted empty."""
+
+    version: int
+    name: str
+    boot_id: str
+    capacity_blocks: int
+    block_bytes: int
+    shm_name: str
+    data_host: str
+    data_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    version: int
+    ok: bool
+    reason: str = ""

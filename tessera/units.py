@@ -1,0 +1,110 @@
+"""Context units and their identity.
+
+A context unit is an independently retrieved text segment (a document chunk or a memory
+record) inside a sharing scope. Its identity is a stable digest of (scope, token ids,
+serving fingerprint). It never depends on the unit's position or neighbours: there is no
+prefix chaining, which is the whole point (paper §5.1).
+
+This module knows nothing about tensors, caches or where a unit's state lives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# Bumped when the layout of the reusable form changes; part of every fingerprint.
+KV_LAYOUT = "prerope-k+v/[L,T,Hkv,D]/v1"
+
+
+def blocks_for(n_tokens: int, block_tokens: int) -> int:
+    """Blocks of B tokens a unit of n tokens occupies: ceil(n / B)."""
+    assert n_tokens >= 0 and block_tokens > 0, (n_tokens, block_tokens)
+    return -(-n_tokens // block_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingFingerprint:
+    """Everything that changes a unit's reusable KV state.
+
+    Two deployments share unit states only if their fingerprints are equal.
+    """
+
+    model: str  # model identity (name + weights digest)
+    tokenizer: str  # tokenizer identity (vocabulary digest)
+    kv_dtype: str  # storage dtype of the reusable form
+    kv_layout: str = KV_LAYOUT
+    unit_bos: bool = False  # composition-policy choice: unit prefilled behind BOS
+
+    @property
+    def digest(self) -> bytes:
+        text = "\x1f".join((self.model, self.tokenizer, self.kv_dtype, self.kv_layout, str(int(self.unit_bos))))
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def unit_id_for(scope: str, token_ids: Sequence[int], fingerprint: ServingFingerprint) -> str:
+    """Stable identity of a unit: blake2b-128 over (scope, token ids, fingerprint), hex."""
+    h = hashlib.blake2b(digest_size=16)
+    scope_bytes = scope.encode()
+    h.update(struct.pack("<I", len(scope_bytes)))
+    h.update(scope_bytes)
+    h.update(fingerprint.digest)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ContextUnit:
+    """A retrieved (or caller-supplied) unit, tokenized and identified."""
+
+    unit_id: str
+    scope: str
+    text: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class TokenCache:
+    """LRU cache of unit text -> token ids, so recurring units are tokenized once."""
+
+    def __init__(self, encode: Callable[[str], list[int]], capacity: int = 65536) -> None:
+        assert capacity > 0, capacity
+        self._encode = encode
+        self._capacity = capacity
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tokens(self, text: str) -> tuple[int, ...]:
+        found = self._entries.get(text)
+        if found is not None:
+            self._entries.move_to_end(text)
+            self.hits += 1
+            return found
+        self.misses += 1
+        ids = tuple(self._encode(text))
+        self._entries[text] = ids
+        if len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+        return ids
+
+
+class UnitFactory:
+    """Turns (scope, text) into identified :class:`ContextUnit` values for one serving fingerprint."""
+
+    def __init__(self, fingerprint: ServingFingerprint, tokens: TokenCache) -> None:
+        self.fingerprint = fingerprint
+        self.tokens = tokens
+
+    def make(self, scope: str, text: str) -> ContextUnit:
+        ids = self.tokens.tokens(text)
+        return ContextUnit(unit_id_for(scope, ids, self.fingerprint), scope, text, ids)

@@ -1,0 +1,144 @@
+"""One encode/decode pair for every typed message crossing a role boundary.
+
+Messages are frozen dataclasses. ``to_wire`` turns one into JSON-ready builtins and
+``from_wire`` rebuilds it, checking types on the way in so that a malformed body becomes a
+:class:`~tessera.errors.BadRequest` that names the field, never a traceback deep inside a
+handler. Supported field types: str, int, float, bool, enums, nested dataclasses, tuples
+(``tuple[T, ...]``), lists, dicts with str keys, and ``X | None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from functools import cache
+from typing import Any, TypeVar, Union, cast
+
+import orjson
+
+from tessera.errors import BadRequest
+
+T = TypeVar("T")
+WIRE_VERSION = 1
+
+
+@cache
+def _hints(cls: Any) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@cache
+def _fields(cls: Any) -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(cls)
+
+
+def to_wire(obj: Any) -> Any:
+    """Dataclass (or builtin) -> JSON-ready builtins."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_wire(getattr(obj, f.name)) for f in _fields(type(obj))}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_wire(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_wire(v) for k, v in obj.items()}
+    return obj
+
+
+def _fail(path: str, expected: str, value: Any) -> BadRequest:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return BadRequest(f"field {path or '<body>'}: expected {expected}, got {shown}")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _fail(path, "a value", value)
+        non_none = [a for a in args if a is not type(None)]
+        errors: list[BadRequest] = []
+        for arg in non_none:
+            try:
+                return _convert(arg, value, path)
+            except BadRequest as exc:
+                errors.append(exc)
+        raise errors[0]
+    if tp is Any:
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            raise _fail(path, "an array", value)
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail(path, "an object", value)
+        _, val_tp = typing.get_args(tp) or (str, Any)
+        return {str(k): _convert(val_tp, v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise _fail(path, "one of " + ", ".join(repr(m.value) for m in tp), value) from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail(path, "true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, "an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(path, "a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _fail(path, "a string", value)
+        return value
+    raise TypeError(f"unsupported wire type {tp!r} at {path}")
+
+
+def _from_dict(cls: type[T], value: Any, path: str) -> T:
+    if not isinstance(value, dict):
+        raise _fail(path, f"an object ({cls.__name__})", value)
+    hints = _hints(cast(Any, cls))
+    kwargs: dict[str, Any] = {}
+    for f in _fields(cast(Any, cls)):
+        sub = f"{path}.{f.name}" if path else f.name
+        if f.name in value:
+            kwargs[f.name] = _convert(hints[f.name], value[f.name], sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise BadRequest(f"field {sub} is required")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"{path or cls.__name__}: {exc}") from None
+
+
+def from_wire(cls: type[T], value: Any) -> T:
+    """JSON builtins -> dataclass, with field-level type checks (raises BadRequest)."""
+    return _from_dict(cls, value, "")
+
+
+def encode(obj: Any) -> bytes:
+    return orjson.dumps(to_wire(obj))
+
+
+def decode(cls: type[T], body: bytes | str) -> T:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    return from_wire(cls, value)
