@@ -145,9 +145,12 @@ class RetrievalConfig:
     # where to put units by default: "system" (after the system prompt, RAG / Mem0 style) or
     # "user" (inside the newest user message, OpenViking style)
     unit_placement: str = "system"
+    # torch threads of the query/ingest embedder (MiniLM); the generation nodes need the rest
+    embed_threads: int = 1
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _positive("retrieval.embed_threads", self.embed_threads)
         _positive("retrieval.top_k", self.top_k)
         _positive("retrieval.max_unit_tokens", self.max_unit_tokens)
         _positive("retrieval.hnsw_connectivity", self.hnsw_connectivity)
