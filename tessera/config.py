@@ -120,6 +120,7 @@ class ControlConfig:
         _choice("control.admission", self.admission, ADMISSIONS)
         _choice("control.routing", self.routing, ROUTINGS)
         _positive("control.window", self.window)
+        _check(self.window < 1 << 24, "control.window", self.window, "expected fewer than 16777216 requests")
         _non_negative("control.w_recent", self.w_recent)
         _non_negative("control.w_lifetime", self.w_lifetime)
         _non_negative("control.theta", self.theta)
