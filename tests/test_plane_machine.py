@@ -45,6 +45,7 @@ LEASE_TTL = 20.0
 @dataclass
 class HeldLease:
     lease: ReadLease
+    holder: str
     expires_at: float
     valid: bool = True  # false once released, or invalidated by a restart / node death
 
@@ -83,7 +84,7 @@ class PlaneMachine(RuleBasedStateMachine):
         self.planned.append(plan)
         self.grants += [u.grant for u in plan.units if u.grant is not None]
         now = self.c.clock.now
-        self.leases += [HeldLease(u.lease, now + LEASE_TTL) for u in plan.units if u.lease is not None]
+        self.leases += [HeldLease(u.lease, node, now + LEASE_TTL) for u in plan.units if u.lease is not None]
 
     def check_plan(self, plan: RequestPlan, held: list[str]) -> None:
         assert [u.unit_id for u in plan.units] == list(dict.fromkeys(u.unit_id for u in plan.units))
@@ -177,22 +178,14 @@ class PlaneMachine(RuleBasedStateMachine):
                 # a node declared dead restarts: empty cache, its requests die unexecuted
                 # (the serving layer still completes them), its leases were released
                 self.c.caches[name].clear()
-                dead = self._leases_of(name)
                 for h in self.leases:
-                    if h.lease.lease_id in dead:
+                    if h.holder == name:
                         h.valid = False
                 self.executed += [p for p in self.planned if p.node == name]
                 self.planned = [p for p in self.planned if p.node != name]
         for h in self.leases:
             if h.expires_at <= self.c.clock.now:
                 h.valid = False
-
-    def _leases_of(self, node: str) -> set[str]:
-        ids: set[str] = set()
-        for plan in (*self.planned, *self.executed):
-            if plan.node == node:
-                ids.update(u.lease.lease_id for u in plan.units if u.lease is not None)
-        return ids
 
     # --- invariants ----------------------------------------------------------------------
 
