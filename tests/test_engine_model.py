@@ -11,7 +11,7 @@ from engine_support import LLAMA3_SCALING, max_diff, random_tokens
 
 from tessera.config import ModelConfig
 from tessera.engines.checkpoint import load_config_dict, resolve
-from tessera.engines.model import Model, Sequence
+from tessera.engines.model import Item, Model
 from tessera.engines.rope import RopeSpec
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.engines.weights import ModelSpec
@@ -30,7 +30,7 @@ def prefill_logits(model: Model, tokens: tuple[int, ...]) -> torch.Tensor:
     s = model.spec
     slots = torch.empty(s.n_layers, len(tokens), s.n_kv_heads, s.head_dim)
     kv = (slots, torch.empty_like(slots))
-    return model.forward([Sequence(tokens, range(len(tokens)), kv=kv, logits=True)])[0]
+    return model.forward([Item(tokens, range(len(tokens)), kv=kv, logits=True)])[0]
 
 
 def hf_logits(path: Path, tokens: tuple[int, ...]) -> torch.Tensor:

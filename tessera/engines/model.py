@@ -1,6 +1,6 @@
 """Compact forward pass (Llama family, Qwen2, Qwen3) over ragged batches with explicit positions.
 
-One forward runs any mix of :class:`Sequence` items. The tokens of all items are concatenated
+One forward runs any mix of :class:`Item` s (sequences of a ragged batch). The tokens of all items are concatenated
 so every projection and the MLP run as one matmul per weight per layer; attention runs per
 item with 4-D tensors (``[1, heads, tokens, D]``) through ``scaled_dot_product_attention``.
 
@@ -19,21 +19,24 @@ This module knows nothing about units, requests or prefix caches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tessera.engines.rope import RopeTable, apply_rope
+from tessera.engines.rope import RopeTable
 from tessera.engines.weights import LayerWeights, ModelSpec, Weights, load_weights
+from tessera.kernels.rope import rotate_into
 
 
 @dataclass
-class Sequence:
-    token_ids: Seq[int]
-    positions: Seq[int] | None = None  # None: 0..n-1 (fresh item)
+class Item:
+    """One sequence of a ragged batch."""
+
+    token_ids: Sequence[int]
+    positions: Sequence[int] | None = None  # None: 0..n-1 (fresh item)
     kv: tuple[torch.Tensor, torch.Tensor] | None = None  # slot tensors [L, S, H_kv, D], compute dtype
     capture: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, T, H_kv, D] pre-RoPE K and V
     capture_from: int = 0  # rows before this are not captured (e.g. a BOS sink)
@@ -76,7 +79,7 @@ class Model:
         # half precision: normalise in float32, round, then scale (as transformers does)
         return weight * F.rms_norm(x.float(), weight.shape, None, self.spec.rms_eps).to(x.dtype)
 
-    def _plan(self, items: Seq[Sequence]) -> tuple[list[_Plan], list[int], list[int]]:
+    def _plan(self, items: Sequence[Item]) -> tuple[list[_Plan], list[int], list[int]]:
         plans, positions, logit_rows = [], [], []
         row = 0
         for it in items:
@@ -85,6 +88,7 @@ class Model:
             pos = list(range(n)) if it.positions is None else list(it.positions)
             assert len(pos) == n, (len(pos), n)
             top = max(pos)
+            assert min(pos) >= 0, f"negative position in {pos[:8]}..."
             positions.extend(pos)
             if it.logits:
                 logit_rows.append(row + pos.index(top))
@@ -104,7 +108,7 @@ class Model:
         return plans, positions, logit_rows
 
     @torch.no_grad()
-    def forward(self, items: Seq[Sequence]) -> torch.Tensor:
+    def forward(self, items: Sequence[Item]) -> torch.Tensor:
         """Run one batched forward; returns float32 logits ``[n_logit_items, vocab]`` in item order."""
         plans, positions, logit_rows = self._plan(items)
         self.rope.ensure(max(positions) + 1)
@@ -120,24 +124,33 @@ class Model:
         return F.linear(h, self.w.lm_head).float()
 
     def _layer(self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               items: Seq[Sequence], plans: list[_Plan]) -> torch.Tensor:
+               items: Sequence[Item], plans: list[_Plan]) -> torch.Tensor:
         s = self.spec
-        n_tok, d = x.shape[0], s.head_dim
-        qkv = F.linear(self._norm(x, lw.attn_norm), lw.wqkv, lw.bqkv)
-        q, k, v = qkv.split((s.n_heads * d, s.n_kv_heads * d, s.n_kv_heads * d), dim=-1)
-        q, k, v = q.view(n_tok, s.n_heads, d), k.view(n_tok, s.n_kv_heads, d), v.view(n_tok, s.n_kv_heads, d)
+        n_tok, d, h, hk = x.shape[0], s.head_dim, s.n_heads, s.n_kv_heads
+        qkv = F.linear(self._norm(x, lw.attn_norm), lw.wqkv, lw.bqkv)  # [N, (H + 2 H_kv) * D]
+        qk = qkv[:, :(h + hk) * d].view(n_tok, h + hk, d)  # q and k side by side: one RoPE pass
+        v = qkv[:, (h + hk) * d:].view(n_tok, hk, d)
         if lw.q_norm is not None and lw.k_norm is not None:
-            q, k = self._norm(q, lw.q_norm), self._norm(k, lw.k_norm)
+            qk = torch.cat((self._norm(qk[:, :h], lw.q_norm), self._norm(qk[:, h:], lw.k_norm)), dim=1)
         for it, p in zip(items, plans, strict=True):
             if it.capture is not None:  # the reusable form: keys before RoPE, values
-                it.capture[0][layer].copy_(k[p.start + it.capture_from:p.end])
+                it.capture[0][layer].copy_(qk[p.start + it.capture_from:p.end, h:])
                 it.capture[1][layer].copy_(v[p.start + it.capture_from:p.end])
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = [self._attend(layer, q, k, v, p) for p in plans]
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        x = x + F.linear(attn, lw.wo, lw.bo)
-        gate, up = F.linear(self._norm(x, lw.mlp_norm), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+        qk = rotate_into(qk, cos, sin, torch.empty_like(qk, memory_format=torch.contiguous_format))
+        q, k = qk[:, :h], qk[:, h:]
+        attn = torch.empty((n_tok, h, d), dtype=x.dtype, device=x.device)
+        for p in plans:
+            attn[p.start:p.end] = self._attend(layer, q, k, v, p)
+        x = torch.addmm(x, attn.view(n_tok, h * d), lw.wo.t())
+        if lw.bo is not None:
+            x += lw.bo
+        gate_up = F.linear(self._norm(x, lw.mlp_norm), lw.w_gate_up, lw.b_gate_up)
+        act = F.silu(gate_up[:, :s.intermediate_size])
+        act *= gate_up[:, s.intermediate_size:]
+        x = torch.addmm(x, act, lw.w_down.t())
+        if lw.b_down is not None:
+            x += lw.b_down
+        return x
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Plan) -> torch.Tensor:
         qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -152,4 +165,4 @@ class Model:
             qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
             attn_mask=p.mask, is_causal=p.causal and p.end - p.start > 1, scale=self._scale, enable_gqa=self._gqa,
         )
-        return out[0].transpose(0, 1).reshape(p.end - p.start, -1)  # [n, H * D]
+        return out[0].transpose(0, 1)  # [n, H, D]

@@ -18,8 +18,7 @@ import torch
 from tessera.config import ClusterConfig
 from tessera.engines.base import DTYPES, EngineAdapter, Extend, KVSlots, ModelGeometry, UnitPrefill, UnitState
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
-from tessera.engines.model import Model
-from tessera.engines.model import Sequence as Item
+from tessera.engines.model import Item, Model
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
 from tessera.engines.weights import ModelSpec

@@ -53,26 +53,34 @@ def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 def rope_place_torch(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      dst: torch.Tensor) -> None:
     """Torch reference (and the CPU path): writes through views of ``dst``, no widened temporaries."""
-    half = src.shape[-1] // 2
     n = src.shape[1]
     start = int(positions[0]) if n else 0
     contiguous = n > 0 and int(positions[-1]) - start == n - 1 and bool(
         (positions == torch.arange(start, start + n, device=positions.device)).all())
     if contiguous:
-        out = dst[:, start:start + n]
-        c, s = cos[start:start + n, None, :half], sin[start:start + n, None, :half]
+        rotate_into(src, cos[start:start + n, None], sin[start:start + n, None], dst[:, start:start + n])
     else:
         out = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=dst.dtype, device=dst.device)
-        c, s = cos[positions, None, :half], sin[positions, None, :half]
-    x1, x2 = src[..., :half], src[..., half:]
+        rotate_into(src, cos[positions, None], sin[positions, None], out)
+        dst.index_copy_(1, positions.to(torch.int64), out)
+
+
+def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = x * cos + rotate_half(x) * sin`` in four elementwise ops, no temporaries.
+
+    cos/sin have duplicated halves (``[..., D]``) and broadcast to ``x``; ``out`` may be a strided
+    view (e.g. slots) and may have a wider dtype than ``x`` (the conversion is fused).
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., :half], x[..., half:]
     o1, o2 = out[..., :half], out[..., half:]
-    # rotate_half(x) = [-x2, x1]; the duplicated halves of the tables share the first half's values
+    # rotate_half(x) = [-x2, x1]
     torch.mul(x1, c, out=o1)
     o1.addcmul_(x2, s, value=-1)
     torch.mul(x2, c, out=o2)
     o2.addcmul_(x1, s)
-    if not contiguous:
-        dst.index_copy_(1, positions.to(torch.int64), out)
+    return out
 
 
 @functools.cache
