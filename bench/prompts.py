@@ -55,8 +55,13 @@ def generated_questions(n: int, n_passages: int) -> list[Question]:
     return out
 
 
-def build_layout(engine: ReferenceEngine, q: Question, passage_tokens: int) -> PromptLayout:
-    """Render the chat with markers where passages go, then split into TEXT and UNIT segments."""
+def build_layout(engine: ReferenceEngine, q: Question, passage_tokens: int, lead: tuple[int, ...] = ()
+                 ) -> PromptLayout:
+    """Render the chat with markers where passages go, then split into TEXT and UNIT segments.
+
+    ``lead`` tokens start every unit (and so appear in the prompt before each passage), the way
+    EPIC's chunks each start with the tokenizer's BOS.
+    """
     content = SYSTEM + "".join("\n\n" + _MARK.format(i) for i in range(len(q.passages)))
     rendered = engine.tokenizer.render_chat([{"role": "system", "content": content},
                                              {"role": "user", "content": q.question}])
@@ -65,7 +70,7 @@ def build_layout(engine: ReferenceEngine, q: Question, passage_tokens: int) -> P
     for i, passage in enumerate(q.passages):
         before, rest = rest.split(_MARK.format(i), 1)
         segments.append(Segment(SegmentKind.TEXT, tuple(engine.encode(before))))
-        tokens = tuple(engine.encode(passage)[:passage_tokens])
+        tokens = lead + tuple(engine.encode(passage)[:passage_tokens])
         segments.append(Segment(SegmentKind.UNIT, tokens, unit_id_for("bench", tokens, engine.fingerprint)))
     segments.append(Segment(SegmentKind.TEXT, tuple(engine.encode(rest))))
     return PromptLayout(tuple(s for s in segments if s.token_ids))
