@@ -17,6 +17,10 @@ class RoleNotImplemented(Exception):
 
 def run_role(role: str, config: ClusterConfig, node: str | None) -> int:
     assert role in ROLES, role
+    if role == "retrieval":
+        from tessera.control.service import run_retrieval
+
+        return run_retrieval(config)
     raise RoleNotImplemented(
         f"role {role!r} is not implemented yet in this build of tessera; nothing was started"
     )
