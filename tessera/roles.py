@@ -17,6 +17,10 @@ class RoleNotImplemented(Exception):
 
 def run_role(role: str, config: ClusterConfig, node: str | None) -> int:
     assert role in ROLES, role
+    if role == "kvpool":
+        from tessera.kvpool.node import run_memory_node
+
+        return run_memory_node(config, node)
     raise RoleNotImplemented(
         f"role {role!r} is not implemented yet in this build of tessera; nothing was started"
     )
