@@ -32,10 +32,15 @@ HEADER_VERSION = 1
 HEADER_BYTES = 64
 SLOT_ALIGN = 64
 # magic, version, reserved, epoch, unit key, block index, tokens in block, unit tokens,
-# payload length, payload crc32 | header crc32 (over everything before it)
+# payload length, payload crc32 | header crc32 (over all other header bytes, padding included)
 _FIELDS = struct.Struct("<4sHHQ16sIIIII")
 _CRC = struct.Struct("<I")
-assert _FIELDS.size + _CRC.size <= HEADER_BYTES
+_PAD = _FIELDS.size + _CRC.size
+assert _PAD <= HEADER_BYTES
+
+
+def _header_crc(buf: memoryview) -> int:
+    return zlib.crc32(buf[_PAD:HEADER_BYTES], zlib.crc32(buf[: _FIELDS.size]))
 
 
 def unit_key(unit_id: str) -> bytes:
@@ -56,8 +61,8 @@ class BlockHeader:
     def pack_into(self, buf: memoryview) -> None:
         _FIELDS.pack_into(buf, 0, MAGIC, HEADER_VERSION, 0, self.epoch, self.unit_key, self.block_index,
                           self.tokens, self.unit_tokens, self.payload_len, self.payload_crc)
-        _CRC.pack_into(buf, _FIELDS.size, zlib.crc32(buf[: _FIELDS.size]))
-        buf[_FIELDS.size + _CRC.size : HEADER_BYTES] = bytes(HEADER_BYTES - _FIELDS.size - _CRC.size)
+        buf[_PAD:HEADER_BYTES] = bytes(HEADER_BYTES - _PAD)
+        _CRC.pack_into(buf, _FIELDS.size, _header_crc(buf))
 
     @classmethod
     def unpack(cls, buf: memoryview) -> BlockHeader:
@@ -68,7 +73,7 @@ class BlockHeader:
         if magic != MAGIC:
             raise ChecksumMismatch(f"slot holds no block header (magic {magic!r}); empty or overwritten slot")
         (stored,) = _CRC.unpack_from(buf, _FIELDS.size)
-        computed = zlib.crc32(buf[: _FIELDS.size])
+        computed = _header_crc(buf)
         if stored != computed:
             raise ChecksumMismatch(f"block header checksum {stored:#010x} != computed {computed:#010x}")
         if version != HEADER_VERSION:

@@ -9,6 +9,7 @@ the whole byte budget is charged the whole budget: it runs alone rather than nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,7 +60,8 @@ class TransferLimiter:
             if fut.done() and not fut.cancelled():
                 self.release(charge)  # granted just as we were cancelled: give it back
             else:
-                self._waiters.remove(entry)
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters.remove(entry)
                 self._wake()
             raise
         return charge
