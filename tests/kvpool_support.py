@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from support import RoleProcess, free_port, write_config
 
@@ -33,6 +34,26 @@ TINY_CONFIG = {
 }
 TINY_GEOMETRY = ModelGeometry(2, 2, 8, 64, 256, "float16")
 BLOCK_TOKENS = 4
+TRANSPORTS = ["shm", "tcp", "mooncake"]
+HANG_GUARD_S = 30.0  # far beyond any timeout used in tests: reaching it means something hung
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake Transfer Engine cannot be loaded here, or None if it can."""
+    from tessera.errors import ConfigError
+    from tessera.transport.mooncake import load_engine_class
+
+    try:
+        load_engine_class()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def skip_if_unavailable(transport: str) -> None:
+    """Skip a mooncake case only because the engine cannot load, saying exactly why."""
+    if transport == "mooncake" and (why := mooncake_missing()):
+        pytest.skip(f"Mooncake Transfer Engine unavailable: {why}")
 
 
 def tiny_layout() -> BlockLayout:
