@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tessera.config import ClusterConfig, load_config
 from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.benchmark.workloads import Workload
 
 app = typer.Typer(
     name="tessera",
@@ -154,14 +157,14 @@ class WorkloadName(StrEnum):
 
 
 def _workload(name: WorkloadName, requests: int, data_dir: Path | None, zipf: float, top_k: int | None,
-              unit_words: int, placement: str, seed: int) -> object:
+              unit_words: int, placement: str, seed: int) -> Workload:
     from tessera.benchmark import workloads as w
 
-    kw = {"data_dir": data_dir} if data_dir else {}
+    data = data_dir or w.DATA_DIR
     if name is WorkloadName.rag:
-        return w.rag_workload(requests, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed, **kw)
+        return w.rag_workload(requests, data_dir=data, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed)
     if name is WorkloadName.locomo:
-        return w.locomo_workload(requests, top_k=top_k or 6, placement=placement, seed=seed, **kw)
+        return w.locomo_workload(requests, data_dir=data, top_k=top_k or 6, placement=placement, seed=seed)
     return w.synthetic_workload(requests, units_per_request=top_k or 5, unit_words=unit_words or 120,
                                 zipf_s=zipf, seed=seed)
 
@@ -218,11 +221,11 @@ def bench(
         raise typer.Exit(2) from None
     opts = BenchOptions(systems=names, rates=_floats(rates, "--rates"), max_tokens=max_tokens, warmup_frac=warmup,
                         unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed)
-    report = asyncio.run(run_bench(cfg, wl, opts))  # type: ignore[arg-type]
+    report = asyncio.run(run_bench(cfg, wl, opts))
     _print_report(report)
 
 
-def _print_report(report: dict) -> None:  # type: ignore[type-arg]
+def _print_report(report: dict[str, Any]) -> None:
     typer.echo(report["table"])
     c = report.get("comparison") or {}
     if c:
@@ -267,7 +270,7 @@ def evaluate_cmd(
         typer.echo(f"tessera eval: {exc}", err=True)
         raise typer.Exit(2) from None
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    result = evaluate(cfg, wl, questions, names, max_new_tokens)  # type: ignore[arg-type]
+    result = evaluate(cfg, wl, questions, names, max_new_tokens)
     typer.echo(f"{result['workload']}: {result['questions']} questions")
     for name, score in result["f1"].items():
         agree = result["agreement_with_full"].get(name)

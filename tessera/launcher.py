@@ -88,11 +88,11 @@ class LocalCluster:
                         f"{child.role} {child.node} exited with code {child.proc.returncode}; "
                         f"log {child.log_path}:\n{child.tail()}"
                     )
-                with contextlib.suppress(OSError, urllib.error.URLError):
-                    with urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
-                        if resp.status == 200:
-                            pending.remove(child)
-                            self._say(f"  {child.role:<10} {child.node:<6} ready at {child.url}")
+                with contextlib.suppress(OSError, urllib.error.URLError), \
+                        urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        pending.remove(child)
+                        self._say(f"  {child.role:<10} {child.node:<6} ready at {child.url}")
             if pending and time.monotonic() > deadline:
                 names = ", ".join(f"{c.role} {c.node}" for c in pending)
                 raise ClusterError(f"not healthy after {timeout:.0f}s: {names}; logs in {self.log_dir}")

@@ -25,7 +25,7 @@ from tessera.errors import ConfigError
 from tessera.launcher import LocalCluster
 
 # the paper's §6.4 ablations, plus the exact-prefix baseline (what SGLang/vLLM do today)
-SYSTEMS: dict[str, dict[str, str]] = {
+SYSTEMS: dict[str, dict[str, Any]] = {
     "prefix": {"mode": "prefix", "admission": "lru", "routing": "load"},
     "C+S": {"mode": "compose", "admission": "lru", "routing": "load"},
     "C+S+R": {"mode": "compose", "admission": "lru", "routing": "cache_aware"},

@@ -17,26 +17,26 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from tessera.engines.base import EngineAdapter, KVSlots, UnitState
-from tessera.engines.compose import tokens_to_compute
-from tessera.engines.composition import CompositionPolicy
+from tessera.engines.compose import Placement, place_units, placements, tokens_to_compute
+from tessera.engines.composition import CompositionPolicy, leading_text_tokens
 from tessera.engines.sampling import Sampler
 from tessera.errors import TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import ExecuteRequest, Preparation, PromptLayout, ReadLease, SegmentKind, UnitPlan
+from tessera.messages import ExecuteRequest, Preparation, ReadLease, UnitPlan
 
 log = logging.getLogger(__name__)
 
 
 class SharedReader(Protocol):
-    async def fetch(self, lease: ReadLease, n_tokens: int) -> UnitState: ...
+    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True) -> UnitState: ...
 
 
 @dataclass
@@ -46,6 +46,9 @@ class RequestStats:
     local_tokens: int = 0  # unit tokens whose state came from the local cache
     remote_tokens: int = 0  # ... from the shared KV Pool
     computed_unit_tokens: int = 0  # ... prefilled from text on this node
+    local_units: int = 0
+    remote_units: int = 0
+    computed_units: int = 0
     coalesced_units: int = 0  # misses that joined another request's in-flight prefill
     fallbacks: int = 0  # remote fetches that failed and were computed instead
     recomputed_tokens: int = 0  # tokens computed in the final extend pass
@@ -95,113 +98,101 @@ class Executor:
 
     async def run(self, req: ExecuteRequest) -> AsyncIterator[TokenEvent | Finished]:
         layout, sp = req.layout, req.sampling
+        sampler = Sampler(sp, self.engine.eos_token_ids)
         stats = RequestStats(prompt_tokens=layout.n_tokens)
-        leases = [u.lease for u in req.plan.units if u.lease is not None]
+        unreleased = {u.lease.lease_id for u in req.plan.units if u.lease is not None}
         slots = await self.worker.call(self.engine.allocate, layout.n_tokens + sp.max_tokens)
         try:
-            logits = await self._prefill(req, slots, stats)
-            sampler = Sampler(sp, self.engine.eos_token_ids)
+            logits = await self._prefill(req, slots, stats, unreleased)
             position = layout.n_tokens
             generated: list[int] = []
-            text_so_far = ""
+            text = ""
             while True:
-                token = sampler.sample(logits)
-                generated.append(token)
+                token = sampler.pick(logits)
+                stop = sampler.is_stop(token)
                 stats.completion_tokens += 1
-                finish = sampler.finish_reason(token, len(generated))
-                if finish is None or finish == "length":
-                    text = self.engine.decode_tokens(generated)
-                    delta, text_so_far = text[len(text_so_far):], text
-                    yield TokenEvent(token, delta)
-                if finish is not None:
-                    yield Finished(finish, stats)
+                if not stop:
+                    generated.append(token)
+                    decoded = self.engine.decode_tokens(generated)
+                    yield TokenEvent(token, decoded[len(text):])
+                    text = decoded
+                if stop or len(generated) >= sp.max_tokens:
+                    yield Finished("stop" if stop else "length", stats)
                     return
                 logits = await self.scheduler.decode(slots, token, position)
                 position += 1
         finally:
-            # leases not yet released (e.g. the request was aborted mid-fetch) go back now
-            for lease in leases:
-                self.release_lease(lease.lease_id)
+            # leases not consumed (e.g. the request was aborted before its fetch) go back now
+            for lease_id in unreleased:
+                self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
             await self.worker.call(self.engine.free, slots)
 
-    async def _prefill(self, req: ExecuteRequest, slots: KVSlots, stats: RequestStats) -> torch.Tensor:
+    async def _prefill(self, req: ExecuteRequest, slots: KVSlots, stats: RequestStats,
+                       unreleased: set[str]) -> torch.Tensor:
         layout = req.layout
-        plans = {u.unit_id: u for u in req.plan.units}
-        if self.mode == "prefix" or not plans:
+        if self.mode == "prefix" or not req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
-            matched = await self.worker.call(self.engine.match_prefix, slots, prompt)
-            matched = min(matched, len(prompt) - 1)  # the last token must run to give logits
+            matched = await self.worker.call(self.engine.match_prefix, slots, prompt[:-1])
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)))
             await self.worker.call(self.engine.insert_prefix, slots, prompt)
             return logits
-        lead = _leading_text(layout)
+        lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
         matched = await self.worker.call(self.engine.match_prefix, slots, lead) if lead else 0
         stats.prefix_cached_tokens = matched
-        recompute = self.policy.select(layout)
-        fully_recomputed = _fully_recomputed_units(layout, recompute)
-        jobs = []
-        seen: set[str] = set()
-        for offset, seg in layout.unit_offsets():
-            if seg.unit_id in fully_recomputed:
-                continue
-            plan = plans.get(seg.unit_id)
-            assert plan is not None, f"unit {seg.unit_id} is in the layout but not in the plan"
-            jobs.append(self._prepare(slots, offset, seg.token_ids, plan, first=seg.unit_id not in seen, stats=stats))
-            seen.add(seg.unit_id)
-        # all three preparation paths overlap; each unit is placed as soon as it is ready
-        await asyncio.gather(*jobs)
-        token_ids, positions = tokens_to_compute(layout, recompute, matched)
+        ranges = self.policy.select(layout)
+        spans: dict[str, list[Placement]] = {}
+        for p in placements(layout, ranges, matched):
+            spans.setdefault(p.unit_id, []).append(p)
+        plans = {u.unit_id: u for u in req.plan.units}
+        tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
+        # the three preparation paths overlap; each unit is placed as soon as it is ready.
+        # units the policy recomputes entirely need no state at all.
+        await asyncio.gather(*(
+            self._prepare(slots, tokens[uid], plans[uid], unit_spans, req.plan.local_evict, stats, unreleased)
+            for uid, unit_spans in spans.items()
+        ))
+        token_ids, positions = tokens_to_compute(layout, ranges, matched)
         stats.recomputed_tokens = len(token_ids)
         logits = await self.scheduler.extend(slots, token_ids, positions)
         if lead and matched < len(lead):
             await self.worker.call(self.engine.insert_prefix, slots, lead)
         return logits
 
-    async def _prepare(self, slots: KVSlots, offset: int, token_ids: Sequence[int], plan: UnitPlan,
-                       first: bool, stats: RequestStats) -> None:
+    async def _prepare(self, slots: KVSlots, token_ids: Sequence[int], plan: UnitPlan, spans: list[Placement],
+                       local_evict: Sequence[str], stats: RequestStats, unreleased: set[str]) -> None:
         state: UnitState | None = None
         n = len(token_ids)
         if plan.preparation is Preparation.LOCAL:
             state = self.cache.get(plan.unit_id)  # pinned since the snapshot
             if state is not None:
                 stats.local_tokens += n
-        elif plan.preparation is Preparation.REMOTE and self.reader is not None:
-            assert plan.lease is not None
+                stats.local_units += 1
+        elif plan.preparation is Preparation.REMOTE and plan.lease is not None:
+            lease = plan.lease
             try:
-                state = await self.reader.fetch(plan.lease, n)
+                if self.reader is None:
+                    raise TransferError("this node has no KV pool client")
+                state = await self.reader.fetch(lease, n, release=False)
                 stats.remote_tokens += n
+                stats.remote_units += 1
                 stats.bytes_fetched += state.nbytes()
             except TransferError as exc:
                 log.warning("fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
                 stats.fallbacks += 1
             finally:
-                self.release_lease(plan.lease.lease_id)
+                unreleased.discard(lease.lease_id)
+                self.release_lease(lease.lease_id)
         if state is None:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
+            stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
-        await self.worker.call(self.engine.place, slots, offset, state)
-        if first:
-            self.retainer.retain(
-                plan.unit_id, state, plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                plan.grant, ()
-            )
-
-
-def _leading_text(layout: PromptLayout) -> list[int]:
-    first = layout.segments[0] if layout.segments else None
-    return list(first.token_ids) if first is not None and first.kind is SegmentKind.TEXT else []
-
-
-def _fully_recomputed_units(layout: PromptLayout, recompute: Any) -> set[str]:
-    covered: set[str] = set()
-    for offset, seg in layout.unit_offsets():
-        n = len(seg.token_ids)
-        if all(any(a <= p < b for a, b in recompute) for p in (offset, offset + n - 1)) and \
-                sum(max(0, min(b, offset + n) - max(a, offset)) for a, b in recompute) >= n:
-            covered.add(seg.unit_id)
-    return covered
+        await self.worker.call(place_units, self.engine, slots, spans, {plan.unit_id: state})
+        # retention happens off the critical path; a local hit is already retained locally
+        self.retainer.retain(plan.unit_id, state,
+                             plan.retention.local and plan.preparation is not Preparation.LOCAL,
+                             plan.grant, local_evict)

@@ -7,7 +7,7 @@ Concurrent requests on this node that miss the same unit share one in-flight pre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tessera.engines.base import UnitState
 from tessera.generation.scheduler import Scheduler
@@ -23,6 +23,12 @@ class PrefillCoalescer:
     def __len__(self) -> int:
         return len(self._inflight)
 
+    def _forget(self, unit_id: str) -> Callable[[asyncio.Task[UnitState]], None]:
+        def done(_task: asyncio.Task[UnitState]) -> None:
+            self._inflight.pop(unit_id, None)
+
+        return done
+
     async def state(self, unit_id: str, token_ids: Sequence[int]) -> tuple[UnitState, bool]:
         """The unit's reusable form, computing it unless an identical prefill is in flight.
 
@@ -35,7 +41,7 @@ class PrefillCoalescer:
             task = asyncio.ensure_future(self.scheduler.prefill_unit(token_ids))
             self._inflight[unit_id] = task
             self.started += 1
-            task.add_done_callback(lambda _t, u=unit_id: self._inflight.pop(u, None))
+            task.add_done_callback(self._forget(unit_id))
         else:
             self.coalesced += 1
         return await asyncio.shield(task), coalesced

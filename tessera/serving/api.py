@@ -42,7 +42,7 @@ from tessera.serving.protocol import ChatRequest, chunk_body, completion_body, e
 from tessera.units import ContextUnit, TokenCache
 from tessera.wire import WIRE_VERSION
 
-SERVING = web.AppKey("serving", "Serving")
+SERVING: web.AppKey[Serving]
 TIERS = ("prefix", "local", "remote", "computed")
 
 
@@ -93,6 +93,9 @@ class Serving:
         self.m_coalesced.inc(s.get("coalesced_units", 0))
         self.m_bytes.inc(s.get("bytes_fetched", 0))
         self.m_completion.inc(s.get("completion_tokens", 0))
+
+
+SERVING = web.AppKey("serving", Serving)
 
 
 def _json_error(message: str, status: int) -> web.Response:
@@ -281,10 +284,10 @@ async def _events(serving: Serving, call: ChatCall, layout: PromptLayout) -> Asy
 
 
 async def _collect(serving: Serving, call: ChatCall, layout: PromptLayout) -> Outcome:
-    outcome = Outcome()
+    last = Outcome()
     async for _delta, outcome in _events(serving, call, layout):
-        pass
-    return outcome
+        last = outcome
+    return last
 
 
 async def _stream(request: web.Request, serving: Serving, call: ChatCall, layout: PromptLayout,
@@ -299,7 +302,8 @@ async def _stream(request: web.Request, serving: Serving, call: ChatCall, layout
     status = "200"
     try:
         first = True
-        async for delta, outcome in _events(serving, call, layout):
+        async for delta, latest in _events(serving, call, layout):
+            outcome = latest
             if first:
                 # headers go out with the first token, so errors before it are still a clean 4xx/5xx
                 await resp.prepare(request)

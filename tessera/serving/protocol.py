@@ -147,6 +147,7 @@ def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str,
         if len(raw_units) > MAX_UNITS:
             raise BadRequest(f"context_units: at most {MAX_UNITS} units per request, got {len(raw_units)}")
         for i, u in enumerate(raw_units):
+            text: Any
             if isinstance(u, str):
                 text, scope = u, default_scope
             elif isinstance(u, dict):
