@@ -63,6 +63,8 @@ class RequestStats:
 class TokenEvent:
     token_id: int
     text: str
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -114,7 +116,10 @@ class Executor:
                 if not stop:
                     generated.append(token)
                     decoded = self.engine.decode_tokens(generated)
-                    yield TokenEvent(token, decoded[len(text):])
+                    event = TokenEvent(token, decoded[len(text):])
+                    if sp.top_logprobs >= 0:
+                        event.logprob, event.top = _logprobs(logits, token, sp.top_logprobs)
+                    yield event
                     text = decoded
                 if stop or len(generated) >= sp.max_tokens:
                     yield Finished("stop" if stop else "length", stats)
@@ -196,3 +201,13 @@ class Executor:
         self.retainer.retain(plan.unit_id, state,
                              plan.retention.local and plan.preparation is not Preparation.LOCAL,
                              plan.grant, local_evict)
+
+
+def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of the chosen token and of the k most likely ones (unscaled logits)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        values, ids = lp.topk(k)
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return float(lp[token]), top

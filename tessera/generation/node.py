@@ -156,7 +156,11 @@ class GenerationNode:
         try:
             async for event in self.executor.run(msg):
                 if isinstance(event, TokenEvent):
-                    await resp.write(orjson.dumps({"token": event.token_id, "text": event.text}) + b"\n")
+                    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
+                    if event.logprob is not None:
+                        line["logprob"] = event.logprob
+                        line["top"] = event.top
+                    await resp.write(orjson.dumps(line) + b"\n")
                 else:
                     assert isinstance(event, Finished)
                     self._count(event)

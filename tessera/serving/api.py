@@ -25,6 +25,8 @@ from aiohttp import web
 from tessera.config import ClusterConfig
 from tessera.control.node import RetrievalNode
 from tessera.control.service import RETRIEVAL_NODE
+from tessera.engines.checkpoint import resolve
+from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.messages import (
     CancelRequest,
@@ -52,6 +54,7 @@ class Outcome:
     finish_reason: str = "stop"
     stats: dict[str, int] = field(default_factory=dict)
     first_token_at: float | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Serving:
@@ -61,6 +64,7 @@ class Serving:
         self.config = config
         self.nodes = NodeClients(config)
         self.builder: PromptBuilder | None = None
+        self.max_context = 0
         self.capacity = sum(n.max_inflight for n in config.generation)
         self.pending = 0
         m = self.metrics = Registry()
@@ -80,6 +84,10 @@ class Serving:
         if self.builder is None:
             assert node.tokenizer is not None
             self.builder = PromptBuilder(node.tokenizer, TokenCache(node.tokenizer.encode))
+            # the context limit comes from the checkpoint's config (no weights are loaded here)
+            geometry = geometry_from_checkpoint(resolve(self.config.model), self.config.kv_dtype,
+                                                self.config.model.max_context)
+            self.max_context = geometry.max_context
         return self.builder
 
     def record(self, outcome: Outcome) -> None:
@@ -155,8 +163,8 @@ class ChatCall:
     async def prepare(self) -> PromptLayout:
         units = await _units(self.node, self.chat)
         layout = self.serving.builder_for(self.node).build(self.chat.messages, units, self.chat.placement)
-        limit = self.node.config.model.max_context or getattr(self.node, "max_context", 0)
-        if limit and layout.n_tokens + self.chat.max_tokens > limit:
+        limit = self.serving.max_context
+        if layout.n_tokens + self.chat.max_tokens > limit:
             raise BadRequest(
                 f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {self.chat.max_tokens}, "
                 f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
@@ -176,7 +184,7 @@ class ChatCall:
             snap = await self.serving.nodes.snapshot(self.target, self.request_id, list(refs))
             self.plan = plane.finalize(self.request_id, self.target, snap.held)
             sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
-                                      (), self.chat.ignore_eos)
+                                      (), self.chat.ignore_eos, self.chat.top_logprobs)
             msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
             delivered = False
             try:
@@ -201,6 +209,17 @@ class ChatCall:
         for u in self.plan.units:
             if u.grant is not None:
                 plane.cancel(CancelRequest(WIRE_VERSION, u.grant.unit_id, u.grant.epoch, u.grant.writer, 0.0))
+
+
+def _token_entry(node: RetrievalNode, token_id: int, logprob: float) -> dict[str, Any]:
+    text = node.tokenizer.decode([token_id]) if node.tokenizer is not None else ""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token_id}
+
+
+def _logprob_entry(node: RetrievalNode, event: dict[str, Any]) -> dict[str, Any]:
+    entry = _token_entry(node, int(event["token"]), float(event["logprob"]))
+    entry["top_logprobs"] = [_token_entry(node, int(t), float(lp)) for t, lp in event.get("top") or []]
+    return entry
 
 
 def _stop_at(text: str, stops: tuple[str, ...]) -> int:
@@ -236,7 +255,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         outcome = await _collect(serving, call, layout)
         serving.m_requests.inc(labels={"status": "200"})
         payload = completion_body(call.request_id, chat.model, outcome.text, outcome.finish_reason,
-                                  _usage(layout, outcome.stats, call.target))
+                                  _usage(layout, outcome.stats, call.target),
+                                  outcome.logprobs if chat.top_logprobs >= 0 else None)
         if trace is not None:
             payload["tessera_layout"] = trace
         return web.Response(body=orjson.dumps(payload), content_type="application/json")
@@ -269,6 +289,8 @@ async def _events(serving: Serving, call: ChatCall, layout: PromptLayout) -> Asy
             outcome.first_token_at = time.perf_counter()
             serving.m_ttft.observe(outcome.first_token_at - call.started)
         delta = event["text"]
+        if "logprob" in event:
+            outcome.logprobs.append(_logprob_entry(call.node, event))
         if stops:
             cut = _stop_at(outcome.text + delta, stops)
             if cut >= 0:
@@ -309,7 +331,10 @@ async def _stream(request: web.Request, serving: Serving, call: ChatCall, layout
                 await resp.prepare(request)
                 await send(chunk_body(call.request_id, model, {"role": "assistant", "content": ""}, None))
                 first = False
-            await send(chunk_body(call.request_id, model, {"content": delta}, None))
+            chunk = chunk_body(call.request_id, model, {"content": delta}, None)
+            if call.chat.top_logprobs >= 0 and outcome.logprobs:
+                chunk["choices"][0]["logprobs"] = {"content": [outcome.logprobs[-1]]}
+            await send(chunk)
         if first:
             await resp.prepare(request)
         final = chunk_body(call.request_id, model, {}, outcome.finish_reason)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import BadRequest
@@ -55,7 +55,7 @@ class ChatRequest:
     retrieval: RetrievalSpec | None = None
     units: tuple[UnitInput, ...] = ()
     ignore_eos: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: int = -1  # -1: none (OpenAI logprobs=false)
 
 
 def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -158,6 +158,13 @@ def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str,
             if not isinstance(text, str) or not text.strip():
                 raise BadRequest(f"context_units[{i}].text: expected a non-empty string")
             units.append(UnitInput(text, scope))
+    top_logprobs = -1
+    if _get(body, "logprobs", bool, False):
+        top_logprobs = _get(body, "top_logprobs", int, 0)
+        if not 0 <= top_logprobs <= 20:
+            raise BadRequest(f"top_logprobs: expected an integer 0..20, got {top_logprobs}")
+    elif body.get("top_logprobs") is not None:
+        raise BadRequest("top_logprobs needs logprobs: true")
     return ChatRequest(
         model=str(body.get("model") or served_model),
         messages=messages,
@@ -172,18 +179,22 @@ def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str,
         retrieval=retrieval,
         units=tuple(units),
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+        top_logprobs=top_logprobs,
     )
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict[str, Any],
+                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "finish_reason": finish_reason}
+    if logprobs is not None:
+        choice["logprobs"] = {"content": logprobs}
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-        ],
+        "choices": [choice],
         "usage": usage,
     }
 
