@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from serving_support import call, chat, cluster_config, layout_from_trace, node_metric, running_cluster, wait_for
+from serving_support import (
+    call,
+    chat,
+    cluster_config,
+    layout_from_trace,
+    node_metric,
+    running_cluster,
+    wait_for,
+)
 
 from tessera.config import ClusterConfig
 from tessera.engines.compose import compose, prefill_units
@@ -75,7 +83,7 @@ def assert_same_as_offline(engine: ReferenceEngine, cfg: ClusterConfig, response
 
 def test_local_remote_and_missing_units_compose_like_the_offline_engine(one_node: Any, engine: ReferenceEngine) -> None:
     """A request mixing a local hit, a remote hit and a miss returns what offline composition returns."""
-    cfg, cluster = one_node
+    cfg, _ = one_node
     url = cfg.retrieval_url
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
     r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
@@ -187,6 +195,6 @@ def test_killing_the_kvpool_mid_run_still_answers_every_request(tcp_cluster: Any
     for i in range(4):
         r = chat(url, units, f"after the crash {i}")
         assert r["choices"][0]["finish_reason"] in ("stop", "length")
-    status, text = call(url, "/metrics")
+    _, text = call(url, "/metrics")
     fallbacks = [ln for ln in text.splitlines() if ln.startswith("tessera_fetch_fallbacks_total ")]
     assert float(fallbacks[0].split()[1]) >= 2
