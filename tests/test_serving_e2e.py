@@ -20,7 +20,7 @@ from serving_support import (
     wait_for,
 )
 
-from tessera.config import ClusterConfig
+from tessera.config import ClusterConfig, load_config
 from tessera.engines.compose import compose, prefill_units
 from tessera.engines.composition import policy_from_config
 from tessera.engines.reference import ReferenceEngine
@@ -49,7 +49,8 @@ def tokenizer(tiny_model: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def one_node(tiny_model: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One generation node whose local cache fits exactly unit A; a shared pool for the rest."""
-    a_blocks = blocks_for(len(tokenizer.encode(UNIT_A)), 16)
+    lead = tokenizer.encode(load_config().composition.unit_lead)  # every unit starts with the sink token
+    a_blocks = blocks_for(len(lead) + len(tokenizer.encode(UNIT_A)), 16)
     cfg = cluster_config(str(tiny_model), nodes=1, local_blocks=a_blocks)
     with running_cluster(cfg, tmp_path_factory.mktemp("one-node")) as cluster:
         yield cfg, cluster
