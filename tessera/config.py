@@ -25,6 +25,7 @@ ADMISSIONS = ("demand", "lru")
 ROUTINGS = ("cache_aware", "load")
 MODES = ("compose", "prefix")
 UNIT_PLACEMENTS = ("system", "user")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 DEFAULT_CONFIG = Path(__file__).with_name("tessera.toml")
 
 
@@ -83,12 +84,17 @@ class CompositionConfig:
     recompute_tokens: int = 16
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
+    # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
+    # way EPIC's chunks start with BOS; LegoLink needs it on SmolLM2, see README). "" = none.
+    unit_lead: str = "<|endoftext|>"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,
                "expected a registered policy name such as epic, naive or full")
         _non_negative("composition.recompute_tokens", self.recompute_tokens)
         _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
+        _check(isinstance(self.unit_lead, str) and len(self.unit_lead) <= 64, "composition.unit_lead",
+               self.unit_lead, "expected a short string (\"\" for none)")
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,10 @@ class TransportConfig:
     # background writeback: staging bytes and writes outstanding per generation node
     writeback_staging_bytes: int = 64 << 20
     writeback_outstanding: int = 8
+    # mooncake transport: "tcp" (any network, loopback in CI) or "rdma" (real NICs; same code)
+    mooncake_protocol: str = "tcp"
+    # mooncake RDMA devices to use, comma-separated ("" = auto-discover)
+    mooncake_device: str = ""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and bool(self.name), "transport.name", self.name,
@@ -222,6 +232,9 @@ class TransportConfig:
                self.timeout_s, "expected a number of seconds > 0")
         for key in ("max_inflight_bytes", "max_outstanding", "writeback_staging_bytes", "writeback_outstanding"):
             _positive(f"transport.{key}", getattr(self, key))
+        _choice("transport.mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
+        _check(isinstance(self.mooncake_device, str), "transport.mooncake_device", self.mooncake_device,
+               'expected a comma-separated list of RDMA device names, or "" to auto-discover')
 
 
 @dataclass(frozen=True)

@@ -56,5 +56,9 @@ class ChecksumMismatch(TransferError, IntegrityError):
     """A block's header or payload checksum did not match what the reader expected."""
 
 
+class ControlPlaneError(TesseraError):
+    """The control plane could not be reached, or answered with an error other than a rejection."""
+
+
 class ModelLoadError(TesseraError):
     """A model checkpoint could not be loaded; the message says why and what is supported."""

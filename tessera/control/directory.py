@@ -9,7 +9,9 @@ An entry is PENDING from reservation until its writer publishes, then READY. Rul
 * Blocks under an active lease are never reclaimed: :meth:`evict` refuses leased entries.
 * Blocks of a cancelled or expired reservation are quarantined for ``reclaim_grace_s``
   (longer than a transfer timeout) before they return to the free list, so a write still in
-  flight from a stale writer cannot land in a block that was handed to someone else.
+  flight from a stale writer cannot land in a block that was handed to someone else. A
+  reservation dropped *before* its deadline (writer declared dead, a memory node of the unit
+  died) is quarantined until deadline + grace: its writer may not know and keep writing.
 * A memory node that dies or restarts empty takes its entries with it (:meth:`drop_node`).
 
 The directory decides nothing about *which* units deserve space (that is admission) and
@@ -238,7 +240,7 @@ class Directory:
                 # blocks on surviving nodes go back (after grace if a write may be in flight)
                 survivors = tuple(b for b in entry.blocks if b.node != node)
                 if entry.state is EntryState.PENDING:
-                    self._quarantine_blocks(survivors, self.clock() + self.reclaim_grace_s)
+                    self._quarantine_blocks(survivors, self._stale_writes_done(entry, self.clock()))
                 elif entry.leases:
                     # a reader may still be copying from the surviving blocks
                     self._quarantine_blocks(survivors, self.clock() + self.lease_ttl_s)
@@ -256,7 +258,16 @@ class Directory:
 
     def _drop_pending(self, entry: Entry, now: float) -> None:
         del self._entries[entry.unit_id]
-        self._quarantine_blocks(entry.blocks, now + self.reclaim_grace_s)
+        self._quarantine_blocks(entry.blocks, self._stale_writes_done(entry, now))
+
+    def _stale_writes_done(self, entry: Entry, now: float) -> float:
+        """When no write of a dropped reservation can land anymore.
+
+        Its writer may be alive without knowing (declared dead on a missed heartbeat, or one of
+        the unit's other memory nodes died) and may start writes until the grant's deadline; a
+        write lands at most a transfer timeout (< reclaim_grace_s) after it started.
+        """
+        return max(now, entry.deadline) + self.reclaim_grace_s
 
     def _quarantine_blocks(self, blocks: tuple[BlockRef, ...], free_at: float) -> None:
         if blocks:

@@ -1,0 +1,174 @@
+"""Memory node of the KV Pool (``tessera run --role kvpool --node NAME``).
+
+A memory node owns one block arena in POSIX shared memory and serves it:
+
+* same-host clients map the arena themselves (``shm`` transport, one-sided);
+* the ``tcp`` block server on ``data_port`` serves reads and writes of whole slots;
+* with ``[transport] name = "mooncake"`` the arena is also registered with a Mooncake
+  Transfer Engine whose session is published in ``GET /info``;
+* ``GET /health`` and ``GET /info`` (a :class:`NodeEndpoint`) on the control port;
+* it says hello to the control plane at start and then as a heartbeat. Every start has a
+  new random ``boot_id``: a restarted node is empty, and the directory drops what it held.
+
+Memory nodes hold payloads only: which slot belongs to which unit and epoch is known to the
+control plane alone. The arena is sized from the model geometry (read from the checkpoint's
+config.json; the weights are never loaded here) and committed up front, so the node refuses
+to start rather than fail later when /dev/shm runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from tessera.config import ClusterConfig, KVPoolNodeConfig
+from tessera.engines.checkpoint import resolve
+from tessera.engines.geometry import geometry_from_checkpoint
+from tessera.errors import ControlPlaneError, TesseraError
+from tessera.kvpool.control import ControlClient
+from tessera.messages import MemoryNodeHello
+from tessera.runtime import BackgroundTasks, serve
+from tessera.transport.arena import Arena, segment_name
+from tessera.transport.base import ArenaExport, NodeEndpoint, transport_class
+from tessera.transport.blocks import BlockLayout
+from tessera.transport.tcp_server import BlockServer
+from tessera.wire import WIRE_VERSION, to_wire
+
+log = logging.getLogger("tessera.kvpool")
+
+
+class MemoryNode:
+    """Arena + data server (+ engine export) + heartbeats. ``start``/``stop`` are symmetric."""
+
+    def __init__(self, config: ClusterConfig, node: KVPoolNodeConfig, layout: BlockLayout) -> None:
+        self.config = config
+        self.node = node
+        self.layout = layout
+        self.boot_id = uuid.uuid4().hex
+        self.arena = Arena.create(segment_name(node.name, self.boot_id), layout.slot_bytes,
+                                  node.capacity_blocks, self.boot_id)
+        self.server = BlockServer(self.arena, self.boot_id)
+        self.export: ArenaExport | None = None
+        self.control = ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
+        self.tasks = BackgroundTasks(f"kvpool {node.name}")
+        self.hellos_acked = 0
+
+    async def start(self) -> None:
+        await self.server.start(self.node.host, self.node.data_port)
+        self.export = transport_class(self.config.transport.name).export(self.arena, self.node.host,
+                                                                        self.config.transport)
+
+    async def stop(self) -> None:
+        await self.tasks.drain(timeout=0)
+        await self.control.close()
+        await self.server.close()
+        if self.export is not None:
+            self.export.close()
+            self.export = None
+
+    def close_arena(self) -> None:
+        """Unmap and unlink the segment (clean shutdown; a crash leaves it for the next start to sweep)."""
+        self.arena.close()
+
+    # --- what the node tells others ------------------------------------------------------
+
+    def endpoint(self) -> NodeEndpoint:
+        extra = self.export.endpoint_fields() if self.export is not None else {}
+        return NodeEndpoint(WIRE_VERSION, self.node.name, self.boot_id, self.node.capacity_blocks,
+                            self.layout.slot_bytes, self.arena.name, self.node.host, self.server.port, **extra)
+
+    def hello(self) -> MemoryNodeHello:
+        ep = self.endpoint()
+        return MemoryNodeHello(WIRE_VERSION, ep.name, ep.boot_id, ep.capacity_blocks, ep.slot_bytes, ep.shm_name,
+                               ep.data_host, ep.data_port)
+
+    async def heartbeat(self) -> None:
+        """Hello now and every heartbeat_timeout_s / 3; a control plane that is down is retried."""
+        interval = self.config.control.heartbeat_timeout_s / 3
+        warned = False
+        while True:
+            try:
+                ack = await self.control.hello(self.hello())
+                if not ack.ok:
+                    log.warning("control plane refused hello of %s: %s", self.node.name, ack.reason)
+                self.hellos_acked += 1
+                warned = False
+            except ControlPlaneError as exc:
+                if not warned:  # once per outage, not once per beat
+                    log.warning("kvpool %s: control plane unreachable, will keep trying: %s", self.node.name, exc)
+                    warned = True
+            await asyncio.sleep(interval)
+
+    # --- control endpoints ---------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/info", self._info)
+
+        async def heartbeats(_: web.Application) -> AsyncIterator[None]:
+            self.tasks.spawn(self.heartbeat(), name=f"hello-{self.node.name}")
+            yield
+            await self.tasks.drain(timeout=0)  # the heartbeat loop never ends by itself
+
+        app.cleanup_ctx.append(heartbeats)
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "node": self.node.name, "boot_id": self.boot_id})
+
+    async def _info(self, _: web.Request) -> web.Response:
+        body: dict[str, Any] = to_wire(self.endpoint())
+        body["geometry"] = asdict(self.layout.geometry)
+        body["block_tokens"] = self.layout.block_tokens
+        body["transport"] = self.config.transport.name
+        body["stats"] = {**self.server.stats(), "hellos_acked": self.hellos_acked}
+        return web.json_response(body)
+
+
+def pick_node(config: ClusterConfig, name: str | None) -> KVPoolNodeConfig:
+    if name is None:
+        if len(config.kvpools) != 1:
+            known = ", ".join(n.name for n in config.kvpools) or "none"
+            raise TesseraError(f"pass --node NAME: the config declares these kvpool nodes: {known}")
+        return config.kvpools[0]
+    return config.kvpool_node(name)
+
+
+async def _serve(node: MemoryNode) -> int:
+    try:
+        await node.start()
+    except (OSError, TesseraError) as exc:
+        log.error("kvpool %s cannot start its data path: %s", node.node.name, exc)
+        await node.stop()
+        return 3
+    log.info("kvpool %s: %d slots x %d B (%.1f MiB) in /dev/shm/%s, tcp data on %s:%d, transport %s",
+             node.node.name, node.node.capacity_blocks, node.layout.slot_bytes, node.arena.nbytes / 2**20,
+             node.arena.name, node.node.host, node.server.port, node.config.transport.name)
+    try:
+        return await serve(node.app(), node.node.host, node.node.port, name=f"kvpool {node.node.name}")
+    finally:
+        await node.stop()
+
+
+def run_memory_node(config: ClusterConfig, name: str | None) -> int:
+    """Entry point of the kvpool role; returns the process exit code."""
+    from tessera.runtime import run
+
+    try:
+        node_cfg = pick_node(config, name)
+        geometry = geometry_from_checkpoint(resolve(config.model), config.kv_dtype, config.model.max_context)
+        node = MemoryNode(config, node_cfg, BlockLayout(geometry, config.block_tokens))
+    except TesseraError as exc:
+        log.error("kvpool cannot start: %s", exc)
+        return 2
+    try:
+        return run(lambda: _serve(node))
+    finally:
+        node.close_arena()

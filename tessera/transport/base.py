@@ -1,0 +1,219 @@
+"""The transport contract: move slot bytes between this process and memory nodes' arenas.
+
+A transport is chosen by name (``[transport] name`` in tessera.toml): ``shm`` (same host,
+one-sided copies from a mapped arena), ``tcp`` (our binary protocol) or ``mooncake``
+(Mooncake Transfer Engine: TCP here, RDMA on real NICs). A test may register its own.
+
+Contract of every transport:
+
+* ``read(node, ios)`` fills each ``io.buf`` with the first ``len(io.buf)`` bytes of slot
+  ``io.slot``; ``write(node, ios)`` stores each ``io.buf`` at the start of its slot. A batch
+  may hold many slots; the transport splits it into requests and pipelines them.
+* Transfers are bounded: at most ``max_inflight_bytes`` and ``max_outstanding`` requests
+  per transport object (:class:`TransferLimiter`).
+* A batch finishes within ``timeout_s`` or raises :class:`TransferTimeout`; every other
+  failure (dead peer, restarted node, refused request) raises :class:`TransferError`. No
+  batch hangs, and once ``read``/``write`` has returned or raised, the transport never
+  touches the caller's buffers again.
+* Transports move bytes only; they do not interpret headers (see :mod:`.blocks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tessera.config import TransportConfig
+from tessera.errors import ConfigError, TesseraError, TransferError, TransferTimeout
+from tessera.transport.arena import Arena
+from tessera.transport.limits import TransferLimiter
+
+# one request carries at most this many bytes (one slot at least): enough to amortize
+# per-request costs, small enough that a batch pipelines over several requests
+REQUEST_BYTES = 4 << 20
+REQUEST_BLOCKS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEndpoint:
+    """Everything a transport needs to reach one memory node's arena (``GET /info``)."""
+
+    version: int
+    name: str
+    boot_id: str  # new on every start: a restarted node is empty
+    capacity_blocks: int
+    slot_bytes: int
+    shm_name: str  # POSIX shm segment of the arena (same-host readers map it)
+    data_host: str
+    data_port: int  # tcp transport
+    engine_session: str = ""  # mooncake: "host:rpc_port" of the node's transfer engine
+    engine_base: int = 0  # mooncake: address of the arena in the node's engine
+
+
+@dataclass(frozen=True, slots=True)
+class SlotIO:
+    """One slot transfer: ``buf`` <-> the first ``len(buf)`` bytes of ``slot``."""
+
+    slot: int
+    buf: memoryview
+
+
+class ArenaExport(ABC):
+    """Memory-node side of a transport that needs the arena registered somewhere."""
+
+    @abstractmethod
+    def endpoint_fields(self) -> dict[str, Any]:
+        """Extra :class:`NodeEndpoint` fields that clients need (e.g. engine session)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(ABC):
+    """Client side of a transport (see the module docstring for the contract)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self.limiter = TransferLimiter(config.max_inflight_bytes, config.max_outstanding)
+
+    # --- public verbs --------------------------------------------------------------------
+
+    async def read(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
+        await self._batch("read", node, ios, self._read)
+
+    async def write(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
+        await self._batch("write", node, ios, self._write)
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
+        """Drop connections and mappings; later calls may reopen them."""
+
+    def forget(self, node: str) -> None:  # noqa: B027 - optional hook
+        """Drop cached state for a node (it failed or restarted); the next call reconnects."""
+
+    @classmethod
+    def export(cls, arena: Arena, host: str, config: TransportConfig) -> ArenaExport | None:
+        """Memory-node hook: register the arena with this transport's engine, if it needs one."""
+        return None
+
+    # --- for implementations -------------------------------------------------------------
+
+    @abstractmethod
+    async def _read(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
+        """One request (already bounded); on cancellation must leave ``ios`` untouched after return."""
+
+    @abstractmethod
+    async def _write(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None: ...
+
+    async def _batch(
+        self,
+        op: str,
+        node: NodeEndpoint,
+        ios: Sequence[SlotIO],
+        run: Callable[[NodeEndpoint, Sequence[SlotIO]], Awaitable[None]],
+    ) -> None:
+        for io in ios:
+            if not 0 <= io.slot < node.capacity_blocks or len(io.buf) > node.slot_bytes:
+                raise TransferError(
+                    f"{op} of slot {io.slot} ({len(io.buf)} B) does not fit memory node {node.name} "
+                    f"({node.capacity_blocks} slots of {node.slot_bytes} B)"
+                )
+        if not ios:
+            return
+        requests = split_requests(ios, min(REQUEST_BYTES, self.config.max_inflight_bytes))
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                await all_or_nothing([self._bounded(run, node, r) for r in requests])
+        except TimeoutError:
+            self.forget(node.name)
+            raise TransferTimeout(
+                f"{op} of {len(ios)} blocks on memory node {node.name} did not finish within "
+                f"{self.config.timeout_s}s ({self.name} transport)"
+            ) from None
+        except TransferError:
+            self.forget(node.name)
+            raise
+        except (OSError, EOFError) as exc:
+            self.forget(node.name)
+            raise TransferError(f"{op} on memory node {node.name} failed: {exc!r}") from exc
+
+    async def _bounded(
+        self, run: Callable[[NodeEndpoint, Sequence[SlotIO]], Awaitable[None]], node: NodeEndpoint,
+        ios: Sequence[SlotIO],
+    ) -> None:
+        charge = await self.limiter.acquire(sum(len(io.buf) for io in ios))
+        try:
+            await run(node, ios)
+        finally:
+            self.limiter.release(charge)
+
+
+def split_requests(ios: Sequence[SlotIO], max_bytes: int) -> list[Sequence[SlotIO]]:
+    """Consecutive runs of at most ``max_bytes`` (at least one slot) and REQUEST_BLOCKS slots."""
+    out: list[Sequence[SlotIO]] = []
+    start, size = 0, 0
+    for i, io in enumerate(ios):
+        if i > start and (size + len(io.buf) > max_bytes or i - start >= REQUEST_BLOCKS):
+            out.append(ios[start:i])
+            start, size = i, 0
+        size += len(io.buf)
+    out.append(ios[start:])
+    return out
+
+
+async def all_or_nothing(coros: Sequence[Awaitable[None]]) -> None:
+    """Run all; on the first failure (or our cancellation) cancel and await the rest, then raise.
+
+    Awaiting the cancelled siblings matters: they may be copying into caller buffers, and
+    the contract says nothing touches those buffers once the batch has raised.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+    if errors:
+        first = errors[0]
+        assert first is not None
+        if isinstance(first, TesseraError | OSError | EOFError):
+            raise first
+        raise TransferError(f"transfer failed: {first!r}") from first
+
+
+# --- registry by name ----------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Transport]] = {}
+# built-ins are imported on first use, so a missing optional engine only matters when chosen
+_BUILTIN = {"shm": "tessera.transport.shm", "tcp": "tessera.transport.tcp", "mooncake": "tessera.transport.mooncake"}
+
+
+def register_transport(name: str) -> Callable[[type[Transport]], type[Transport]]:
+    def deco(cls: type[Transport]) -> type[Transport]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def transport_class(name: str) -> type[Transport]:
+    if name not in _REGISTRY and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        known = sorted(set(_REGISTRY) | set(_BUILTIN))
+        raise ConfigError(f"transport.name = {name!r} is not a registered transport; known: {', '.join(known)}")
+    return cls
+
+
+def create_transport(config: TransportConfig) -> Transport:
+    return transport_class(config.name)(config)

@@ -1,0 +1,186 @@
+"""Storage blocks of a unit state: slot layout, block header, encode and verified decode.
+
+A unit of T tokens occupies ceil(T / B) blocks. Block b holds tokens [b·B, min((b+1)·B, T)):
+
+    slot = | header (64 B) | K[:, s:e] as [L, t, H_kv, D] | V[:, s:e] as [L, t, H_kv, D] | unused |
+
+in the storage dtype, C-contiguous. The header is written together with the payload and
+names what the payload is (unit, storage epoch, block index, token counts) plus a CRC-32 of
+the payload and of the header itself. A reader checks every field against what its lease
+says and treats any difference as a failed fetch (:class:`ChecksumMismatch`): a torn write,
+a stale writer, a restarted memory node and a flipped bit all look the same to it.
+
+This module knows nothing about where slots live or how bytes move (see the transports).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tessera.engines.base import DTYPES, ModelGeometry, UnitState
+from tessera.errors import ChecksumMismatch
+from tessera.units import blocks_for
+
+MAGIC = b"TKVB"
+HEADER_VERSION = 1
+HEADER_BYTES = 64
+SLOT_ALIGN = 64
+# magic, version, reserved, epoch, unit key, block index, tokens in block, unit tokens,
+# payload length, payload crc32 | header crc32 (over all other header bytes, padding included)
+_FIELDS = struct.Struct("<4sHHQ16sIIIII")
+_CRC = struct.Struct("<I")
+_PAD = _FIELDS.size + _CRC.size
+assert _PAD <= HEADER_BYTES
+
+
+def _header_crc(buf: memoryview) -> int:
+    return zlib.crc32(buf[_PAD:HEADER_BYTES], zlib.crc32(buf[: _FIELDS.size]))
+
+
+def unit_key(unit_id: str) -> bytes:
+    """16-byte digest of a unit id, as stored in block headers."""
+    return hashlib.blake2b(unit_id.encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    epoch: int
+    unit_key: bytes
+    block_index: int
+    tokens: int  # tokens stored in this block (B, or fewer in a unit's last block)
+    unit_tokens: int  # T of the whole unit
+    payload_len: int
+    payload_crc: int
+
+    def pack_into(self, buf: memoryview) -> None:
+        _FIELDS.pack_into(buf, 0, MAGIC, HEADER_VERSION, 0, self.epoch, self.unit_key, self.block_index,
+                          self.tokens, self.unit_tokens, self.payload_len, self.payload_crc)
+        buf[_PAD:HEADER_BYTES] = bytes(HEADER_BYTES - _PAD)
+        _CRC.pack_into(buf, _FIELDS.size, _header_crc(buf))
+
+    @classmethod
+    def unpack(cls, buf: memoryview) -> BlockHeader:
+        """Parse and self-check a header; raises ChecksumMismatch if it is not a valid header."""
+        if len(buf) < HEADER_BYTES:
+            raise ChecksumMismatch(f"block of {len(buf)} bytes is shorter than its {HEADER_BYTES}-byte header")
+        magic, version, _, epoch, key, index, tokens, unit_tokens, plen, pcrc = _FIELDS.unpack_from(buf, 0)
+        if magic != MAGIC:
+            raise ChecksumMismatch(f"slot holds no block header (magic {magic!r}); empty or overwritten slot")
+        (stored,) = _CRC.unpack_from(buf, _FIELDS.size)
+        computed = _header_crc(buf)
+        if stored != computed:
+            raise ChecksumMismatch(f"block header checksum {stored:#010x} != computed {computed:#010x}")
+        if version != HEADER_VERSION:
+            raise ChecksumMismatch(f"block header version {version}, this reader speaks {HEADER_VERSION}")
+        return cls(epoch, key, index, tokens, unit_tokens, plen, pcrc)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a unit's tokens go in slots of B tokens, for one model geometry and kv dtype."""
+
+    geometry: ModelGeometry
+    block_tokens: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.geometry.block_payload_bytes(self.block_tokens)
+
+    @property
+    def slot_bytes(self) -> int:
+        raw = HEADER_BYTES + self.payload_bytes
+        return -(-raw // SLOT_ALIGN) * SLOT_ALIGN
+
+    def n_blocks(self, n_tokens: int) -> int:
+        return blocks_for(n_tokens, self.block_tokens)
+
+    def token_range(self, block_index: int, n_tokens: int) -> tuple[int, int]:
+        start = block_index * self.block_tokens
+        assert 0 <= start < n_tokens, (block_index, n_tokens)
+        return start, min(start + self.block_tokens, n_tokens)
+
+    def used_bytes(self, block_index: int, n_tokens: int) -> int:
+        """Bytes of the slot a block actually uses: header + its tokens' K and V."""
+        start, end = self.token_range(block_index, n_tokens)
+        return HEADER_BYTES + (end - start) * self.geometry.token_bytes
+
+    def _half(self, payload: memoryview, tokens: int, which: int) -> torch.Tensor:
+        g = self.geometry
+        dtype = DTYPES[g.kv_dtype]
+        half = tokens * g.token_bytes // 2
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=half, offset=which * half)
+        # [L, t, H_kv, D]
+        return raw.view(dtype).view(g.n_layers, tokens, g.n_kv_heads, g.head_dim)
+
+    def encode_block(self, state: UnitState, unit_id: str, epoch: int, block_index: int, out: memoryview) -> None:
+        """Write block ``block_index`` of ``state`` (header + payload) into ``out``."""
+        n = state.n_tokens
+        start, end = self.token_range(block_index, n)
+        used = self.used_bytes(block_index, n)
+        assert len(out) >= used, (len(out), used)
+        payload = out[HEADER_BYTES:used]
+        self._half(payload, end - start, 0).copy_(state.keys[:, start:end])
+        self._half(payload, end - start, 1).copy_(state.values[:, start:end])
+        header = BlockHeader(epoch, unit_key(unit_id), block_index, end - start, n, len(payload), zlib.crc32(payload))
+        header.pack_into(out[:HEADER_BYTES])
+
+    def encode(self, state: UnitState, unit_id: str, epoch: int) -> list[memoryview]:
+        """All blocks of a unit, each a view of exactly its used bytes in one fresh buffer."""
+        n = state.n_tokens
+        sizes = [self.used_bytes(b, n) for b in range(self.n_blocks(n))]
+        whole = memoryview(bytearray(sum(sizes)))
+        out, offset = [], 0
+        for b, size in enumerate(sizes):
+            view = whole[offset : offset + size]
+            self.encode_block(state, unit_id, epoch, b, view)
+            out.append(view)
+            offset += size
+        return out
+
+    def verify(self, buf: memoryview, unit_id: str, epoch: int, block_index: int, n_tokens: int) -> memoryview:
+        """Check a fetched block against the lease; return its payload or raise ChecksumMismatch."""
+        h = BlockHeader.unpack(buf)
+        start, end = self.token_range(block_index, n_tokens)
+        expected = (epoch, unit_key(unit_id), block_index, end - start, n_tokens)
+        found = (h.epoch, h.unit_key, h.block_index, h.tokens, h.unit_tokens)
+        if found != expected:
+            raise ChecksumMismatch(
+                f"unit {unit_id} block {block_index}: header says (epoch {h.epoch}, block {h.block_index}, "
+                f"{h.tokens}/{h.unit_tokens} tokens, unit match {h.unit_key == expected[1]}), "
+                f"lease expects (epoch {epoch}, block {block_index}, {end - start}/{n_tokens} tokens)"
+            )
+        want_len = (end - start) * self.geometry.token_bytes
+        if h.payload_len != want_len or len(buf) < HEADER_BYTES + want_len:
+            raise ChecksumMismatch(
+                f"unit {unit_id} block {block_index}: payload length {h.payload_len} (buffer {len(buf)}), "
+                f"expected {want_len}"
+            )
+        payload = buf[HEADER_BYTES : HEADER_BYTES + want_len]
+        crc = zlib.crc32(payload)
+        if crc != h.payload_crc:
+            raise ChecksumMismatch(
+                f"unit {unit_id} block {block_index}: payload crc32 {crc:#010x} != header {h.payload_crc:#010x}"
+            )
+        return payload
+
+    def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int) -> UnitState:
+        """Verify every block and assemble the unit's ``[L, T, H_kv, D]`` keys and values."""
+        if len(blocks) != self.n_blocks(n_tokens):
+            raise ChecksumMismatch(f"unit {unit_id}: {len(blocks)} blocks for {n_tokens} tokens, "
+                                   f"expected {self.n_blocks(n_tokens)}")
+        g = self.geometry
+        shape = (g.n_layers, n_tokens, g.n_kv_heads, g.head_dim)
+        keys = torch.empty(shape, dtype=DTYPES[g.kv_dtype])
+        values = torch.empty(shape, dtype=DTYPES[g.kv_dtype])
+        for b, buf in enumerate(blocks):
+            payload = self.verify(buf, unit_id, epoch, b, n_tokens)
+            start, end = self.token_range(b, n_tokens)
+            keys[:, start:end].copy_(self._half(payload, end - start, 0))
+            values[:, start:end].copy_(self._half(payload, end - start, 1))
+        return UnitState(keys, values)

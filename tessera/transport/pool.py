@@ -1,0 +1,161 @@
+"""The generation node's client of the shared KV Pool: ``fetch`` under a lease, ``store`` under a grant.
+
+Safe publication (paper §5.4), from the writer's side:
+
+1. ``store`` refuses to start writing after the grant's deadline, or when a memory node it
+   would write to restarted after the grant was received (the slots are not ours anymore);
+2. it encodes every block with its header (unit, epoch, index, token counts, CRC-32) and
+   writes all of them, on every node concurrently;
+3. only after *every* write has completed does it ask the control plane to publish;
+4. if any write fails or times out it cancels the reservation with a settle time that
+   covers writes still in flight (so the blocks are quarantined, not reused at once).
+
+A reader's ``fetch`` reads the leased blocks from their memory nodes, verifies every header
+and checksum against the lease and assembles the ``[L, T, H_kv, D]`` tensors; any mismatch is
+a failed fetch (:class:`ChecksumMismatch`), and the caller falls back to computing the unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from tessera.config import ClusterConfig
+from tessera.engines.base import UnitState
+from tessera.errors import ChecksumMismatch, ControlPlaneError, TransferError
+from tessera.kvpool.control import ControlClient
+from tessera.messages import BlockRef, CancelRequest, PublishRequest, ReadLease, WriteGrant
+from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
+from tessera.transport.blocks import BlockLayout
+from tessera.transport.endpoints import EndpointBook
+from tessera.wire import WIRE_VERSION
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# encode/decode larger than this run on a thread (crc32 and tensor copies release the GIL)
+OFFLOAD_BYTES = 1 << 20
+
+
+class KVPoolClient:
+    """``fetch(lease, n_tokens) -> UnitState`` and ``store(grant, state)``; ``close`` when done."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        layout: BlockLayout,
+        *,
+        transport: Transport | None = None,
+        control: ControlClient | None = None,
+        endpoints: EndpointBook | None = None,
+    ) -> None:
+        self.layout = layout
+        self.transport = transport or create_transport(config.transport)
+        self.control = control or ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
+        self.endpoints = endpoints or EndpointBook.from_config(config)
+        # writes abandoned by a failed store may still land for up to the transport's own
+        # timeout (Mooncake's engine rounds it up to whole seconds); the cancel waits that out
+        self.settle_s = math.ceil(config.transport.timeout_s) + 1.0
+
+    async def close(self) -> None:
+        await self.transport.close()
+        await self.endpoints.close()
+        await self.control.close()
+
+    # --- reader --------------------------------------------------------------------------
+
+    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True) -> UnitState:
+        """Read and verify a leased unit; releases the lease afterwards unless ``release=False``."""
+        try:
+            if len(lease.blocks) != self.layout.n_blocks(n_tokens):
+                raise ChecksumMismatch(f"unit {lease.unit_id}: lease lists {len(lease.blocks)} blocks, "
+                                       f"{n_tokens} tokens need {self.layout.n_blocks(n_tokens)}")
+            sizes = [self.layout.used_bytes(b, n_tokens) for b in range(len(lease.blocks))]
+            whole = memoryview(bytearray(sum(sizes)))
+            views, offset = [], 0
+            for size in sizes:
+                views.append(whole[offset : offset + size])
+                offset += size
+            await self._move(lease.blocks, views, write=False)
+            try:
+                return await self._maybe_offload(
+                    len(whole), lambda: self.layout.decode(views, lease.unit_id, lease.epoch, n_tokens))
+            except ChecksumMismatch:
+                for node in {ref.node for ref in lease.blocks}:  # a restarted node shows up as this
+                    self.endpoints.forget(node)
+                raise
+        finally:
+            if release:
+                await self._release(lease)
+
+    async def _release(self, lease: ReadLease) -> None:
+        try:
+            await self.control.release((lease.lease_id,))
+        except ControlPlaneError as exc:
+            log.warning("could not release lease %s (it expires on its own): %s", lease.lease_id, exc)
+
+    # --- writer --------------------------------------------------------------------------
+
+    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> None:
+        """Write every block, then publish; on failure cancel (with settle time) and raise.
+
+        ``received_at`` is the ``time.monotonic()`` at which the grant arrived (default: now).
+        Raises TransferError/TransferTimeout (nothing published), PublishRejected (the control
+        plane refused: stale epoch, expired reservation) or ControlPlaneError.
+        """
+        received = time.monotonic() if received_at is None else received_at
+        n = state.n_tokens
+        assert n == grant.n_tokens and len(grant.blocks) == self.layout.n_blocks(n), (
+            f"unit {grant.unit_id}: state of {n} tokens does not match the grant "
+            f"({grant.n_tokens} tokens, {len(grant.blocks)} blocks)"
+        )
+        if time.monotonic() > received + grant.deadline_s:
+            await self._cancel(grant, 0.0)
+            raise TransferError(f"unit {grant.unit_id}: write grant of epoch {grant.epoch} expired before writing")
+        restarted = sorted({b.node for b in grant.blocks if self.endpoints.restarted_since(b.node, received)})
+        if restarted:
+            await self._cancel(grant, 0.0)
+            raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} restarted after the grant")
+        views = await self._maybe_offload(
+            state.nbytes(), lambda: self.layout.encode(state, grant.unit_id, grant.epoch))
+        try:
+            await self._move(grant.blocks, views, write=True)
+        except TransferError:
+            await self._cancel(grant, self.settle_s)
+            raise
+        await self.control.publish(PublishRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer, grant.blocks))
+
+    async def _cancel(self, grant: WriteGrant, settle_s: float) -> None:
+        try:
+            await self.control.cancel(CancelRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer, settle_s))
+        except ControlPlaneError as exc:
+            log.warning("could not cancel reservation of %s epoch %d (it expires at its deadline): %s",
+                        grant.unit_id, grant.epoch, exc)
+
+    # --- shared --------------------------------------------------------------------------
+
+    async def _move(self, blocks: tuple[BlockRef, ...], views: list[memoryview], *, write: bool) -> None:
+        by_node: dict[str, list[SlotIO]] = {}
+        for ref, view in zip(blocks, views, strict=True):
+            by_node.setdefault(ref.node, []).append(SlotIO(ref.index, view))
+        endpoints = {}
+        for node in by_node:
+            endpoints[node] = await self.endpoints.get(node)
+        op = self.transport.write if write else self.transport.read
+        try:
+            await all_or_nothing([op(endpoints[node], ios) for node, ios in by_node.items()])
+        except TransferError:
+            # ask the nodes where they are next time (the transport already dropped the
+            # connection that failed; the others may carry other callers' transfers)
+            for node in by_node:
+                self.endpoints.forget(node)
+            raise
+
+    @staticmethod
+    async def _maybe_offload(nbytes: int, fn: Callable[[], T]) -> T:
+        if nbytes <= OFFLOAD_BYTES:
+            return fn()
+        return await asyncio.to_thread(fn)

@@ -1,0 +1,188 @@
+"""Memory-node side of the ``tcp`` transport: serves slot reads and writes from the arena.
+
+One :class:`asyncio.BufferedProtocol` per connection parses requests in place: headers and
+block lists land in small preallocated buffers, write payloads are received straight into
+the arena slots (no intermediate copy), and read payloads are handed to the socket as views
+of the arena. Requests on a connection are answered in order, which is what lets a client
+pipeline them. When the socket's send buffer fills up the node stops reading requests until
+it drains, so a client that does not read its answers cannot grow the node's memory.
+
+The server does not know which slot belongs to whom; the control plane decides that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any, cast
+
+from tessera.transport.arena import Arena
+from tessera.transport.frames import (
+    BLOCK,
+    HELLO,
+    HELLO_MAGIC,
+    MAX_BLOCKS,
+    REQUEST,
+    RESPONSE,
+    Op,
+    Status,
+    unpack_blocks,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    def __init__(self, server: BlockServer) -> None:
+        self.server = server
+        self.arena = server.arena
+        self.transport: asyncio.Transport | None = None
+        self._header = bytearray(REQUEST.size)
+        self._blocks_raw = bytearray(BLOCK.size * 64)
+        self._target = memoryview(self._header)
+        self._got = 0
+        self._phase = "header"
+        self._op = Op.READ
+        self._req_id = 0
+        self._payload = 0
+        self._blocks: list[tuple[int, int]] = []
+        self._next = 0
+        self._closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.connections.add(self)
+        self.transport.write(HELLO.pack(HELLO_MAGIC, self.server.boot_id.encode()[:32].ljust(32, b"0"),
+                                        self.arena.slot_bytes, self.arena.capacity))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+
+    def pause_writing(self) -> None:
+        assert self.transport is not None
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        assert self.transport is not None
+        if not self._closing:
+            self.transport.resume_reading()
+
+    # --- receive -------------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._target[self._got :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        while not self._closing and self._got == len(self._target):
+            self._got = 0
+            self._advance()
+
+    def _expect(self, target: memoryview, phase: str) -> None:
+        self._target, self._phase = target, phase
+
+    def _advance(self) -> None:
+        if self._phase == "header":
+            op, _, _, req_id, n, _, payload = REQUEST.unpack(self._header)
+            self._req_id = req_id
+            if op not in (Op.READ, Op.WRITE) or n > MAX_BLOCKS:
+                return self._refuse(f"bad request header (op {op}, {n} blocks; at most {MAX_BLOCKS})")
+            self._op, self._payload = Op(op), payload
+            if n == 0:
+                return self._respond_ok()
+            if len(self._blocks_raw) < n * BLOCK.size:
+                self._blocks_raw = bytearray(n * BLOCK.size)
+            return self._expect(memoryview(self._blocks_raw)[: n * BLOCK.size], "blocks")
+        if self._phase == "blocks":
+            self._blocks = unpack_blocks(memoryview(self._blocks_raw), len(self._target) // BLOCK.size)
+            for slot, length in self._blocks:
+                if slot >= self.arena.capacity or length > self.arena.slot_bytes:
+                    return self._refuse(f"slot {slot} ({length} B) outside the arena "
+                                        f"({self.arena.capacity} slots of {self.arena.slot_bytes} B)")
+            total = sum(length for _, length in self._blocks)
+            if self._payload != (total if self._op is Op.WRITE else 0):
+                return self._refuse(f"payload of {self._payload} B does not match the block list ({total} B)")
+            if self._op is Op.READ:
+                return self._respond_read()
+            self._next = 0
+            return self._next_payload()
+        assert self._phase == "payload", self._phase
+        self._next += 1
+        self._next_payload()
+
+    def _next_payload(self) -> None:
+        while self._next < len(self._blocks) and self._blocks[self._next][1] == 0:
+            self._next += 1
+        if self._next == len(self._blocks):
+            self.server.bytes_written += self._payload
+            return self._respond_ok()
+        slot, length = self._blocks[self._next]
+        self._expect(self.arena.slot(slot, length), "payload")
+
+    # --- respond -------------------------------------------------------------------------
+
+    def _respond_ok(self) -> None:
+        assert self.transport is not None
+        self.server.requests += 1
+        self.transport.write(RESPONSE.pack(Status.OK, 0, 0, self._req_id, 0))
+        self._expect(memoryview(self._header), "header")
+
+    def _respond_read(self) -> None:
+        assert self.transport is not None
+        self.server.requests += 1
+        total = sum(length for _, length in self._blocks)
+        self.server.bytes_read += total
+        head = RESPONSE.pack(Status.OK, 0, 0, self._req_id, total)
+        views = [self.arena.slot(slot, length) for slot, length in self._blocks]
+        if total <= 64 << 10:  # small answers: one send
+            self.transport.write(b"".join([head, *views]))
+        else:
+            self.transport.write(head)
+            for view in views:
+                self.transport.write(view)
+        self._expect(memoryview(self._header), "header")
+
+    def _refuse(self, reason: str) -> None:
+        assert self.transport is not None
+        log.warning("tcp block server: refusing request %d from %s: %s", self._req_id,
+                    self.transport.get_extra_info("peername"), reason)
+        body = reason.encode()[:4096]
+        self.transport.write(RESPONSE.pack(Status.ERROR, 0, 0, self._req_id, len(body)) + body)
+        self._closing = True
+        self.transport.close()  # flushes the answer, then closes
+
+
+class BlockServer:
+    """``start(host, port)`` / ``close()``; ``port`` is the bound port (0 picks a free one)."""
+
+    def __init__(self, arena: Arena, boot_id: str) -> None:
+        self.arena = arena
+        self.boot_id = boot_id
+        self.connections: set[_Connection] = set()
+        self.requests = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
+            await self._server.wait_closed()
+            self._server = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"connections": len(self.connections), "requests": self.requests,
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}

@@ -1,0 +1,128 @@
+"""The memory node role: arena sizing, endpoints, heartbeats, clean and unclean exits."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+from kvpool_support import MemoryNodeProcess, memory_node, pool_config, tiny_layout
+from support import child_env, write_config
+
+from tessera.config import ControlConfig
+from tessera.messages import MemoryNodeHello
+from tessera.transport.arena import ARENA_HEADER_BYTES, SHM_DIR
+from tessera.wire import from_wire
+
+
+def run_to_exit(config_path: Path, node: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tessera", "run", "--role", "kvpool", "--config", str(config_path), "--node", node]
+    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=timeout)
+
+
+def test_info_describes_the_arena_sized_from_the_model_geometry(tmp_path: Path) -> None:
+    """Slots of B tokens of K and V for all layers (+ header); capacity from the config."""
+    config = pool_config(tmp_path, capacity=32)
+    with memory_node(config, tmp_path) as node:
+        ep = node.endpoint()
+        assert (ep.name, ep.capacity_blocks, ep.slot_bytes) == ("kv0", 32, tiny_layout().slot_bytes)
+        assert ep.data_port == config.kvpools[0].data_port and ep.engine_session == ""
+        segment = SHM_DIR / ep.shm_name
+        assert segment.stat().st_size == ARENA_HEADER_BYTES + 32 * ep.slot_bytes
+        assert ep.boot_id in (SHM_DIR / ep.shm_name).read_bytes()[:64].decode(errors="replace")
+    assert not segment.exists(), "a clean shutdown unlinks the segment"
+
+
+def test_a_node_that_cannot_allocate_its_arena_refuses_to_start(tmp_path: Path) -> None:
+    """Asking for more than /dev/shm holds exits non-zero with a message saying what to change."""
+    config = pool_config(tmp_path, capacity=1 << 40)
+    result = run_to_exit(write_config(tmp_path, config), "kv0")
+    assert result.returncode == 2
+    assert "cannot allocate the kvpool arena" in result.stderr and "capacity_blocks" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_node_name_is_refused(tmp_path: Path) -> None:
+    result = run_to_exit(write_config(tmp_path, pool_config(tmp_path)), "kv9")
+    assert result.returncode == 2 and "no kvpool node named 'kv9'" in result.stderr
+
+
+def test_a_crashed_nodes_segment_is_swept_when_it_starts_again(tmp_path: Path) -> None:
+    """SIGKILL leaves the segment behind; the next start of that node removes it."""
+    config = pool_config(tmp_path)
+    path = write_config(tmp_path, config)
+    crashed = MemoryNodeProcess(config, path, "kv0")
+    leftover = SHM_DIR / crashed.wait_healthy().shm_name
+    crashed.proc.kill()
+    assert leftover.exists()
+    with memory_node(config, tmp_path) as node:
+        assert node.endpoint().shm_name != leftover.name
+        assert not leftover.exists()
+
+
+async def test_the_node_says_hello_with_a_new_boot_id_each_start_and_keeps_beating(tmp_path: Path) -> None:
+    """Registration and heartbeat are the same MemoryNodeHello; a restart changes only boot_id."""
+    hellos: list[MemoryNodeHello] = []
+
+    async def hello(request: web.Request) -> web.Response:
+        hellos.append(from_wire(MemoryNodeHello, orjson.loads(await request.read())))
+        return web.json_response({"version": 1, "ok": True, "reason": "heartbeat"})
+
+    config = pool_config(tmp_path)
+    config = dataclasses.replace(config, control=ControlConfig(heartbeat_timeout_s=0.3))
+    app = web.Application()
+    app.router.add_post("/control/kvpool/hello", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, config.retrieval.host, config.retrieval.port).start()
+    try:
+        boots = []
+        for _ in range(2):
+            with memory_node(config, tmp_path) as node:
+                ep = await asyncio.to_thread(node.endpoint)
+                for _ in range(100):
+                    if sum(h.boot_id == ep.boot_id for h in hellos) >= 3:
+                        break
+                    await asyncio.sleep(0.05)
+                mine = [h for h in hellos if h.boot_id == ep.boot_id]
+                assert len(mine) >= 3 and len(set(mine)) == 1, "heartbeats repeat the same hello"
+                assert (mine[0].name, mine[0].shm_name, mine[0].block_bytes) == ("kv0", ep.shm_name, ep.slot_bytes)
+                assert (mine[0].data_host, mine[0].data_port, mine[0].capacity_blocks) == (
+                    ep.data_host, ep.data_port, ep.capacity_blocks)
+                boots.append(ep.boot_id)
+        assert boots[0] != boots[1]
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("status", [500, None])
+async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_path: Path, status: int | None) -> None:
+    """The node serves its arena and keeps trying to say hello."""
+    config = pool_config(tmp_path)
+    runner = None
+    if status is not None:
+        async def failing(_: web.Request) -> web.Response:
+            return web.Response(status=status, text="boom")
+
+        app = web.Application()
+        app.router.add_post("/control/kvpool/hello", failing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, config.retrieval.host, config.retrieval.port).start()
+    try:
+        with memory_node(config, tmp_path) as node:
+            for _ in range(100):
+                if "control plane unreachable" in node.proc.log():
+                    break
+                await asyncio.sleep(0.05)
+            assert "control plane unreachable" in node.proc.log()
+            assert node.proc.proc.poll() is None
+            assert (await asyncio.to_thread(node.endpoint)).name == "kv0"
+    finally:
+        if runner is not None:
+            await runner.cleanup()

@@ -1,0 +1,138 @@
+"""Reading units from the pool: every block verified against the lease, over every transport."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from kvpool_support import (
+    HANG_GUARD_S,
+    TRANSPORTS,
+    memory_node,
+    pool_config,
+    random_state,
+    skip_if_unavailable,
+    tiny_layout,
+)
+
+from tessera.config import ClusterConfig
+from tessera.engines.base import UnitState
+from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
+from tessera.messages import BlockRef, ReadLease
+from tessera.transport.arena import Arena
+from tessera.transport.base import SlotIO
+from tessera.transport.pool import KVPoolClient
+
+UNIT = "unit-x"
+
+
+@dataclasses.dataclass
+class Cluster:
+    config: ClusterConfig
+    directory: Path
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Memory nodes kv0 and kv1 speaking one transport."""
+    skip_if_unavailable(request.param)
+    directory = tmp_path_factory.mktemp(f"pool-{request.param}")
+    config = pool_config(directory, transport=request.param, nodes=("kv0", "kv1"), capacity=32)
+    with memory_node(config, directory, "kv0"), memory_node(config, directory, "kv1"):
+        yield Cluster(config, directory)
+
+
+@pytest.fixture
+async def pool(two_nodes: Cluster) -> AsyncIterator[KVPoolClient]:
+    client = KVPoolClient(two_nodes.config, tiny_layout())
+    yield client
+    await client.close()
+
+
+def lease_for(blocks: tuple[BlockRef, ...], epoch: int = 5) -> ReadLease:
+    return ReadLease("L1", UNIT, epoch, blocks, ttl_s=30.0)
+
+
+async def put(pool: KVPoolClient, blocks: tuple[BlockRef, ...], state: UnitState, epoch: int = 5) -> None:
+    """Write a unit's blocks the way a writer would, without the control plane."""
+    views = pool.layout.encode(state, UNIT, epoch)
+    for ref, view in zip(blocks, views, strict=True):
+        await pool.transport.write(await pool.endpoints.get(ref.node), [SlotIO(ref.index, view)])
+
+
+def spread(n_blocks: int, first: int = 0) -> tuple[BlockRef, ...]:
+    return tuple(BlockRef("kv0" if i % 2 == 0 else "kv1", first + i) for i in range(n_blocks))
+
+
+def assert_same_state(a: UnitState, b: UnitState) -> None:
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+async def test_a_unit_spread_over_two_memory_nodes_is_fetched_intact(pool: KVPoolClient) -> None:
+    """Blocks on several nodes are read concurrently, verified, and assembled in order."""
+    state = random_state(11, seed=1)  # 3 blocks, the last one partial
+    blocks = spread(3)
+    await put(pool, blocks, state)
+    assert_same_state(await pool.fetch(lease_for(blocks), 11, release=False), state)
+
+
+async def test_a_flipped_byte_in_a_stored_block_fails_the_fetch(pool: KVPoolClient, two_nodes: Cluster) -> None:
+    """Corruption in the arena itself is caught by the reader's checksum."""
+    state = random_state(8, seed=2)
+    blocks = spread(2, first=10)
+    await put(pool, blocks, state)
+    ep = await pool.endpoints.get("kv1")
+    arena = Arena.attach(ep.shm_name)
+    try:
+        arena.slot(blocks[1].index)[300] ^= 0x01
+    finally:
+        arena.close()
+    with pytest.raises(ChecksumMismatch, match="crc32"):
+        await pool.fetch(lease_for(blocks), 8, release=False)
+
+
+@pytest.mark.parametrize(("epoch", "n_tokens"), [(6, 8), (5, 7)])
+async def test_a_lease_that_does_not_describe_the_blocks_fails_the_fetch(
+    pool: KVPoolClient, epoch: int, n_tokens: int
+) -> None:
+    """Another epoch (a stale writer's blocks) or another length is a failed fetch, not data."""
+    blocks = spread(2, first=20)
+    await put(pool, blocks, random_state(8, seed=3))
+    with pytest.raises(ChecksumMismatch):
+        await pool.fetch(lease_for(blocks, epoch), n_tokens, release=False)
+
+
+async def test_reading_never_written_slots_fails_the_fetch(pool: KVPoolClient) -> None:
+    """A zeroed slot has no header; it is never returned as a unit state."""
+    with pytest.raises(ChecksumMismatch, match="no block header"):
+        await pool.fetch(lease_for((BlockRef("kv0", 31),)), 4, release=False)
+
+
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "shm"])
+async def test_killing_a_memory_node_during_a_read_fails_it_fast_with_a_typed_error(
+    tmp_path: Path, transport: str
+) -> None:
+    """The reader sees a TransferError from the dead peer, well before its timeout."""
+    skip_if_unavailable(transport)
+    config = pool_config(tmp_path, transport=transport, capacity=16, timeout_s=20.0)
+    with memory_node(config, tmp_path) as node:
+        client = KVPoolClient(config, tiny_layout())
+        try:
+            blocks = tuple(BlockRef("kv0", i) for i in range(4))
+            await put(client, blocks, random_state(16, seed=4))
+            node.pause()  # the read request is sent and sits unanswered...
+            fetch = asyncio.create_task(client.fetch(lease_for(blocks), 16, release=False))
+            await asyncio.sleep(0.5)
+            assert not fetch.done()
+            node.kill()  # ...until the node dies under it
+            with pytest.raises(TransferError) as info:
+                await asyncio.wait_for(fetch, HANG_GUARD_S)
+            assert not isinstance(info.value, TransferTimeout)
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
