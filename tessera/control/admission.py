@@ -1,9 +1,11 @@
 """Admission and eviction policies: which units a cache tier retains, and what it gives up for them.
 
 One rule serves both tiers (paper §5.2); each tier owns its own policy instance, fed by its
-own request stream. A policy owns the tier's demand history and its *resident set*
-(unit -> blocks) but not the space itself: the tier tells it how many blocks are free and
-which residents are safe to reclaim right now, and carries out the evictions it returns.
+own request stream. A policy owns the tier's unit records (:mod:`tessera.control.record`:
+demand history, residency in blocks, rank) but not the space itself: the tier tells it how
+many blocks are free and which residents are safe to reclaim right now, and carries out the
+evictions it returns. Callers may read ``records`` (a unit is resident iff its record has
+blocks); only the policy writes them.
 
 Contract of :class:`AdmissionPolicy` (register new ones with :func:`register_admission`):
 
@@ -29,43 +31,51 @@ from typing import ClassVar
 from tessera.config import ControlConfig
 from tessera.control.demand import DemandTracker
 from tessera.control.ranking import ScoreBuckets
+from tessera.control.record import UnitRecord, UnitTable
 
 Safe = Callable[[str], bool]
 
 
 class AdmissionPolicy(ABC):
-    """Base class: resident-set bookkeeping shared by every policy."""
+    """Base class: the tier's unit records and resident-set bookkeeping shared by every policy."""
 
     name: ClassVar[str]
 
     def __init__(self, control: ControlConfig) -> None:
         self.control = control
-        self._blocks: dict[str, int] = {}  # resident unit -> blocks it occupies
+        # the tier's records (demand, residency, rank); callers read them, only the policy writes
+        self.records = UnitTable()
         self.used_blocks = 0
+        self._n_resident = 0
 
     @property
     def resident(self) -> Mapping[str, int]:
-        """Resident units and their block counts (read-only view for callers)."""
-        return self._blocks
+        """Resident units and their block counts (a snapshot; scans every record)."""
+        return {r.unit_id: r.blocks for r in self.records.values() if r.blocks}
 
     def __contains__(self, unit_id: object) -> bool:
-        return unit_id in self._blocks
+        r = self.records.get(unit_id)  # type: ignore[call-overload]
+        return r is not None and r.blocks > 0
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return self._n_resident
 
     def add(self, unit_id: str, n_blocks: int) -> None:
-        assert unit_id not in self._blocks and n_blocks > 0, (unit_id, n_blocks)
-        self._blocks[unit_id] = n_blocks
+        record = self.records[unit_id]
+        assert not record.blocks and n_blocks > 0, (unit_id, record.blocks, n_blocks)
+        record.blocks = n_blocks
         self.used_blocks += n_blocks
-        self._on_add(unit_id)
+        self._n_resident += 1
+        self._on_add(record)
 
     def discard(self, unit_id: str) -> bool:
-        n = self._blocks.pop(unit_id, None)
-        if n is None:
+        record = self.records.get(unit_id)
+        if record is None or not record.blocks:
             return False
-        self.used_blocks -= n
-        self._on_discard(unit_id)
+        self.used_blocks -= record.blocks
+        self._n_resident -= 1
+        record.blocks = 0
+        self._on_discard(record)
         return True
 
     @abstractmethod
@@ -82,15 +92,19 @@ class AdmissionPolicy(ABC):
     def victims(self, unit_id: str, n_blocks: int, free_blocks: int, safe: Safe) -> list[str] | None: ...
 
     def check_invariants(self) -> None:
-        assert self.used_blocks == sum(self._blocks.values()), (self.used_blocks, sum(self._blocks.values()))
+        blocks = [r.blocks for r in self.records.values() if r.blocks]
+        assert all(b > 0 for b in blocks), "a record holds a negative block count"
+        assert self.used_blocks == sum(blocks), (self.used_blocks, sum(blocks))
+        assert self._n_resident == len(blocks), (self._n_resident, len(blocks))
+        assert all(u == r.unit_id for u, r in self.records.items()), "a record is filed under another id"
 
     @abstractmethod
-    def _on_add(self, unit_id: str) -> None:
-        """Hook: a unit became resident."""
+    def _on_add(self, record: UnitRecord) -> None:
+        """Hook: a unit became resident (``record.blocks`` is set)."""
 
     @abstractmethod
-    def _on_discard(self, unit_id: str) -> None:
-        """Hook: a unit stopped being resident."""
+    def _on_discard(self, record: UnitRecord) -> None:
+        """Hook: a unit stopped being resident (``record.blocks`` is 0)."""
 
 
 _REGISTRY: dict[str, type[AdmissionPolicy]] = {}
@@ -135,23 +149,23 @@ class DemandAdmission(AdmissionPolicy):
 
     def __init__(self, control: ControlConfig) -> None:
         super().__init__(control)
-        self.demand = DemandTracker(control.window, control.w_recent, control.w_lifetime)
+        self.demand = DemandTracker(control.window, control.w_recent, control.w_lifetime, self.records)
         self.theta = control.theta
         self.min_retrievals = 1 if control.admit_first else 2
         self._ranks = ScoreBuckets()
 
     def observe(self, unit_ids: tuple[str, ...]) -> None:
-        demand = self.demand
-        left = demand.record(unit_ids)
+        left = self.demand.count(unit_ids)
         ranks = self._ranks
         if not len(ranks):
             return
-        for u in left:
-            keyed = ranks.keyed(u)
+        score_of = self.demand.score_of
+        for r in left:
+            keyed = r.keyed
             if keyed is not None:
-                now = demand.score(u)
+                now = score_of(r)
                 if now < keyed:
-                    ranks.put(u, now)
+                    ranks.put(r, now)
 
     def score(self, unit_id: str) -> float:
         return self.demand.score(unit_id)
@@ -163,15 +177,14 @@ class DemandAdmission(AdmissionPolicy):
         need = n_blocks - free_blocks
         if need <= 0:
             return []
-        score = self.demand.score
-        blocks = self._blocks
         out: list[str] = []
-        walk = self._ranks.walk(score(unit_id), lambda v, _: score(v))
+        walk = self._ranks.walk(self.demand.score(unit_id), self.demand.score_of)
         try:
-            for v, _ in walk:  # strictly lower scores only, lowest first
+            for r in walk:  # strictly lower scores only, lowest first
+                v = r.unit_id
                 if v != unit_id and safe(v):
                     out.append(v)
-                    need -= blocks[v]
+                    need -= r.blocks
                     if need <= 0:
                         return out
             return None
@@ -180,23 +193,25 @@ class DemandAdmission(AdmissionPolicy):
 
     def ranked(self) -> list[tuple[float, str]]:
         """Residents in eviction order with their exact scores (for tests and dumps)."""
-        for s, u in self._ranks.items():
-            if self.demand.score(u) != s:
-                self._ranks.put(u, self.demand.score(u))
-        return self._ranks.items()
+        score_of = self.demand.score_of
+        for s, r in self._ranks.items():
+            if score_of(r) != s:
+                self._ranks.put(r, score_of(r))
+        return [(s, r.unit_id) for s, r in self._ranks.items()]
 
-    def _on_add(self, unit_id: str) -> None:
-        self._ranks.put(unit_id, self.demand.score(unit_id))
+    def _on_add(self, record: UnitRecord) -> None:
+        self._ranks.put(record, self.demand.score_of(record))
 
-    def _on_discard(self, unit_id: str) -> None:
-        self._ranks.drop(unit_id)
+    def _on_discard(self, record: UnitRecord) -> None:
+        self._ranks.drop(record)
 
     def check_invariants(self) -> None:
         super().check_invariants()
         self._ranks.check_invariants()
-        assert len(self._ranks) == len(self._blocks), "ranking out of step with the resident set"
-        for s, u in self._ranks.items():
-            assert s <= self.demand.score(u), f"key of {u} overestimates its score: {s} > {self.score(u)}"
+        assert len(self._ranks) == len(self), "ranking out of step with the resident set"
+        for s, r in self._ranks.items():
+            assert r.blocks, f"{r.unit_id} is ranked but not resident"
+            assert s <= self.demand.score_of(r), f"key of {r.unit_id} overestimates its score: {s} > {self.demand.score_of(r)}"
         self.demand.check_invariants()
 
 
@@ -231,13 +246,13 @@ class LruAdmission(AdmissionPolicy):
         for v in self._recency:
             if v != unit_id and safe(v):
                 out.append(v)
-                need -= self._blocks[v]
+                need -= self.records[v].blocks
                 if need <= 0:
                     return out
         return None
 
-    def _on_add(self, unit_id: str) -> None:
-        self._recency[unit_id] = self._clock
+    def _on_add(self, record: UnitRecord) -> None:
+        self._recency[record.unit_id] = self._clock
 
-    def _on_discard(self, unit_id: str) -> None:
-        del self._recency[unit_id]
+    def _on_discard(self, record: UnitRecord) -> None:
+        del self._recency[record.unit_id]

@@ -30,8 +30,10 @@ class NodeBlocks:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        assert 0 <= n <= len(self._free), (n, len(self._free))
-        taken = [self._free.pop() for _ in range(n)]
+        free = self._free
+        assert 0 <= n <= len(free), (n, len(free))
+        taken = free[:-n - 1:-1]  # what n pops from the end would give, in that order
+        del free[len(free) - n:]
         self._used.update(taken)
         return taken
 
@@ -46,10 +48,12 @@ class NodeBlocks:
         return out
 
     def free(self, indices: list[int]) -> None:
-        for i in indices:
-            assert i in self._used, f"block {self.name}:{i} freed twice or never allocated"
-            self._used.remove(i)
-            self._free.append(i)
+        used = self._used
+        before = len(used)
+        used.difference_update(indices)
+        # the set shrinks by one per index only if every index was in use, and named once
+        assert before - len(used) == len(indices), f"blocks {self.name}:{indices} freed twice or never allocated"
+        self._free.extend(indices)
 
 
 class BlockAllocator:
@@ -57,18 +61,14 @@ class BlockAllocator:
 
     def __init__(self) -> None:
         self._nodes: dict[str, NodeBlocks] = {}
+        # totals over the nodes, kept current (admission reads them for every candidate);
+        # read-only outside this class
+        self.free_blocks = 0
+        self.capacity = 0
 
     @property
     def nodes(self) -> list[str]:
         return list(self._nodes)
-
-    @property
-    def free_blocks(self) -> int:
-        return sum(n.free_count for n in self._nodes.values())
-
-    @property
-    def capacity(self) -> int:
-        return sum(n.capacity for n in self._nodes.values())
 
     def has_node(self, name: str) -> bool:
         return name in self._nodes
@@ -76,10 +76,15 @@ class BlockAllocator:
     def add_node(self, name: str, capacity: int) -> None:
         assert name not in self._nodes, f"memory node {name} added twice"
         self._nodes[name] = NodeBlocks(name, capacity)
+        self.capacity += capacity
+        self.free_blocks += capacity
 
     def remove_node(self, name: str) -> None:
         """Forget a node and every slot on it (it died or restarted empty)."""
-        self._nodes.pop(name, None)
+        node = self._nodes.pop(name, None)
+        if node is not None:
+            self.capacity -= node.capacity
+            self.free_blocks -= node.free_count
 
     def allocate(self, n: int) -> tuple[BlockRef, ...] | None:
         """n blocks, possibly spread over nodes; None (and nothing taken) if fewer are free."""
@@ -95,6 +100,7 @@ class BlockAllocator:
             out.extend(node.refs(node.allocate(take)))
             remaining -= take
         assert remaining == 0, remaining
+        self.free_blocks -= n
         return tuple(out)
 
     def free(self, blocks: tuple[BlockRef, ...] | list[BlockRef]) -> None:
@@ -105,3 +111,9 @@ class BlockAllocator:
             node = self._nodes.get(name)
             if node is not None:  # a removed node's slots are gone with it
                 node.free(indices)
+                self.free_blocks += len(indices)
+
+    def check_invariants(self) -> None:
+        nodes = self._nodes.values()
+        assert self.capacity == sum(n.capacity for n in nodes), (self.capacity, [n.capacity for n in nodes])
+        assert self.free_blocks == sum(n.free_count for n in nodes), (self.free_blocks, [n.free_count for n in nodes])

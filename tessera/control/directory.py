@@ -283,6 +283,7 @@ class Directory:
 
     def check_invariants(self) -> None:
         """Assert the directory's structural invariants (used by the property tests)."""
+        self.allocator.check_invariants()
         owned: set[BlockRef] = set()
         for entry in self._entries.values():
             assert len(set(entry.blocks)) == len(entry.blocks), f"{entry.unit_id} holds a block twice"

@@ -50,7 +50,7 @@ class LocalTier:
 
     def holds(self, unit_id: str) -> bool:
         """Resident or planned: the node has the unit or will insert it."""
-        return unit_id in self.policy.resident
+        return unit_id in self.policy
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -61,7 +61,7 @@ class LocalTier:
         unit is not retained locally. ``pinned`` units (the request's own) are never victims.
         """
         policy = self.policy
-        if unit_id in policy.resident or n_blocks > self.capacity or not policy.wants(unit_id):
+        if unit_id in policy or n_blocks > self.capacity or not policy.wants(unit_id):
             return None
         planned = self.planned
 
@@ -87,15 +87,17 @@ class LocalTier:
         ``live``: requests still outstanding. A planned unit that the node does not hold and
         whose planning request is gone was never inserted (a late report re-adds it).
         """
-        resident = self.policy.resident
+        records = self.policy.records
         planned = self.planned
         for u, b in units:
+            r = records.get(u)
+            resident = r is not None and r.blocks > 0
             if u in held:
-                if u in resident:
+                if resident:
                     planned.pop(u, None)
                 elif u not in self.evicting:
                     self._add(u, b)  # the node has it and nobody asked it to drop it
-            elif u in resident:
+            elif resident:
                 by = planned.get(u)
                 if by is None or by not in live:
                     planned.pop(u, None)
@@ -103,8 +105,9 @@ class LocalTier:
 
     def confirm(self, unit_ids: Iterable[str], n_blocks: Mapping[str, int]) -> None:
         """The node inserted these units (ResidencyReport.inserted)."""
+        policy = self.policy
         for u in unit_ids:
-            if u in self.policy.resident:
+            if u in policy:
                 self.planned.pop(u, None)
             elif u in n_blocks:
                 self._add(u, n_blocks[u])  # the view had dropped it too early: the node is right

@@ -19,6 +19,7 @@ method is synchronous and cheap enough to run on the event loop.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection, Sequence
 
@@ -53,6 +54,12 @@ LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMP
 # UnitPlans without a lease or grant are equal across requests for the same unit; they are
 # immutable, so the plane interns them instead of building ten dataclasses per plan.
 _INTERNED_MAX = 1 << 17
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _bits(mask: int) -> tuple[int, ...]:
+    """Indices of the set bits of a holders mask (few distinct masks recur: cached)."""
+    return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
 class _Routed:
@@ -127,7 +134,7 @@ class ControlPlane:
                     raise BadRequest(f"unit {u}: n_tokens must be > 0, got {n}")
                 tokens[u] = n
         b = self.block_tokens
-        pairs = tuple((u, -(-n // b)) for u, n in tokens.items())
+        pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
         node.inflight += 1
         self._requests[request_id] = _Routed(node, tokens, pairs)
@@ -139,12 +146,9 @@ class ControlPlane:
         holders = self._holders
         for u, b in pairs:
             mask = holders.get(u)
-            i = 0
-            while mask:
-                if mask & 1:
+            if mask:
+                for i in _bits(mask):
                     out[i] += b
-                mask >>= 1
-                i += 1
         return out
 
     def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
@@ -167,8 +171,8 @@ class ControlPlane:
         plans: list[UnitPlan] = []
         evict: list[str] = []
         interned = self._interned
-        local_resident = local.policy.resident
-        shared_resident = shared.policy.resident
+        local_policy = local.policy
+        shared_policy = shared.policy
         hits = kept_local = kept_shared = 0
         for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
@@ -179,7 +183,7 @@ class ControlPlane:
             else:
                 prep = COMPUTE if lease is None else REMOTE
                 # a unit the view already holds (planned by another request) is not admitted twice
-                victims = None if u in local_resident else local.admit(u, b, request_id, tokens)
+                victims = None if u in local_policy else local.admit(u, b, request_id, tokens)
                 keep_local = victims is not None
                 if keep_local:
                     kept_local += 1
@@ -188,7 +192,7 @@ class ControlPlane:
                         evict += victims
             if lease is None:
                 # the shared policy's residents mirror the directory's entries (pending or ready)
-                grant = None if u in shared_resident else shared.admit(u, n, b, node)
+                grant = None if u in shared_policy else shared.admit(u, n, b, node)
                 if grant is None:
                     key = (u, prep is LOCAL, keep_local)  # bools: Enum.__hash__ is a Python call
                     plan = interned.get(key)

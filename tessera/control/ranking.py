@@ -6,7 +6,8 @@ the set of distinct scores is kept sorted. Moving a unit between scores is two d
 operations; the sorted set changes only when a bucket appears or empties.
 
 Within a bucket, the unit keyed earliest comes first (the natural tie-break: its score
-last changed longest ago). The structure stores the score each unit was *keyed* at; the
+last changed longest ago). The structure files each unit's :class:`UnitRecord` under the
+score it was *keyed* at, and keeps that score in ``record.keyed`` (None: not ranked); the
 caller decides when a key is stale (see :class:`~tessera.control.admission.DemandAdmission`).
 """
 
@@ -16,52 +17,52 @@ from collections.abc import Callable, Generator
 
 from sortedcontainers import SortedList
 
+from tessera.control.record import UnitRecord
+
 
 class ScoreBuckets:
-    """unit -> keyed score, iterable in increasing (score, keying order). Verbs: put, drop, walk."""
+    """Records by keyed score, iterable in increasing (score, keying order). Verbs: put, drop, walk."""
 
-    __slots__ = ("_buckets", "_keyed", "_scores")
+    __slots__ = ("_buckets", "_scores", "_size")
 
     def __init__(self) -> None:
-        self._buckets: dict[float, dict[str, None]] = {}
+        self._buckets: dict[float, dict[UnitRecord, None]] = {}  # records hash by identity
         self._scores = SortedList()  # distinct keyed scores, ascending
-        self._keyed: dict[str, float] = {}
+        self._size = 0
 
     def __len__(self) -> int:
-        return len(self._keyed)
+        return self._size
 
-    def __contains__(self, unit_id: object) -> bool:
-        return unit_id in self._keyed
-
-    def keyed(self, unit_id: str) -> float | None:
-        return self._keyed.get(unit_id)
-
-    def put(self, unit_id: str, score: float) -> None:
-        """Key a unit at ``score`` (re-keying moves it to the end of that score's bucket)."""
-        if unit_id in self._keyed:
-            self.drop(unit_id)
+    def put(self, record: UnitRecord, score: float) -> None:
+        """Key a record at ``score`` (re-keying moves it to the end of that score's bucket)."""
+        if record.keyed is not None:
+            self.drop(record)
         bucket = self._buckets.get(score)
         if bucket is None:
             bucket = self._buckets[score] = {}
             self._scores.add(score)
-        bucket[unit_id] = None
-        self._keyed[unit_id] = score
+        bucket[record] = None
+        record.keyed = score
+        self._size += 1
 
-    def drop(self, unit_id: str) -> None:
-        score = self._keyed.pop(unit_id)
+    def drop(self, record: UnitRecord) -> None:
+        score = record.keyed
+        assert score is not None, f"{record.unit_id} is not ranked"
+        record.keyed = None
         bucket = self._buckets[score]
-        del bucket[unit_id]
+        del bucket[record]
+        self._size -= 1
         if not bucket:
             del self._buckets[score]
             self._scores.remove(score)
 
-    def walk(self, below: float, fresh: Callable[[str, float], float]) -> Generator[tuple[str, float], None, None]:
-        """Yield (unit, score) in increasing score order while score < ``below``.
+    def walk(self, below: float, fresh: Callable[[UnitRecord], float]) -> Generator[UnitRecord, None, None]:
+        """Yield records in increasing keyed-score order while the score is < ``below``.
 
-        ``fresh(unit, keyed)`` returns the unit's current score, which must be >= its keyed
-        score; a unit whose score rose is re-keyed and met again at its new place (if still
-        below ``below``). The caller may stop early; it must not mutate the structure while
-        iterating.
+        ``fresh(record)`` returns the unit's current score, which must be >= its keyed
+        score; a record whose score rose is re-keyed and met again at its new place (if
+        still below ``below``). The caller may stop early; it must not mutate the structure
+        while iterating.
         """
         i = 0
         scores = self._scores
@@ -69,29 +70,30 @@ class ScoreBuckets:
             score = scores[i]
             if score >= below:
                 return
-            moved: list[tuple[str, float]] = []
+            moved: list[tuple[UnitRecord, float]] = []
             try:
-                for u in self._buckets[score]:
-                    now = fresh(u, score)
+                for r in self._buckets[score]:
+                    now = fresh(r)
                     if now != score:
-                        moved.append((u, now))
+                        moved.append((r, now))
                     else:
-                        yield u, score
+                        yield r
             finally:
                 # applied after the bucket loop (a dict cannot change while iterated), and on
                 # an early stop too, so the keys stay honest
-                for u, now in moved:
-                    self.put(u, now)
+                for r, now in moved:
+                    self.put(r, now)
             if score in self._buckets:
                 i += 1  # otherwise the emptied bucket's successor now sits at index i
 
-    def items(self) -> list[tuple[float, str]]:
-        """(keyed score, unit) in walk order."""
-        return [(s, u) for s in self._scores for u in self._buckets[s]]
+    def items(self) -> list[tuple[float, UnitRecord]]:
+        """(keyed score, record) in walk order."""
+        return [(s, r) for s in self._scores for r in self._buckets[s]]
 
     def check_invariants(self) -> None:
         assert list(self._scores) == sorted(self._buckets), "distinct scores out of step with buckets"
         assert all(self._buckets.values()), "an empty bucket survived"
-        assert sum(len(b) for b in self._buckets.values()) == len(self._keyed), "bucket sizes drifted"
-        for u, s in self._keyed.items():
-            assert u in self._buckets[s], f"{u} is keyed at {s} but not in that bucket"
+        assert sum(len(b) for b in self._buckets.values()) == self._size, "bucket sizes drifted"
+        for s, bucket in self._buckets.items():
+            for r in bucket:
+                assert r.keyed == s, f"{r.unit_id} is in bucket {s} but keyed at {r.keyed}"

@@ -44,7 +44,7 @@ class SharedTier:
         policy = self.policy
         if not policy.wants(unit_id):
             return None
-        if unit_id in policy.resident:  # the directory dropped it and nobody told us yet
+        if unit_id in policy:  # the directory dropped it and nobody told us yet
             policy.discard(unit_id)
         allocator = directory.allocator
         if n_blocks > allocator.capacity:
