@@ -31,7 +31,7 @@ from typing import ClassVar
 from tessera.config import ControlConfig
 from tessera.control.demand import DemandTracker
 from tessera.control.ranking import ScoreBuckets
-from tessera.control.record import UnitRecord, UnitTable
+from tessera.control.record import NO_RECORD, UnitRecord, UnitTable
 
 Safe = Callable[[str], bool]
 
@@ -54,8 +54,7 @@ class AdmissionPolicy(ABC):
         return {r.unit_id: r.blocks for r in self.records.values() if r.blocks}
 
     def __contains__(self, unit_id: object) -> bool:
-        r = self.records.get(unit_id)  # type: ignore[call-overload]
-        return r is not None and r.blocks > 0
+        return self.records.get(unit_id, NO_RECORD).blocks > 0  # type: ignore[call-overload]
 
     def __len__(self) -> int:
         return self._n_resident

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from tessera.control.record import UnitRecord, UnitTable
+from tessera.control.record import NO_RECORD, UnitRecord, UnitTable
 
 MAX_WINDOW = (1 << 24) - 1  # the config's bound on W (control.window)
-_UNSEEN = UnitRecord("")  # what queries read for a unit the stream never retrieved; never written
 
 
 class DemandTracker:
@@ -68,21 +67,21 @@ class DemandTracker:
         return self.w_recent * r.recent + self.w_lifetime * r.lifetime
 
     def score(self, unit_id: str) -> float:
-        r = self.records.get(unit_id, _UNSEEN)
+        r = self.records.get(unit_id, NO_RECORD)
         return self.w_recent * r.recent + self.w_lifetime * r.lifetime
 
     def admissible(self, unit_id: str, min_retrievals: int, theta: float) -> bool:
         """Retrieved at least ``min_retrievals`` times in the stream and s(u) >= θ."""
-        r = self.records.get(unit_id, _UNSEEN)
+        r = self.records.get(unit_id, NO_RECORD)
         return r.lifetime >= min_retrievals and self.w_recent * r.recent + self.w_lifetime * r.lifetime >= theta
 
     def recent(self, unit_id: str) -> int:
         """f_W(u): requests among the last W that retrieved u."""
-        return self.records.get(unit_id, _UNSEEN).recent
+        return self.records.get(unit_id, NO_RECORD).recent
 
     def lifetime(self, unit_id: str) -> int:
         """f_∞(u): all requests of the stream that retrieved u."""
-        return self.records.get(unit_id, _UNSEEN).lifetime
+        return self.records.get(unit_id, NO_RECORD).lifetime
 
     def check_invariants(self) -> None:
         """f_W equals a recount of the ring; the ring holds at most W requests."""

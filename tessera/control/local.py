@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 
 from tessera.control.admission import AdmissionPolicy
+from tessera.control.record import NO_RECORD
 
 
 class LocalTier:
@@ -61,7 +62,9 @@ class LocalTier:
         unit is not retained locally. ``pinned`` units (the request's own) are never victims.
         """
         policy = self.policy
-        if unit_id in policy or n_blocks > self.capacity or not policy.wants(unit_id):
+        if policy.records.get(unit_id, NO_RECORD).blocks or n_blocks > self.capacity:
+            return None  # resident already (or planned by another request), or never fits
+        if not policy.wants(unit_id):
             return None
         planned = self.planned
 
@@ -90,8 +93,7 @@ class LocalTier:
         records = self.policy.records
         planned = self.planned
         for u, b in units:
-            r = records.get(u)
-            resident = r is not None and r.blocks > 0
+            resident = records.get(u, NO_RECORD).blocks > 0
             if u in held:
                 if resident:
                     planned.pop(u, None)

@@ -29,6 +29,7 @@ from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
 from tessera.control.members import GenerationNode, HelloOutcome, MemoryNodes
+from tessera.control.record import NO_RECORD
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
@@ -53,7 +54,7 @@ from tessera.wire import WIRE_VERSION
 LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
 # UnitPlans without a lease or grant are equal across requests for the same unit; they are
 # immutable, so the plane interns them instead of building ten dataclasses per plan.
-_INTERNED_MAX = 1 << 17
+_INTERNED_MAX = 1 << 16  # per kind of plan
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -116,7 +117,9 @@ class ControlPlane:
         # block counts of units admitted locally: a late ResidencyReport may re-add one the
         # view had already dropped
         self._blocks: dict[str, int] = {}
-        self._interned: dict[tuple[str, bool, bool], UnitPlan] = {}
+        # interned UnitPlans by kind: held (LOCAL, NEITHER), computed and kept (COMPUTE, LOCAL),
+        # computed (COMPUTE, NEITHER); keyed by unit
+        self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
 
     # --- the request path ----------------------------------------------------------------
 
@@ -142,13 +145,16 @@ class ControlPlane:
 
     def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
         """Blocks of these units each node's local view holds, indexed by node index."""
-        out = [0] * len(self.nodes)
         holders = self._holders
+        by_mask: dict[int, int] = {}  # popular units share holder sets: add per set, not per unit
         for u, b in pairs:
             mask = holders.get(u)
             if mask:
-                for i in _bits(mask):
-                    out[i] += b
+                by_mask[mask] = by_mask.get(mask, 0) + b
+        out = [0] * len(self.nodes)
+        for mask, b in by_mask.items():
+            for i in _bits(mask):
+                out[i] += b
         return out
 
     def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
@@ -170,9 +176,8 @@ class ControlPlane:
         leases: list[ReadLease | None] = [None if u in held_set else directory.lease(u, node) for u, _ in pairs]
         plans: list[UnitPlan] = []
         evict: list[str] = []
-        interned = self._interned
-        local_policy = local.policy
-        shared_policy = shared.policy
+        held_plans, kept_plans, computed_plans = self._interned
+        shared_records = shared.policy.records
         hits = kept_local = kept_shared = 0
         for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
@@ -182,8 +187,8 @@ class ControlPlane:
                 hits += 1
             else:
                 prep = COMPUTE if lease is None else REMOTE
-                # a unit the view already holds (planned by another request) is not admitted twice
-                victims = None if u in local_policy else local.admit(u, b, request_id, tokens)
+                # None also for a unit the view already holds (planned by another request)
+                victims = local.admit(u, b, request_id, tokens)
                 keep_local = victims is not None
                 if keep_local:
                     kept_local += 1
@@ -192,12 +197,12 @@ class ControlPlane:
                         evict += victims
             if lease is None:
                 # the shared policy's residents mirror the directory's entries (pending or ready)
-                grant = None if u in shared_policy else shared.admit(u, n, b, node)
+                grant = None if shared_records.get(u, NO_RECORD).blocks else shared.admit(u, n, b, node)
                 if grant is None:
-                    key = (u, prep is LOCAL, keep_local)  # bools: Enum.__hash__ is a Python call
-                    plan = interned.get(key)
+                    interned = held_plans if prep is LOCAL else kept_plans if keep_local else computed_plans
+                    plan = interned.get(u)
                     if plan is None or plan.n_tokens != n:
-                        plan = interned[key] = UnitPlan(
+                        plan = interned[u] = UnitPlan(
                             u, n, prep, Retention.LOCAL if keep_local else Retention.NEITHER)
                     plans.append(plan)
                     continue
@@ -205,8 +210,9 @@ class ControlPlane:
             else:
                 grant = None
             plans.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
-        if len(interned) > _INTERNED_MAX:
-            interned.clear()
+        for interned in self._interned:
+            if len(interned) > _INTERNED_MAX:
+                interned.clear()
         self.stats.count_plan(len(plans), hits, len(leases) - leases.count(None), kept_local,
                               kept_shared, len(evict))
         return RequestPlan(WIRE_VERSION, request_id, node, tuple(plans), tuple(evict))

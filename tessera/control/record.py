@@ -37,6 +37,9 @@ class UnitRecord:
                 f"blocks={self.blocks}, keyed={self.keyed})")
 
 
+NO_RECORD = UnitRecord("")  # what a lookup of a unit the tier never saw reads: all zero; never written
+
+
 class UnitTable(dict[str, UnitRecord]):
     """unit id -> record. ``table[u]`` creates a missing record; ``table.get(u)`` never does."""
 
