@@ -176,8 +176,11 @@ class DemandAdmission(AdmissionPolicy):
         need = n_blocks - free_blocks
         if need <= 0:
             return []
+        score = self.demand.score(unit_id)
+        if self._ranks.lowest >= score:
+            return None  # nothing is keyed strictly lower, and keys never overestimate
         out: list[str] = []
-        walk = self._ranks.walk(self.demand.score(unit_id), self.demand.score_of)
+        walk = self._ranks.walk(score, self.demand.score_of)
         try:
             for r in walk:  # strictly lower scores only, lowest first
                 v = r.unit_id

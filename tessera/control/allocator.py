@@ -106,7 +106,11 @@ class BlockAllocator:
     def free(self, blocks: tuple[BlockRef, ...] | list[BlockRef]) -> None:
         by_node: dict[str, list[int]] = {}
         for b in blocks:
-            by_node.setdefault(b.node, []).append(b.index)
+            indices = by_node.get(b.node)
+            if indices is None:
+                by_node[b.node] = [b.index]
+            else:
+                indices.append(b.index)
         for name, indices in by_node.items():
             node = self._nodes.get(name)
             if node is not None:  # a removed node's slots are gone with it

@@ -36,24 +36,26 @@ class DemandTracker:
         self.w_lifetime = float(w_lifetime)
         self.requests = 0  # requests recorded so far: the stream's clock
         self.records = UnitTable() if records is None else records  # shared with the tier's policy
-        self._ring: deque[tuple[UnitRecord, ...]] = deque()
+        self._ring: deque[list[UnitRecord]] = deque()
 
-    def count(self, unit_ids: tuple[str, ...]) -> tuple[UnitRecord, ...]:
+    def count(self, unit_ids: tuple[str, ...]) -> list[UnitRecord]:
         """Count one request retrieving ``unit_ids`` (distinct ids).
 
         Returns the records of the request that just left the window: their scores dropped,
         so a caller ordering units by score must re-key them (the request's own units rose).
         """
         records = self.records
-        entered = tuple([records[u] for u in unit_ids])
-        for r in entered:
+        entered = []
+        for u in unit_ids:
+            r = records[u]
             r.recent += 1
             r.lifetime += 1
+            entered.append(r)
         ring = self._ring
         ring.append(entered)
         self.requests += 1
         if len(ring) <= self.window:
-            return ()
+            return []
         left = ring.popleft()
         for r in left:
             r.recent -= 1

@@ -192,7 +192,7 @@ class Directory:
     def evict(self, unit_id: str) -> tuple[BlockRef, ...]:
         """Remove a READY, unleased entry and free its blocks at once."""
         entry = self._entries.get(unit_id)
-        assert entry is not None and self.can_evict(unit_id), (
+        assert entry is not None and entry.state is EntryState.READY and not entry.leases, (
             f"evict({unit_id}) on an entry that is not safe to reclaim: "
             f"{None if entry is None else (entry.state, len(entry.leases))}"
         )

@@ -13,6 +13,7 @@ caller decides when a key is stale (see :class:`~tessera.control.admission.Deman
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator
 
 from sortedcontainers import SortedList
@@ -23,12 +24,15 @@ from tessera.control.record import UnitRecord
 class ScoreBuckets:
     """Records by keyed score, iterable in increasing (score, keying order). Verbs: put, drop, walk."""
 
-    __slots__ = ("_buckets", "_scores", "_size")
+    __slots__ = ("_buckets", "_scores", "_size", "lowest")
 
     def __init__(self) -> None:
         self._buckets: dict[float, dict[UnitRecord, None]] = {}  # records hash by identity
         self._scores = SortedList()  # distinct keyed scores, ascending
         self._size = 0
+        # the smallest keyed score (inf when empty): a caller can tell without starting a walk
+        # that nothing ranks below its candidate
+        self.lowest = math.inf
 
     def __len__(self) -> int:
         return self._size
@@ -41,6 +45,8 @@ class ScoreBuckets:
         if bucket is None:
             bucket = self._buckets[score] = {}
             self._scores.add(score)
+            if score < self.lowest:
+                self.lowest = score
         bucket[record] = None
         record.keyed = score
         self._size += 1
@@ -54,7 +60,10 @@ class ScoreBuckets:
         self._size -= 1
         if not bucket:
             del self._buckets[score]
-            self._scores.remove(score)
+            scores = self._scores
+            scores.remove(score)
+            if score == self.lowest:
+                self.lowest = scores[0] if scores else math.inf
 
     def walk(self, below: float, fresh: Callable[[UnitRecord], float]) -> Generator[UnitRecord, None, None]:
         """Yield records in increasing keyed-score order while the score is < ``below``.
@@ -92,6 +101,7 @@ class ScoreBuckets:
 
     def check_invariants(self) -> None:
         assert list(self._scores) == sorted(self._buckets), "distinct scores out of step with buckets"
+        assert self.lowest == (self._scores[0] if self._scores else math.inf), (self.lowest, self._scores[:1])
         assert all(self._buckets.values()), "an empty bucket survived"
         assert sum(len(b) for b in self._buckets.values()) == self._size, "bucket sizes drifted"
         for s, bucket in self._buckets.items():

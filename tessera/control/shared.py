@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from tessera.control.admission import AdmissionPolicy
 from tessera.control.directory import Directory
+from tessera.control.record import NO_RECORD
 from tessera.messages import WriteGrant
 
 
@@ -44,7 +45,7 @@ class SharedTier:
         policy = self.policy
         if not policy.wants(unit_id):
             return None
-        if unit_id in policy:  # the directory dropped it and nobody told us yet
+        if policy.records.get(unit_id, NO_RECORD).blocks:  # the directory dropped it, nobody told us yet
             policy.discard(unit_id)
         allocator = directory.allocator
         if n_blocks > allocator.capacity:
