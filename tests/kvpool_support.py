@@ -126,8 +126,7 @@ class MemoryNodeProcess:
         self.proc.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL (no cleanup in the node), then remove the segment it leaves behind."""
-        self.resume()
+        """SIGKILL (no cleanup in the node; works on a paused node too, which must not run again)."""
         self.proc.kill()
         if self.shm_name:
             (SHM_DIR / self.shm_name).unlink(missing_ok=True)

@@ -77,6 +77,9 @@ class Transport(ABC):
     """Client side of a transport (see the module docstring for the contract)."""
 
     name: ClassVar[str]
+    # largest request a batch is split into (bounded by max_inflight_bytes as well)
+    request_bytes: ClassVar[int] = REQUEST_BYTES
+    request_blocks: ClassVar[int] = REQUEST_BLOCKS
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -125,7 +128,7 @@ class Transport(ABC):
                 )
         if not ios:
             return
-        requests = split_requests(ios, min(REQUEST_BYTES, self.config.max_inflight_bytes))
+        requests = split_requests(ios, min(self.request_bytes, self.config.max_inflight_bytes), self.request_blocks)
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 await all_or_nothing([self._bounded(run, node, r) for r in requests])
@@ -153,12 +156,12 @@ class Transport(ABC):
             self.limiter.release(charge)
 
 
-def split_requests(ios: Sequence[SlotIO], max_bytes: int) -> list[Sequence[SlotIO]]:
-    """Consecutive runs of at most ``max_bytes`` (at least one slot) and REQUEST_BLOCKS slots."""
+def split_requests(ios: Sequence[SlotIO], max_bytes: int, max_blocks: int = REQUEST_BLOCKS) -> list[Sequence[SlotIO]]:
+    """Consecutive runs of at most ``max_bytes`` (at least one slot) and ``max_blocks`` slots."""
     out: list[Sequence[SlotIO]] = []
     start, size = 0, 0
     for i, io in enumerate(ios):
-        if i > start and (size + len(io.buf) > max_bytes or i - start >= REQUEST_BLOCKS):
+        if i > start and (size + len(io.buf) > max_bytes or i - start >= max_blocks):
             out.append(ios[start:i])
             start, size = i, 0
         size += len(io.buf)
