@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tessera.config import ClusterConfig, load_config
 from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.benchmark.workloads import Workload
 
 app = typer.Typer(
     name="tessera",
@@ -72,3 +75,204 @@ def main() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+@app.command()
+def up(
+    config: ConfigOpt = None,
+    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Where each role's log goes (default: a temp dir).")] = None,
+) -> None:
+    """Start every role of the config on this machine (retrieval, kvpool, generation) and wait for Ctrl-C."""
+    import signal
+    import time
+
+    from tessera.launcher import ClusterError, LocalCluster
+
+    cfg = _load(config)
+    cluster = LocalCluster(cfg, log_dir=log_dir)
+    try:
+        cluster.start()
+    except ClusterError as exc:
+        typer.echo(f"tessera up: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"tessera is up: OpenAI-compatible API at {cfg.retrieval_url}/v1/chat/completions "
+               f"(metrics at {cfg.retrieval_url}/metrics). Ctrl-C stops every role.")
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop:
+            dead = [c for c in cluster.children if c.proc.poll() is not None]
+            if dead:
+                c = dead[0]
+                typer.echo(f"tessera up: {c.role} {c.node} exited with code {c.proc.returncode}; stopping.\n"
+                           f"{c.tail()}", err=True)
+                cluster.stop()
+                raise typer.Exit(1)
+            time.sleep(0.5)
+    finally:
+        typer.echo("stopping tessera (draining in-flight requests)...", err=True)
+        cluster.stop()
+
+
+@app.command()
+def analyze(
+    trace: Annotated[Path, typer.Argument(help="JSONL trace: {stream, tokens, units} per request.")],
+    per_stream: Annotated[bool, typer.Option("--per-stream", help="Also print each stream's numbers.")] = False,
+) -> None:
+    """Classify unit tokens of a trace as prefix-covered, non-prefix repeats or new (paper §3.1)."""
+    from tessera.benchmark.trace import analyze as run_analysis
+    from tessera.benchmark.trace import read_trace
+    from tessera.errors import BadRequest
+
+    if not trace.is_file():
+        typer.echo(f"tessera analyze: {trace} does not exist", err=True)
+        raise typer.Exit(2)
+    try:
+        result = run_analysis(read_trace(trace))
+    except BadRequest as exc:
+        typer.echo(f"tessera analyze: {exc}", err=True)
+        raise typer.Exit(2) from None
+    t = result["total"]
+    typer.echo(f"requests: {t['requests']}, injected unit tokens: {t['unit_tokens']}")
+    typer.echo(f"  non-prefix repeat: {t['non_prefix_repeat']:.1%}   prefix-covered: {t['prefix_covered']:.1%}   "
+               f"new: {t['new']:.1%}")
+    typer.echo(f"  requests with >= half their unit tokens non-prefix repeats: {t['requests_mostly_repeat']:.1%}")
+    typer.echo(f"  non-prefix repeats as a share of all prompt tokens: {t['repeat_share_of_prompt_tokens']:.1%}")
+    if per_stream:
+        for name, s in result["streams"].items():
+            typer.echo(f"  {name}: repeat {s['non_prefix_repeat']:.1%} prefix {s['prefix_covered']:.1%} "
+                       f"new {s['new']:.1%} of prompt {s['repeat_share_of_prompt_tokens']:.1%} ({s['requests']} req)")
+
+
+class WorkloadName(StrEnum):
+    rag = "rag"
+    locomo = "locomo"
+    synthetic = "synthetic"
+
+
+def _workload(name: WorkloadName, requests: int, data_dir: Path | None, zipf: float, top_k: int | None,
+              unit_words: int, placement: str, seed: int) -> Workload:
+    from tessera.benchmark import workloads as w
+
+    data = data_dir or w.DATA_DIR
+    if name is WorkloadName.rag:
+        return w.rag_workload(requests, data_dir=data, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed)
+    if name is WorkloadName.locomo:
+        return w.locomo_workload(requests, data_dir=data, top_k=top_k or 6, placement=placement, seed=seed)
+    return w.synthetic_workload(requests, units_per_request=top_k or 5, unit_words=unit_words or 120,
+                                zipf_s=zipf, seed=seed)
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        typer.echo(f"tessera: {what} must be comma-separated numbers, got {text!r}", err=True)
+        raise typer.Exit(2) from None
+    if not values or any(v <= 0 for v in values):
+        typer.echo(f"tessera: {what} must be positive numbers, got {text!r}", err=True)
+        raise typer.Exit(2)
+    return sorted(values)
+
+
+@app.command()
+def bench(
+    workload: Annotated[WorkloadName, typer.Option(help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.rag,
+    systems: Annotated[str, typer.Option(help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
+    rates: Annotated[str, typer.Option(help="Comma-separated aggregate request rates (req/s).")] = "0.1,0.2,0.4",
+    requests: Annotated[int, typer.Option(help="Requests per run (the first --warmup share warms up).")] = 60,
+    warmup: Annotated[float, typer.Option(help="Share of each run's requests excluded as warm-up.")] = 0.5,
+    unloaded: Annotated[int, typer.Option(help="Requests measured one at a time for the unloaded TTFT (0: skip).")] = 5,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 1,
+    zipf: Annotated[float, typer.Option(help="Zipf exponent of query/unit popularity.")] = 1.0,
+    top_k: Annotated[int | None, typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
+    unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
+    placement: Annotated[str, typer.Option(help="locomo: user (OpenViking style) or system (Mem0 style).")] = "user",
+    data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
+    out: Annotated[Path, typer.Option(help="Output folder for bench.json and the plots.")] = Path("results/bench"),
+    dump_trace: Annotated[bool, typer.Option("--dump-trace", help="Write each run's rendered prompts as JSONL traces.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
+    config: ConfigOpt = None,
+) -> None:
+    """Open-loop Poisson load against fresh local clusters; prints and plots TTFT per system and rate."""
+    import asyncio
+
+    from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench
+
+    cfg = _load(config)
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        typer.echo(f"tessera bench: unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}", err=True)
+        raise typer.Exit(2)
+    if not 0 <= warmup < 1 or requests < 2:
+        typer.echo("tessera bench: --warmup must be in [0, 1) and --requests >= 2", err=True)
+        raise typer.Exit(2)
+    try:
+        wl = _workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed)
+    except ConfigError as exc:
+        typer.echo(f"tessera bench: {exc}", err=True)
+        raise typer.Exit(2) from None
+    opts = BenchOptions(systems=names, rates=_floats(rates, "--rates"), max_tokens=max_tokens, warmup_frac=warmup,
+                        unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed)
+    report = asyncio.run(run_bench(cfg, wl, opts))
+    _print_report(report)
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    typer.echo(report["table"])
+    c = report.get("comparison") or {}
+    if c:
+        def f(x: object) -> str:
+            return "n/a" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
+
+        typer.echo(f"\nunloaded mean TTFT: prefix {f(c.get('baseline_unloaded_ttft'))}s, "
+                   f"tessera {f(c.get('system_unloaded_ttft'))}s")
+        typer.echo(f"rate where prefix reaches 3x its unloaded TTFT: {f(c.get('rate_baseline_at_3x_unloaded'))} req/s; "
+                   f"there prefix {f(c.get('baseline_mean_at_knee'))}s vs tessera {f(c.get('system_mean_at_knee'))}s "
+                   f"-> {f(c.get('ttft_reduction_at_knee'))}x lower (target >= 4x)")
+        typer.echo(f"highest rate with mean TTFT <= 2x unloaded: prefix {f(c.get('baseline_sustained_rate'))}, "
+                   f"tessera {f(c.get('system_sustained_rate'))} req/s -> {f(c.get('sustained_rate_ratio'))}x "
+                   f"(target >= 3x)")
+    for p in report.get("plots", []):
+        typer.echo(f"plot: {p}")
+
+
+@app.command(name="eval")
+def evaluate_cmd(
+    workload: Annotated[WorkloadName, typer.Option(help="rag (MuSiQue) or locomo.")] = WorkloadName.rag,
+    questions: Annotated[int, typer.Option(help="Distinct questions to answer.")] = 50,
+    policies: Annotated[str, typer.Option(help="Comma-separated composition policies.")] = "full,naive,epic",
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy answer length cap.")] = 24,
+    top_k: Annotated[int | None, typer.Option(help="Units per question (default: rag 5, locomo 6).")] = None,
+    unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep).")] = 0,
+    placement: Annotated[str, typer.Option(help="locomo: user or system placement.")] = "user",
+    data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Answer F1 of full / naive / epic composition on MuSiQue or LoCoMo (categories 1-4)."""
+    from tessera.benchmark.evaluate import evaluate
+
+    if workload is WorkloadName.synthetic:
+        typer.echo("tessera eval: the synthetic workload has no gold answers; use rag or locomo", err=True)
+        raise typer.Exit(2)
+    cfg = _load(config)
+    try:
+        wl = _workload(workload, 0 if workload is WorkloadName.locomo else 5000, data_dir, 0.0, top_k, unit_words,
+                       placement, 0)
+    except ConfigError as exc:
+        typer.echo(f"tessera eval: {exc}", err=True)
+        raise typer.Exit(2) from None
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    result = evaluate(cfg, wl, questions, names, max_new_tokens)
+    typer.echo(f"{result['workload']}: {result['questions']} questions")
+    for name, score in result["f1"].items():
+        agree = result["agreement_with_full"].get(name)
+        extra = f"  (answer F1 vs full: {agree:.1f})" if agree is not None else ""
+        typer.echo(f"  {name:<6} F1 {score:5.1f}{extra}")

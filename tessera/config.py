@@ -121,6 +121,7 @@ class ControlConfig:
         _choice("control.admission", self.admission, ADMISSIONS)
         _choice("control.routing", self.routing, ROUTINGS)
         _positive("control.window", self.window)
+        _check(self.window < 1 << 24, "control.window", self.window, "expected fewer than 16777216 requests")
         _non_negative("control.w_recent", self.w_recent)
         _non_negative("control.w_lifetime", self.w_lifetime)
         _non_negative("control.theta", self.theta)
@@ -146,9 +147,12 @@ class RetrievalConfig:
     # where to put units by default: "system" (after the system prompt, RAG / Mem0 style) or
     # "user" (inside the newest user message, OpenViking style)
     unit_placement: str = "system"
+    # torch threads of the query/ingest embedder (MiniLM); the generation nodes need the rest
+    embed_threads: int = 1
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _positive("retrieval.embed_threads", self.embed_threads)
         _positive("retrieval.top_k", self.top_k)
         _positive("retrieval.max_unit_tokens", self.max_unit_tokens)
         _positive("retrieval.hnsw_connectivity", self.hnsw_connectivity)

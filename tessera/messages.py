@@ -171,6 +171,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # -1: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
+    top_logprobs: int = -1
 
 
 # --- control RPCs --------------------------------------------------------------------------

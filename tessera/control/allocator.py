@@ -22,6 +22,8 @@ class NodeBlocks:
         # pop() from the end: hand out low indices first (nicer to read in tests and dumps)
         self._free = list(range(capacity - 1, -1, -1))
         self._used: set[int] = set()
+        # BlockRefs are immutable: build each once, on first use (the plan path hands out many)
+        self._refs: list[BlockRef | None] = [None] * capacity
 
     @property
     def free_count(self) -> int:
@@ -32,6 +34,16 @@ class NodeBlocks:
         taken = [self._free.pop() for _ in range(n)]
         self._used.update(taken)
         return taken
+
+    def refs(self, indices: list[int]) -> list[BlockRef]:
+        out: list[BlockRef] = []
+        cache = self._refs
+        for i in indices:
+            ref = cache[i]
+            if ref is None:
+                ref = cache[i] = BlockRef(self.name, i)
+            out.append(ref)
+        return out
 
     def free(self, indices: list[int]) -> None:
         for i in indices:
@@ -80,7 +92,7 @@ class BlockAllocator:
             if remaining == 0:
                 break
             take = min(remaining, node.free_count)
-            out.extend(BlockRef(node.name, i) for i in node.allocate(take))
+            out.extend(node.refs(node.allocate(take)))
             remaining -= take
         assert remaining == 0, remaining
         return tuple(out)

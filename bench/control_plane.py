@@ -1,0 +1,145 @@
+"""Control-plane throughput and plan latency, in process, on one core.
+
+Each request retrieves 10 distinct units drawn from a Zipf popularity over a unit universe;
+8 generation nodes each keep a simulated local cache that follows the plans exactly
+(insert what is retained locally, drop ``local_evict``), writers publish their grants and
+readers release their leases at once, and a fixed number of requests stay in flight.
+
+Measured per request: route + finalize + complete (the plan latency); throughput counts
+the whole loop including the simulated node traffic (snapshot, publish, release).
+
+    flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--units U] [--zipf S]
+
+Prints numbers; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from collections import deque
+
+import numpy as np
+
+from tessera.config import ClusterConfig, ControlConfig, GenerationNodeConfig, KVPoolNodeConfig
+from tessera.control.plane import ControlPlane
+from tessera.messages import MemoryNodeHello, PublishRequest, ReleaseRequest, ResidencyReport
+from tessera.wire import WIRE_VERSION
+
+
+def build(args: argparse.Namespace) -> ControlPlane:
+    gens = tuple(GenerationNodeConfig(f"gen{i}", port=9600 + i, local_capacity_blocks=args.local_blocks)
+                 for i in range(args.nodes))
+    pools = (KVPoolNodeConfig("kv0", port=9500, data_port=9501, capacity_blocks=args.shared_blocks),)
+    control = ControlConfig(admission=args.admission, routing=args.routing)
+    config = ClusterConfig(block_tokens=16, control=control, kvpools=pools, generation=gens)
+    plane = ControlPlane(config)
+    plane.hello(MemoryNodeHello(WIRE_VERSION, "kv0", "boot", args.shared_blocks, 4096, "", "127.0.0.1", 9501))
+    return plane
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[tuple[str, int]]], list[str]]:
+    rng = np.random.default_rng(args.seed)
+    ranks = np.arange(1, args.units + 1, dtype=np.float64)
+    p = ranks ** -args.zipf
+    p /= p.sum()
+    sizes = rng.integers(48, 257, size=args.units)
+    names = [f"{i:032x}" for i in range(args.units)]
+    # oversample, then keep the first per_request distinct draws of each request
+    draws = rng.choice(args.units, size=(args.requests, args.per_request * 4), p=p).tolist()
+    requests = []
+    for row in draws:
+        picks = list(dict.fromkeys(row))
+        while len(picks) < args.per_request:
+            picks = list(dict.fromkeys(picks + rng.choice(args.units, size=args.per_request, p=p).tolist()))
+        requests.append([(names[u], int(sizes[u])) for u in picks[: args.per_request]])
+    return requests, [f"r{i}" for i in range(args.requests)]
+
+
+def run(args: argparse.Namespace) -> None:
+    plane = build(args)
+    requests, rids = workload(args)
+    caches: dict[str, set[str]] = {n: set() for n in plane.nodes}
+    inflight: deque[str] = deque()
+    lat = np.empty(len(requests), dtype=np.int64)
+    pc = time.perf_counter_ns
+    gc.collect()
+    gc.freeze()
+    gc.disable() if os.environ.get("NOGC") else None
+    start = pc()
+    for i, (rid, units) in enumerate(zip(rids, requests, strict=True)):
+        t0 = pc()
+        node = plane.route(rid, units)
+        t1 = pc()
+        cache = caches[node]
+        held = [u for u, _ in units if u in cache]  # the node's snapshot
+        t2 = pc()
+        plan = plane.finalize(rid, node, held)
+        t3 = pc()
+        # the node follows the plan: drop victims, insert retained units, write back, release
+        cache.difference_update(plan.local_evict)
+        leases = []
+        inserted = []
+        for up in plan.units:
+            if up.retention.local:
+                cache.add(up.unit_id)
+                inserted.append(up.unit_id)
+            if up.grant is not None:
+                g = up.grant
+                plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
+            if up.lease is not None:
+                leases.append(up.lease.lease_id)
+        if leases:
+            plane.release(ReleaseRequest(WIRE_VERSION, tuple(leases)))
+        if inserted or plan.local_evict:
+            plane.residency(ResidencyReport(WIRE_VERSION, node, tuple(inserted), plan.local_evict))
+        inflight.append(rid)
+        t4 = pc()
+        if len(inflight) > args.inflight:
+            plane.complete(inflight.popleft())
+        t5 = pc()
+        lat[i] = (t1 - t0) + (t3 - t2) + (t5 - t4)
+    elapsed = (pc() - start) / 1e9
+    while inflight:
+        plane.complete(inflight.popleft())
+    gc.unfreeze()
+    warm = lat[len(lat) // 10:]  # skip the cold start
+    s = plane.stats
+    print(f"control plane: {args.nodes} generation nodes, {args.per_request} units/request, "
+          f"{args.units} units Zipf({args.zipf}), admission={args.admission}, routing={args.routing}, "
+          f"{args.inflight} in flight, cpu={sorted(os.sched_getaffinity(0))}")
+    print(f"  plans/s (route+finalize+complete only): {len(warm) / (warm.sum() / 1e9):,.0f}")
+    print(f"  plans/s (whole loop incl. simulated node traffic): {len(requests) / elapsed:,.0f}")
+    print(f"  plan latency p50 {np.percentile(warm, 50) / 1e3:.1f} us, p99 {np.percentile(warm, 99) / 1e3:.1f} us, "
+          f"max {warm.max() / 1e3:.1f} us")
+    print(f"  preparations: local {s.local / s.units:.1%}, remote {s.remote / s.units:.1%}, "
+          f"compute {s.compute / s.units:.1%}; retained local {s.keep_local}, shared {s.keep_shared}, "
+          f"local evictions {s.local_evictions}, shared evictions {plane.shared.evictions}")
+    loads = [len(c) for c in caches.values()]
+    print(f"  local cache units per node: {loads}; shared entries {len(plane.directory)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=100_000)
+    ap.add_argument("--units", type=int, default=20_000, help="unit universe size")
+    ap.add_argument("--per-request", type=int, default=10)
+    ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of unit popularity")
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--inflight", type=int, default=32, help="requests kept in flight")
+    ap.add_argument("--local-blocks", type=int, default=4096, help="local capacity per node (blocks)")
+    ap.add_argument("--shared-blocks", type=int, default=32768)
+    ap.add_argument("--admission", default="demand")
+    ap.add_argument("--routing", default="cache_aware")
+    ap.add_argument("--cpu", type=int, default=0, help="pin to this core (one core)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.cpu})
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Open-loop load generation against a running cluster's chat API.
+
+Requests are sent at Poisson arrival times regardless of completions (open loop), each one
+streaming, and TTFT is measured at the client from sending the HTTP request (retrieval
+included) to the first streamed content chunk. Usage (tokens per cache tier) comes from the
+final stream chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from tqdm import tqdm
+
+from tessera.benchmark.workloads import BenchRequest, CorpusUnit
+
+
+@dataclass
+class Result:
+    index: int
+    sent_at: float  # seconds since the run started
+    ttft: float | None = None
+    latency: float | None = None
+    text: str = ""
+    status: int = 0
+    error: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error and self.ttft is not None
+
+
+async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progress: bool = True) -> int:
+    """Add the corpus to the Retrieval Pool's index; returns the number of units sent."""
+    if not corpus:
+        return 0
+    bar = tqdm(total=len(corpus), desc="ingest", unit="unit", disable=not progress, leave=False)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for i in range(0, len(corpus), batch):
+            chunk = corpus[i:i + batch]
+            body = {"version": 1, "units": [{"scope": u.scope, "text": u.text} for u in chunk]}
+            async with http.post(f"{url}/v1/units", data=orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"ingest failed with HTTP {resp.status}: {await resp.text()}")
+            bar.update(len(chunk))
+    bar.close()
+    return len(corpus)
+
+
+async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], result: Result, start: float) -> None:
+    t0 = time.perf_counter()
+    try:
+        async with http.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
+                             headers={"Content-Type": "application/json"}) as resp:
+            result.status = resp.status
+            if resp.status != 200:
+                result.error = (await resp.text())[:300]
+                return
+            parts: list[str] = []
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:300]
+                    return
+                for choice in chunk.get("choices", []):
+                    content = choice.get("delta", {}).get("content")
+                    if content is not None and result.ttft is None:
+                        result.ttft = time.perf_counter() - t0
+                    if content:
+                        parts.append(content)
+                if chunk.get("usage"):
+                    result.usage = chunk["usage"]
+                if chunk.get("tessera_layout"):
+                    result.layout = chunk["tessera_layout"]
+            result.text = "".join(parts)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        result.error = repr(exc)[:300]
+    finally:
+        result.latency = time.perf_counter() - t0
+
+
+async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, max_tokens: int = 1,
+                   seed: int = 0, return_layout: bool = False, progress: bool = True,
+                   desc: str = "") -> list[Result]:
+    """Send ``requests`` at Poisson arrivals of ``rate`` req/s (rate <= 0: one at a time)."""
+    rng = random.Random(seed)
+    results = [Result(i, 0.0) for i in range(len(requests))]
+    bar = tqdm(total=len(requests), desc=desc or f"{rate:g} req/s", unit="req", disable=not progress,
+               leave=False)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        start = time.perf_counter()
+        tasks = []
+        next_at = 0.0
+        for i, req in enumerate(requests):
+            body = req.body(max_tokens)
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+            if return_layout:
+                body["return_layout"] = True
+            if rate > 0:
+                delay = start + next_at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                next_at += rng.expovariate(rate)
+            results[i].sent_at = time.perf_counter() - start
+            task = asyncio.create_task(_one(http, url, body, results[i], start))
+            task.add_done_callback(lambda _t: bar.update(1))
+            if rate <= 0:
+                await task  # closed loop: the unloaded reference
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+    bar.close()
+    return results

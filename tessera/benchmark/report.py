@@ -1,0 +1,180 @@
+"""Summaries, tables and plots of bench runs (no I/O except writing the PNGs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.benchmark.client import Result
+
+
+def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dict[str, Any]:
+    """Stats over the measured part (after the warm-up share of the sequence)."""
+    start = int(len(results) * warmup_frac)
+    measured = results[start:]
+    ok = [r for r in measured if r.ok]
+    ttfts = np.array([r.ttft for r in ok], dtype=np.float64)
+    tiers = {"prefix": 0, "local": 0, "remote": 0, "computed": 0, "recomputed": 0, "prompt": 0}
+    for r in ok:
+        t = r.usage.get("tessera", {})
+        tiers["prefix"] += t.get("prefix_cached_tokens", 0)
+        tiers["local"] += t.get("local_tokens", 0)
+        tiers["remote"] += t.get("remote_tokens", 0)
+        tiers["computed"] += t.get("computed_unit_tokens", 0)
+        tiers["recomputed"] += t.get("recomputed_tokens", 0)
+        tiers["prompt"] += r.usage.get("prompt_tokens", 0)
+    unit_tokens = tiers["local"] + tiers["remote"] + tiers["computed"]
+    span = 0.0
+    if ok:
+        first = min(r.sent_at for r in ok)
+        last = max(r.sent_at + (r.latency or 0.0) for r in ok)
+        span = max(last - first, 1e-9)
+    out: dict[str, Any] = {
+        "rate": rate,
+        "requests": len(measured),
+        "ok": len(ok),
+        "failed": len(measured) - len(ok),
+        "errors": sorted({r.error[:120] or f"HTTP {r.status}" for r in measured if not r.ok})[:5],
+        "throughput": len(ok) / span if span else 0.0,
+        "hit_rate": {
+            "prefix": tiers["prefix"] / max(tiers["prompt"], 1),
+            "local": tiers["local"] / max(unit_tokens, 1),
+            "remote": tiers["remote"] / max(unit_tokens, 1),
+            "computed": tiers["computed"] / max(unit_tokens, 1),
+        },
+        "computed_share_of_prompt": (tiers["recomputed"] + tiers["computed"]) / max(tiers["prompt"], 1),
+        "mean_prompt_tokens": tiers["prompt"] / max(len(ok), 1),
+    }
+    if len(ttfts):
+        out.update({
+            "mean": float(ttfts.mean()),
+            "p50": float(np.percentile(ttfts, 50)),
+            "p90": float(np.percentile(ttfts, 90)),
+            "p99": float(np.percentile(ttfts, 99)),
+            "ttfts": [float(x) for x in ttfts],
+        })
+    return out
+
+
+def _interp_rate_at(rates: Sequence[float], means: Sequence[float], level: float) -> float | None:
+    """Lowest rate at which mean TTFT reaches ``level`` (linear interpolation), None if never."""
+    for i in range(1, len(rates)):
+        if means[i] >= level > means[i - 1]:
+            f = (level - means[i - 1]) / (means[i] - means[i - 1])
+            return rates[i - 1] + f * (rates[i] - rates[i - 1])
+    if means and means[0] >= level:
+        return rates[0]
+    return None
+
+
+def _interp_mean_at(rates: Sequence[float], means: Sequence[float], rate: float) -> float | None:
+    if not rates or rate < rates[0] or rate > rates[-1]:
+        return None
+    return float(np.interp(rate, rates, means))
+
+
+def sustained_rate(rates: Sequence[float], means: Sequence[float], bound: float) -> float:
+    """Highest measured rate whose mean TTFT stays within ``bound`` (interpolated to the crossing)."""
+    crossing = _interp_rate_at(rates, means, bound)
+    if crossing is None:
+        return rates[-1] if rates and means[-1] < bound else 0.0
+    return crossing
+
+
+def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tessera") -> dict[str, Any]:
+    """The issue's two targets, computed from the sweep (printed, never asserted)."""
+    out: dict[str, Any] = {}
+    systems = report["systems"]
+    if baseline not in systems or system not in systems:
+        return out
+
+    def curve(name: str) -> tuple[list[float], list[float], float]:
+        runs = [r for r in systems[name]["runs"] if "mean" in r]
+        # without a serial reference, the lowest rate stands in for "unloaded"
+        unloaded = systems[name].get("unloaded") or (runs[0] if runs else {})
+        return [r["rate"] for r in runs], [r["mean"] for r in runs], float(unloaded.get("mean", float("nan")))
+
+    b_rates, b_means, b_unloaded = curve(baseline)
+    s_rates, s_means, s_unloaded = curve(system)
+    knee = _interp_rate_at(b_rates, b_means, 3 * b_unloaded)
+    out["baseline_unloaded_ttft"] = b_unloaded
+    out["system_unloaded_ttft"] = s_unloaded
+    out["rate_baseline_at_3x_unloaded"] = knee
+    if knee is not None:
+        b_at = _interp_mean_at(b_rates, b_means, knee)
+        s_at = _interp_mean_at(s_rates, s_means, knee)
+        out["baseline_mean_at_knee"] = b_at
+        out["system_mean_at_knee"] = s_at
+        if b_at and s_at:
+            out["ttft_reduction_at_knee"] = b_at / s_at
+    b_sus = sustained_rate(b_rates, b_means, 2 * b_unloaded)
+    s_sus = sustained_rate(s_rates, s_means, 2 * s_unloaded)
+    out["baseline_sustained_rate"] = b_sus
+    out["system_sustained_rate"] = s_sus
+    out["sustained_rate_ratio"] = s_sus / b_sus if b_sus else None
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput | ok/sent | unit tokens local/remote/computed |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, sysrep in report["systems"].items():
+        unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
+        for r in [*unloaded, *sysrep["runs"]]:
+            if "mean" not in r:
+                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - |")
+                continue
+            h = r["hit_rate"]
+            rate = "unloaded" if unloaded and r is unloaded[0] else f"{r['rate']:g}"
+            rows.append(
+                f"| {name} | {rate} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | "
+                f"{r['throughput']:.2f} | {r['ok']}/{r['requests']} | "
+                f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} |")
+    return "\n".join(rows)
+
+
+def plot(report: dict[str, Any], out_dir: Path, cdf_rate: float | None = None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, sysrep in report["systems"].items():
+        runs = [r for r in sysrep["runs"] if "mean" in r]
+        ax.plot([r["rate"] for r in runs], [r["mean"] for r in runs], marker="o", label=name)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title(f"Mean TTFT vs rate — {report['workload']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / "ttft_vs_rate.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    rates = sorted({r["rate"] for s in report["systems"].values() for r in s["runs"]})
+    if rates:
+        rate = cdf_rate if cdf_rate in rates else rates[len(rates) // 2]
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for name, sysrep in report["systems"].items():
+            for r in sysrep["runs"]:
+                if r["rate"] == rate and r.get("ttfts"):
+                    xs = np.sort(np.array(r["ttfts"]))
+                    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("CDF")
+        ax.set_title(f"TTFT CDF at {rate:g} req/s — {report['workload']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        p = out_dir / "ttft_cdf.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths

@@ -1,0 +1,131 @@
+"""``tessera bench``: systems × rates on one workload, each run on a freshly started cluster.
+
+Every (system, rate) run starts the cluster anew so that no run inherits another's caches;
+the first ``warmup_frac`` of the request sequence warms the caches and is excluded from the
+numbers. Before the sweep, each system's *unloaded* TTFT is measured with requests sent one
+at a time (after the same warm-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.benchmark.client import Result, ingest, run_load
+from tessera.benchmark.report import compare, plot, summarize, table
+from tessera.benchmark.workloads import BenchRequest, Workload
+from tessera.config import ClusterConfig, ControlConfig
+from tessera.errors import ConfigError
+from tessera.launcher import LocalCluster
+
+# the paper's §6.4 ablations, plus the exact-prefix baseline (what SGLang/vLLM do today)
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "prefix": {"mode": "prefix", "admission": "lru", "routing": "load"},
+    "C+S": {"mode": "compose", "admission": "lru", "routing": "load"},
+    "C+S+R": {"mode": "compose", "admission": "lru", "routing": "cache_aware"},
+    "C+S+A": {"mode": "compose", "admission": "demand", "routing": "load"},
+    "tessera": {"mode": "compose", "admission": "demand", "routing": "cache_aware"},
+}
+
+
+def system_config(base: ClusterConfig, system: str) -> ClusterConfig:
+    if system not in SYSTEMS:
+        raise ConfigError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    control: ControlConfig = dataclasses.replace(base.control, **SYSTEMS[system])
+    return dataclasses.replace(base, control=control)
+
+
+@dataclass
+class BenchOptions:
+    systems: list[str]
+    rates: list[float]
+    max_tokens: int = 1
+    warmup_frac: float = 0.5
+    unloaded_requests: int = 0  # measured one at a time after the warm-up; 0 = skip
+    out_dir: Path = Path("results")
+    dump_trace: bool = False
+    progress: bool = True
+    seed: int = 0
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _write_trace(path: Path, results: list[Result], workload: Workload) -> None:
+    with open(path, "w") as fh:
+        for r, req in zip(results, workload.requests, strict=False):
+            if r.layout is not None:
+                rec = dict(r.layout)
+                rec["stream"] = req.stream
+                fh.write(json.dumps(rec) + "\n")
+
+
+async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchOptions, log_dir: Path, *,
+                    load: list[BenchRequest], rate: float, serial: list[BenchRequest] | None = None,
+                    ) -> tuple[list[Result], list[Result]]:
+    """Fresh cluster: ingest, send ``load`` open-loop at ``rate``, then ``serial`` one at a time."""
+    cluster = LocalCluster(cluster_cfg, log_dir=log_dir, quiet=True)
+    await asyncio.to_thread(cluster.start)
+    try:
+        url = cluster_cfg.retrieval_url
+        await ingest(url, workload.corpus, progress=opts.progress)
+        results = await run_load(url, load, rate, max_tokens=opts.max_tokens, seed=opts.seed,
+                                 return_layout=opts.dump_trace, progress=opts.progress, desc=f"{rate:g} req/s")
+        serial_results: list[Result] = []
+        if serial:
+            serial_results = await run_load(url, serial, 0.0, max_tokens=opts.max_tokens, progress=opts.progress,
+                                            desc="unloaded")
+        return results, serial_results
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions) -> dict[str, Any]:
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "workload": workload.name,
+        "workload_notes": workload.notes,
+        "requests": len(workload.requests),
+        "warmup_frac": opts.warmup_frac,
+        "max_tokens": opts.max_tokens,
+        "rates": opts.rates,
+        "systems": {},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    split = int(len(workload.requests) * opts.warmup_frac)
+    for system in opts.systems:
+        cfg = system_config(base, system)
+        sysrep: dict[str, Any] = {"config": SYSTEMS[system], "runs": []}
+        report["systems"][system] = sysrep
+        if opts.unloaded_requests:
+            # same warm-up as the sweep (open loop at the lowest rate), then one request at a time
+            _say(f"[{system}] unloaded reference: {opts.unloaded_requests} requests one at a time after warm-up")
+            _, serial = await _run_once(
+                cfg, workload, opts, opts.out_dir / f"logs-{system}-unloaded",
+                load=workload.requests[:split], rate=min(opts.rates),
+                serial=workload.requests[split:split + opts.unloaded_requests])
+            sysrep["unloaded"] = summarize(serial, 0.0, 0.0)
+            _say(f"[{system}] unloaded mean TTFT {sysrep['unloaded'].get('mean', float('nan')):.3f}s")
+        for rate in opts.rates:
+            _say(f"[{system}] rate {rate:g} req/s: {len(workload.requests)} requests "
+                 f"(first {opts.warmup_frac:.0%} warm up)")
+            results, _ = await _run_once(cfg, workload, opts, opts.out_dir / f"logs-{system}-{rate:g}",
+                                         load=workload.requests, rate=rate)
+            summary = summarize(results, opts.warmup_frac, rate)
+            sysrep["runs"].append(summary)
+            _say(f"[{system}] rate {rate:g}: mean TTFT {summary.get('mean', float('nan')):.3f}s "
+                 f"p90 {summary.get('p90', float('nan')):.3f}s ok {summary['ok']}/{summary['requests']}")
+            if opts.dump_trace:
+                _write_trace(opts.out_dir / f"trace-{workload.name}-{system}-{rate:g}.jsonl", results, workload)
+    report["comparison"] = compare(report)
+    report["plots"] = [str(p) for p in plot(report, opts.out_dir)]
+    report["table"] = table(report)
+    (opts.out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    return report

@@ -1,0 +1,124 @@
+"""Typed request/response bodies of the retrieval role's HTTP API.
+
+The control RPCs that other roles share (RequestPlan, PublishRequest, ResidencyReport, ...)
+live in :mod:`tessera.messages`; this module holds the ones only this service speaks.
+Every body carries ``version`` (see :func:`tessera.messages.check_version`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.messages import MemoryNodeHello
+
+# --- retrieval -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IngestUnit:
+    scope: str
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestRequest:
+    version: int
+    units: tuple[IngestUnit, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IngestedUnit:
+    unit_id: str
+    scope: str
+    n_tokens: int
+    new: bool  # False: the same unit (same scope and tokens) was already indexed
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResponse:
+    version: int
+    units: tuple[IngestedUnit, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveRequest:
+    version: int
+    scope: str
+    query: str | None = None  # exactly one of query and embedding
+    embedding: tuple[float, ...] | None = None
+    top_k: int = 0  # 0: retrieval.top_k
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievedUnit:
+    unit_id: str
+    scope: str
+    text: str
+    n_tokens: int
+    score: float  # cosine similarity, higher is closer
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveResponse:
+    version: int
+    scope: str
+    units: tuple[RetrievedUnit, ...]
+
+
+# --- control ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RouteUnit:
+    unit_id: str
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """Step 1 of a plan: the request's units in prompt order (empty in prefix mode)."""
+
+    version: int
+    request_id: str
+    units: tuple[RouteUnit, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResponse:
+    version: int
+    request_id: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """Step 4: finalize against the chosen node's snapshot (the units it holds locally)."""
+
+    version: int
+    request_id: str
+    node: str
+    held: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteRequest:
+    """The request finished or was abandoned: its node's in-flight count drops."""
+
+    version: int
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNodeList:
+    version: int
+    nodes: tuple[MemoryNodeHello, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    version: int
+    status: str  # "ready" | "loading"
+    role: str = "retrieval"

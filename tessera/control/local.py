@@ -1,0 +1,156 @@
+"""What the control plane believes one generation node's local unit cache holds.
+
+The node is the authority on its own memory (it enforces its capacity and declines what
+does not fit); this view is a policy signal for routing and local admission. It describes
+the node's cache *after* the plans issued so far, and is corrected by three sources of truth:
+
+* the node's snapshot at plan time (units of the request it holds, which it pins),
+* its :class:`~tessera.messages.ResidencyReport` (insertions it made, units it dropped or
+  declined to insert), delivered in the order the node made the changes,
+* liveness: a node declared dead is assumed to come back empty.
+
+Two kinds of in-flight change are tracked so the corrections are not misread:
+
+* *planned* units were admitted by a plan but not yet inserted. They count against
+  capacity (the insertion is coming) and are never victims (dropping them frees nothing).
+* *evicting* units were given up by a plan (``local_evict``) and the node has not reported
+  the drop yet. A snapshot may still show them; that does not make them resident again,
+  and the node's later eviction report is an acknowledgement, not news.
+
+This module knows nothing about the shared tier or about routing policies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Mapping
+
+from tessera.control.admission import AdmissionPolicy
+
+
+class LocalTier:
+    """One generation node's local cache as admission and routing see it."""
+
+    __slots__ = ("bit", "capacity", "evicting", "holders", "name", "planned", "policy")
+
+    def __init__(self, name: str, capacity_blocks: int, policy: AdmissionPolicy, *,
+                 bit: int = 1, holders: dict[str, int] | None = None) -> None:
+        self.name = name
+        self.capacity = capacity_blocks
+        self.policy = policy
+        self.planned: dict[str, str] = {}  # unit -> request whose plan admitted it (uninserted)
+        self.evicting: dict[str, int] = {}  # unit -> evictions asked of the node, not yet reported
+        # routing index shared by every node's view: unit -> bitmask of nodes holding it, so
+        # one lookup per unit ranks all nodes
+        self.bit = bit
+        self.holders: dict[str, int] = {} if holders is None else holders
+
+    @property
+    def used_blocks(self) -> int:
+        return self.policy.used_blocks
+
+    def holds(self, unit_id: str) -> bool:
+        """Resident or planned: the node has the unit or will insert it."""
+        return unit_id in self.policy.resident
+
+    # --- decisions -----------------------------------------------------------------------
+
+    def admit(self, unit_id: str, n_blocks: int, request_id: str, pinned: Container[str]) -> list[str] | None:
+        """Local admission for a unit the node will have after this request.
+
+        Returns the victims the node must drop (gone from the view now), or None when the
+        unit is not retained locally. ``pinned`` units (the request's own) are never victims.
+        """
+        policy = self.policy
+        if unit_id in policy.resident or n_blocks > self.capacity or not policy.wants(unit_id):
+            return None
+        planned = self.planned
+
+        def safe(v: str) -> bool:
+            return v not in pinned and v not in planned
+
+        victims = policy.victims(unit_id, n_blocks, self.capacity - policy.used_blocks, safe)
+        if victims is None:
+            return None
+        evicting = self.evicting
+        for v in victims:
+            self._discard(v)
+            evicting[v] = evicting.get(v, 0) + 1
+        self._add(unit_id, n_blocks)
+        planned[unit_id] = request_id
+        return victims
+
+    # --- corrections ---------------------------------------------------------------------
+
+    def reconcile(self, units: Iterable[tuple[str, int]], held: Container[str], live: Container[str]) -> None:
+        """Correct the view with the node's snapshot of a request's units.
+
+        ``live``: requests still outstanding. A planned unit that the node does not hold and
+        whose planning request is gone was never inserted (a late report re-adds it).
+        """
+        resident = self.policy.resident
+        planned = self.planned
+        for u, b in units:
+            if u in held:
+                if u in resident:
+                    planned.pop(u, None)
+                elif u not in self.evicting:
+                    self._add(u, b)  # the node has it and nobody asked it to drop it
+            elif u in resident:
+                by = planned.get(u)
+                if by is None or by not in live:
+                    planned.pop(u, None)
+                    self._discard(u)
+
+    def confirm(self, unit_ids: Iterable[str], n_blocks: Mapping[str, int]) -> None:
+        """The node inserted these units (ResidencyReport.inserted)."""
+        for u in unit_ids:
+            if u in self.policy.resident:
+                self.planned.pop(u, None)
+            elif u in n_blocks:
+                self._add(u, n_blocks[u])  # the view had dropped it too early: the node is right
+
+    def drop(self, unit_ids: Iterable[str]) -> None:
+        """The node evicted these units, or declined to insert them (ResidencyReport.evicted)."""
+        evicting = self.evicting
+        for u in unit_ids:
+            pending = evicting.get(u)
+            if pending:
+                # the node carried out an eviction a plan asked for; the view already had it
+                if pending == 1:
+                    del evicting[u]
+                else:
+                    evicting[u] = pending - 1
+                continue
+            self.planned.pop(u, None)
+            self._discard(u)
+
+    def clear(self) -> None:
+        """The node is gone; if it comes back, it comes back empty."""
+        for u in list(self.policy.resident):
+            self._discard(u)
+        self.planned.clear()
+        self.evicting.clear()
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _add(self, unit_id: str, n_blocks: int) -> None:
+        self.policy.add(unit_id, n_blocks)
+        holders = self.holders
+        holders[unit_id] = holders.get(unit_id, 0) | self.bit
+
+    def _discard(self, unit_id: str) -> None:
+        if self.policy.discard(unit_id):
+            holders = self.holders
+            mask = holders[unit_id] & ~self.bit
+            if mask:
+                holders[unit_id] = mask
+            else:
+                del holders[unit_id]
+
+    def check_invariants(self) -> None:
+        resident = self.policy.resident
+        assert set(self.planned) <= set(resident), "planned unit missing from the resident set"
+        for u in resident:
+            assert self.holders.get(u, 0) & self.bit, f"routing index lost {u} on {self.name}"
+        assert all(n > 0 for n in self.evicting.values()), self.evicting
+        self.policy.check_invariants()

@@ -1,0 +1,91 @@
+"""Cluster membership as the control plane sees it: generation nodes and memory nodes.
+
+Generation nodes are declared in the config; each starts *alive by assumption* (it may not
+have reported yet) and is declared dead only after it was heard from and then stayed
+silent past ``control.heartbeat_timeout_s``. Its ``LoadReport`` is the heartbeat.
+
+Memory nodes exist for the control plane only once they said hello; the hello is repeated
+as a heartbeat. A hello with a new ``boot_id`` from a known node means the node restarted
+with an empty arena.
+
+This module records who is there; the plane decides what a departure means for the
+directory and the caches.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tessera.control.local import LocalTier
+from tessera.errors import BadRequest
+from tessera.messages import MemoryNodeHello
+
+
+@dataclass(slots=True, eq=False)
+class GenerationNode:
+    """Routing and liveness state of one generation node."""
+
+    name: str
+    index: int  # position in the config: round-robin order
+    local: LocalTier
+    inflight: int = 0  # requests routed here and not completed (the plane's own count)
+    alive: bool = True
+    last_seen: float | None = None  # None: never heard from, alive by assumption
+    reported_inflight: int = 0  # the node's own figures from its last LoadReport
+    queued_tokens: int = 0
+
+
+class HelloOutcome(enum.Enum):
+    JOINED = "joined"  # first hello (or first since it was declared dead)
+    RESTARTED = "restarted"  # known node, new boot id: its arena is empty now
+    HEARTBEAT = "heartbeat"
+
+
+@dataclass(slots=True)
+class MemoryNode:
+    hello: MemoryNodeHello
+    last_seen: float
+
+
+class MemoryNodes:
+    """Registered memory nodes and their last heartbeat. Verbs: ``hello``, ``silent``."""
+
+    def __init__(self, configured: set[str]) -> None:
+        self.configured = configured
+        self._nodes: dict[str, MemoryNode] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._nodes
+
+    def hellos(self) -> list[MemoryNodeHello]:
+        return [n.hello for n in self._nodes.values()]
+
+    def hello(self, msg: MemoryNodeHello, now: float) -> HelloOutcome:
+        """Record a hello; raises BadRequest for an unknown name or a capacity change without restart."""
+        if msg.name not in self.configured:
+            known = ", ".join(sorted(self.configured)) or "none"
+            raise BadRequest(f"unknown memory node {msg.name!r}; the config declares: {known}", 404)
+        if msg.capacity_blocks <= 0 or msg.block_bytes <= 0:
+            raise BadRequest(f"memory node {msg.name!r}: capacity_blocks and block_bytes must be > 0")
+        known_node = self._nodes.get(msg.name)
+        if known_node is None:
+            self._nodes[msg.name] = MemoryNode(msg, now)
+            return HelloOutcome.JOINED
+        if known_node.hello.boot_id != msg.boot_id:
+            self._nodes[msg.name] = MemoryNode(msg, now)
+            return HelloOutcome.RESTARTED
+        if known_node.hello != msg:
+            raise BadRequest(
+                f"memory node {msg.name!r} changed its arena (capacity, block size or address) "
+                "without a new boot_id; restart it to change its layout", 409
+            )
+        known_node.last_seen = now
+        return HelloOutcome.HEARTBEAT
+
+    def silent(self, now: float, timeout_s: float) -> list[str]:
+        """Remove and return the nodes whose last hello is older than ``timeout_s``."""
+        gone = [name for name, n in self._nodes.items() if now - n.last_seen > timeout_s]
+        for name in gone:
+            del self._nodes[name]
+        return gone

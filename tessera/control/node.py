@@ -1,0 +1,113 @@
+"""Per-process state of the retrieval role: the control plane and the retrieval pool.
+
+One :class:`RetrievalNode` lives on the aiohttp app (``app[RETRIEVAL_NODE]``); the HTTP
+handlers and the in-process serving layer both go through it. The control plane runs on
+the event loop (its calls are microseconds); tokenizing, embedding and index searches run
+on one worker thread so that control RPCs never wait behind a model forward.
+
+Lifecycle: ``start()`` loads the served model's tokenizer and the embedder and starts the
+periodic tick (lease/reservation expiry, heartbeats); ``stop()`` reverses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tessera.config import ClusterConfig
+from tessera.control.embedder import Embedder
+from tessera.control.plane import ControlPlane
+from tessera.control.retrieval import Hit, RetrievalPool
+from tessera.runtime import BackgroundTasks
+from tessera.units import ContextUnit, ServingFingerprint, TokenCache, UnitFactory
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RetrievalNode:
+    """Control plane + retrieval pool of one retrieval process."""
+
+    def __init__(self, config: ClusterConfig, plane: ControlPlane | None = None) -> None:
+        self.config = config
+        self.plane = plane or ControlPlane(config)
+        self.pool: RetrievalPool | None = None
+        self.fingerprint: ServingFingerprint | None = None
+        self.tokenizer: Any = None  # tessera.engines.tokenizer.Tokenizer once started
+        self.tasks = BackgroundTasks("retrieval")
+        self._executor: ThreadPoolExecutor | None = None
+        self._tick_s = min(1.0, config.control.heartbeat_timeout_s / 4)
+
+    @property
+    def ready(self) -> bool:
+        return self.pool is not None
+
+    async def start(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
+        self.pool = await self._run(self._load)
+        self.tasks.spawn(self._ticker(), name="control-tick")
+
+    async def stop(self) -> None:
+        await self.tasks.drain(timeout=0.0)  # the ticker has nothing to finish
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def _load(self) -> RetrievalPool:
+        from tessera.engines.checkpoint import resolve
+        from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
+
+        checkpoint = resolve(self.config.model)
+        self.tokenizer = load_tokenizer(checkpoint)
+        self.fingerprint = serving_fingerprint(self.config, checkpoint, self.tokenizer)
+        factory = UnitFactory(self.fingerprint, TokenCache(self.tokenizer.encode))
+        embedder = Embedder(threads=self.config.retrieval.embed_threads)
+        log.info("retrieval ready: model %s, embedder dim %d", self.fingerprint.model, embedder.dim)
+        return RetrievalPool(factory, embedder, self.config.retrieval)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            self.plane.tick()
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        assert self._executor is not None, "retrieval node is not started"
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _pool(self) -> RetrievalPool:
+        assert self.pool is not None, "retrieval node is not started"
+        return self.pool
+
+    # --- retrieval (worker thread) -------------------------------------------------------
+
+    async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[tuple[ContextUnit, bool]]:
+        return await self._run(self._pool().ingest, items)
+
+    async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
+                       top_k: int | None = None) -> list[Hit]:
+        return await self._run(self._pool().retrieve, scope, query=query, embedding=embedding, top_k=top_k)
+
+    async def identify(self, scope: str, texts: Sequence[str]) -> list[ContextUnit]:
+        """Units a request brings itself (retrieval skipped): same identity, not indexed."""
+        pool = self._pool()
+        return await self._run(lambda: [pool.identify(scope, t, f"units[{i}]") for i, t in enumerate(texts)])
+
+    def stats(self) -> dict[str, Any]:
+        plane = self.plane
+        return {
+            "plans": plane.stats.snapshot(),
+            "shared_entries": len(plane.directory),
+            "shared_free_blocks": plane.allocator.free_blocks,
+            "shared_capacity_blocks": plane.allocator.capacity,
+            "shared_evictions": plane.shared.evictions,
+            "units_indexed": 0 if self.pool is None else len(self.pool),
+            "nodes": {
+                n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
+                         "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}
+                for n in plane.nodes.values()
+            },
+        }

@@ -1,0 +1,322 @@
+"""The control plane: routing, two-step per-unit plans, and the shared tier's bookkeeping.
+
+Used in process by the serving layer and over HTTP by the other roles (paper Fig. 10):
+
+1. ``route(request_id, units)``: pick a generation node (routing policy over in-flight
+   counts and the local residency views).
+2. The chosen node answers a snapshot: which of the units it holds (and pins).
+3. ``finalize(request_id, node, held)``: per unit, a preparation (local only if in the
+   snapshot; remote under a read lease on a READY entry's epoch; else compute) and a
+   retention from *independent* local and shared admission.
+4. ``complete(request_id)`` when the request is done (in-flight accounting).
+
+Leases are taken for every remote unit before any retention decision of the same plan, so
+no eviction decided later in the plan can reclaim a block the plan reads.
+
+The plane never touches payload bytes or tensors, and never waits on the network: every
+method is synchronous and cheap enough to run on the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+
+from tessera.config import ClusterConfig
+from tessera.control.admission import make_admission
+from tessera.control.allocator import BlockAllocator
+from tessera.control.directory import Directory
+from tessera.control.local import LocalTier
+from tessera.control.members import GenerationNode, HelloOutcome, MemoryNodes
+from tessera.control.router import make_router
+from tessera.control.shared import SharedTier
+from tessera.control.stats import PlaneStats
+from tessera.errors import BadRequest, Overloaded
+from tessera.messages import (
+    Ack,
+    CancelRequest,
+    LoadReport,
+    MemoryNodeHello,
+    Preparation,
+    PublishRequest,
+    ReadLease,
+    ReleaseRequest,
+    RequestPlan,
+    ResidencyReport,
+    Retention,
+    UnitPlan,
+    check_version,
+)
+from tessera.wire import WIRE_VERSION
+
+LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
+# UnitPlans without a lease or grant are equal across requests for the same unit; they are
+# immutable, so the plane interns them instead of building ten dataclasses per plan.
+_INTERNED_MAX = 1 << 17
+
+
+class _Routed:
+    """A request between route and complete."""
+
+    __slots__ = ("finalized", "node", "pairs", "tokens")
+
+    def __init__(self, node: GenerationNode, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...]) -> None:
+        self.node = node
+        self.tokens = tokens  # distinct unit -> n_tokens, in first-occurrence order
+        self.pairs = pairs  # (unit, blocks), same order
+        self.finalized = False
+
+
+class ControlPlane:
+    """Facade over directory, tiers, router and membership. See the module docstring."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        admission: str | None = None,
+        routing: str | None = None,
+    ) -> None:
+        control = config.control
+        admission = admission or control.admission
+        self.config = config
+        self.block_tokens = config.block_tokens
+        self.clock = clock
+        self.heartbeat_timeout_s = control.heartbeat_timeout_s
+        self.allocator = BlockAllocator()
+        self.directory = Directory(
+            self.allocator,
+            lease_ttl_s=control.lease_ttl_s,
+            write_timeout_s=control.write_timeout_s,
+            # longer than any transfer can still be in flight (transfers time out first)
+            reclaim_grace_s=max(10.0, 2 * config.transport.timeout_s),
+            clock=clock,
+        )
+        self.shared = SharedTier(self.directory, make_admission(admission, control))
+        self._holders: dict[str, int] = {}  # unit -> bitmask of nodes whose local view holds it
+        self.nodes: dict[str, GenerationNode] = {
+            g.name: GenerationNode(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
+                                                        make_admission(admission, control),
+                                                        bit=1 << i, holders=self._holders))
+            for i, g in enumerate(config.generation)
+        }
+        self._live = list(self.nodes.values())
+        self.router = make_router(routing or control.routing, len(self.nodes))
+        self.memory = MemoryNodes({k.name for k in config.kvpools})
+        self.stats = PlaneStats()
+        self._requests: dict[str, _Routed] = {}
+        self._blocks: dict[str, int] = {}  # every unit seen -> its block count (for residency reports)
+        self._interned: dict[tuple[str, Preparation, bool], UnitPlan] = {}
+
+    # --- the request path ----------------------------------------------------------------
+
+    def route(self, request_id: str, units: Sequence[tuple[str, int]]) -> str:
+        """Step 1: choose the generation node for a request's (unit_id, n_tokens) list."""
+        if request_id in self._requests:
+            raise BadRequest(f"request {request_id!r} is already routed; use a new request id", 409)
+        live = self._live
+        if not live:
+            raise Overloaded("no generation node is alive; retry when one reports in")
+        tokens: dict[str, int] = {}
+        for u, n in units:
+            if u not in tokens:
+                if n <= 0:
+                    raise BadRequest(f"unit {u}: n_tokens must be > 0, got {n}")
+                tokens[u] = n
+        b = self.block_tokens
+        pairs = tuple((u, -(-n // b)) for u, n in tokens.items())
+        node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
+        node.inflight += 1
+        self._requests[request_id] = _Routed(node, tokens, pairs)
+        return node.name
+
+    def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
+        """Blocks of these units each node's local view holds, indexed by node index."""
+        out = [0] * len(self.nodes)
+        holders = self._holders
+        for u, b in pairs:
+            mask = holders.get(u)
+            i = 0
+            while mask:
+                if mask & 1:
+                    out[i] += b
+                mask >>= 1
+                i += 1
+        return out
+
+    def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        """Step 4: the per-unit plan against the node's snapshot ``held`` and shared residency."""
+        r = self._routed(request_id, node)
+        r.finalized = True
+        gen = r.node
+        local = gen.local
+        tokens = r.tokens
+        pairs = r.pairs
+        ids = tuple(tokens)
+        held_set = held if isinstance(held, (set, frozenset)) else set(held)
+        local.reconcile(pairs, held_set, self._requests)
+        local.policy.observe(ids)
+        shared = self.shared
+        shared.observe(ids)
+        sizes = self._blocks
+        directory = self.directory
+        # preparation first: every lease exists before any eviction of this plan is decided
+        leases: list[ReadLease | None] = []
+        for u, b in pairs:
+            sizes[u] = b
+            leases.append(None if u in held_set else directory.lease(u, node))
+        plans: list[UnitPlan] = []
+        evict: list[str] = []
+        interned = self._interned
+        local_resident = local.policy.resident
+        shared_resident = shared.policy.resident
+        hits = kept_local = kept_shared = 0
+        for (u, b), lease in zip(pairs, leases, strict=True):
+            n = tokens[u]
+            if u in held_set:
+                prep = LOCAL
+                keep_local = False
+                hits += 1
+            else:
+                prep = COMPUTE if lease is None else REMOTE
+                # a unit the view already holds (planned by another request) is not admitted twice
+                victims = None if u in local_resident else local.admit(u, b, request_id, tokens)
+                keep_local = victims is not None
+                if keep_local:
+                    kept_local += 1
+                    if victims:
+                        evict += victims
+            if lease is None:
+                # the shared policy's residents mirror the directory's entries (pending or ready)
+                grant = None if u in shared_resident else shared.admit(u, n, b, node)
+                if grant is None:
+                    plan = interned.get((u, prep, keep_local))
+                    if plan is None or plan.n_tokens != n:
+                        plan = interned[(u, prep, keep_local)] = UnitPlan(
+                            u, n, prep, Retention.LOCAL if keep_local else Retention.NEITHER)
+                    plans.append(plan)
+                    continue
+                kept_shared += 1
+            else:
+                grant = None
+            plans.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
+        if len(interned) > _INTERNED_MAX:
+            interned.clear()
+        self.stats.count_plan(len(plans), hits, len(leases) - leases.count(None), kept_local,
+                              kept_shared, len(evict))
+        return RequestPlan(WIRE_VERSION, request_id, node, tuple(plans), tuple(evict))
+
+    def complete(self, request_id: str) -> bool:
+        """The request finished (or was abandoned); False if it was not outstanding."""
+        r = self._requests.pop(request_id, None)
+        if r is None:
+            return False
+        r.node.inflight -= 1
+        return True
+
+    def _routed(self, request_id: str, node: str) -> _Routed:
+        r = self._requests.get(request_id)
+        if r is None:
+            raise BadRequest(f"request {request_id!r} is not routed (call route first) or already completed", 404)
+        if r.node.name != node:
+            raise BadRequest(f"request {request_id!r} was routed to {r.node.name!r}, not {node!r}", 409)
+        if r.finalized:
+            raise BadRequest(f"request {request_id!r} already has a plan", 409)
+        return r
+
+    # --- reports from generation nodes ---------------------------------------------------
+
+    def publish(self, msg: PublishRequest) -> Ack:
+        """Writer finished all blocks: PENDING -> READY. Raises PublishRejected with the reason."""
+        check_version(msg.version)
+        try:
+            self.directory.publish(msg.unit_id, msg.epoch, msg.writer, msg.blocks)
+        finally:
+            self.shared.forget((msg.unit_id,))  # an expired reservation is dropped by the attempt
+        return Ack(WIRE_VERSION, True)
+
+    def cancel(self, msg: CancelRequest) -> Ack:
+        check_version(msg.version)
+        if self.directory.cancel(msg.unit_id, msg.epoch, msg.writer, msg.settle_s):
+            self.shared.forget((msg.unit_id,))
+            return Ack(WIRE_VERSION, True)
+        return Ack(WIRE_VERSION, False, f"unit {msg.unit_id}: no pending reservation at epoch {msg.epoch} "
+                   f"for writer {msg.writer!r} (already published, expired or cancelled)")
+
+    def release(self, msg: ReleaseRequest) -> Ack:
+        check_version(msg.version)
+        unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
+        return Ack(WIRE_VERSION, True, f"already released or expired: {', '.join(unknown)}" if unknown else "")
+
+    def residency(self, msg: ResidencyReport) -> Ack:
+        check_version(msg.version)
+        node = self.generation_node(msg.node)
+        self._heard(node)
+        node.local.drop(msg.evicted)
+        node.local.confirm(msg.inserted, self._blocks)
+        return Ack(WIRE_VERSION, True)
+
+    def load(self, msg: LoadReport) -> Ack:
+        """Load figures and the generation node's heartbeat."""
+        check_version(msg.version)
+        node = self.generation_node(msg.node)
+        self._heard(node)
+        node.reported_inflight = msg.inflight
+        node.queued_tokens = msg.queued_tokens
+        return Ack(WIRE_VERSION, True)
+
+    def generation_node(self, name: str) -> GenerationNode:
+        node = self.nodes.get(name)
+        if node is None:
+            raise BadRequest(f"unknown generation node {name!r}; the config declares: {', '.join(self.nodes)}", 404)
+        return node
+
+    def _heard(self, node: GenerationNode) -> None:
+        node.last_seen = self.clock()
+        if not node.alive:
+            node.alive = True
+            self._live = [n for n in self.nodes.values() if n.alive]
+
+    # --- memory nodes --------------------------------------------------------------------
+
+    def hello(self, msg: MemoryNodeHello) -> Ack:
+        """Register a memory node's arena; a new boot id means it restarted empty."""
+        check_version(msg.version)
+        outcome = self.memory.hello(msg, self.clock())
+        if outcome is HelloOutcome.RESTARTED:
+            self.shared.forget(self.directory.drop_node(msg.name))
+        if outcome is not HelloOutcome.HEARTBEAT:
+            self.allocator.add_node(msg.name, msg.capacity_blocks)
+        return Ack(WIRE_VERSION, True, outcome.value)
+
+    def memory_nodes(self) -> list[MemoryNodeHello]:
+        return self.memory.hellos()
+
+    # --- time ----------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Periodic: expire leases and reservations, declare silent nodes dead."""
+        now = self.clock()
+        expired = self.directory.expire()
+        self.shared.forget(u for u, _ in expired.reservations)
+        for name in self.memory.silent(now, self.heartbeat_timeout_s):
+            self.shared.forget(self.directory.drop_node(name))
+        for node in self.nodes.values():
+            if node.alive and node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s:
+                self._declare_dead(node)
+
+    def _declare_dead(self, node: GenerationNode) -> None:
+        node.alive = False
+        report = self.directory.forget_holder(node.name)
+        self.shared.forget(u for u, _ in report.reservations)
+        node.local.clear()
+        self._live = [n for n in self.nodes.values() if n.alive]
+
+    def check_invariants(self) -> None:
+        """Every structural invariant of the plane (used by the property tests)."""
+        self.directory.check_invariants()
+        self.shared.check_invariants()
+        for node in self.nodes.values():
+            node.local.check_invariants()
+            assert node.inflight == sum(1 for r in self._requests.values() if r.node is node), node.name

@@ -1,0 +1,108 @@
+"""Routing policies: which generation node executes a request (paper §5.2).
+
+Contract of :class:`Router` (register new ones with :func:`register_router`):
+``choose(nodes, local_blocks)`` picks one of ``nodes`` (the live generation nodes, never
+empty). ``local_blocks[node.index]`` is how many blocks of the request's units that node's
+local cache holds (per the control plane's view); it is only computed for routers that set
+``uses_locality``. The router reads each node's ``inflight`` count; it mutates nothing but
+its own round-robin cursor, and never raises on well-formed input.
+
+Shared-tier residency is deliberately absent from the inputs: a shared hit is reachable
+from every node, so it cannot make one node better than another.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol, TypeVar
+
+
+class RoutableNode(Protocol):
+    @property
+    def index(self) -> int: ...  # position in the cluster config: the round-robin order
+
+    @property
+    def inflight(self) -> int: ...
+
+
+N = TypeVar("N", bound=RoutableNode)
+
+
+class Router(ABC):
+    name: ClassVar[str]
+    uses_locality: ClassVar[bool] = False
+
+    def __init__(self, n_nodes: int) -> None:
+        assert n_nodes > 0, n_nodes
+        self.n_nodes = n_nodes
+        self._last = -1  # index of the node chosen last
+
+    def _after_last(self, index: int) -> int:
+        """Round-robin rank: 0 for the node right after the last choice, growing cyclically."""
+        return (index - self._last - 1) % self.n_nodes
+
+    def _chose(self, node: N) -> N:
+        self._last = node.index
+        return node
+
+    @abstractmethod
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N: ...
+
+
+_REGISTRY: dict[str, type[Router]] = {}
+
+
+def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
+    def deco(cls: type[Router]) -> type[Router]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def make_router(name: str, n_nodes: int) -> Router:
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise KeyError(f"no routing policy named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+    return cls(n_nodes)
+
+
+def router_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+@register_router("cache_aware")
+class CacheAwareRouter(Router):
+    """Load-constrained cache-aware routing.
+
+    Among nodes whose in-flight count is within one of the least loaded, pick the one whose
+    local cache holds the most blocks of the request's units; ties by lower load, then
+    round-robin. The load bound keeps a node holding popular units from drawing every
+    request to itself.
+    """
+
+    uses_locality = True
+
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+        bound = min(n.inflight for n in nodes) + 1
+        best = nodes[0]
+        best_key: tuple[int, int, int] | None = None
+        for node in nodes:
+            load = node.inflight
+            if load > bound:
+                continue
+            key = (local_blocks[node.index], -load, -self._after_last(node.index))
+            if best_key is None or key > best_key:
+                best, best_key = node, key
+        return self._chose(best)
+
+
+@register_router("load")
+class LoadRouter(Router):
+    """Least loaded node, round-robin among equals; ignores cache contents (ablation baseline)."""
+
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+        best = min(nodes, key=lambda n: (n.inflight, self._after_last(n.index)))
+        return self._chose(best)

@@ -1,0 +1,78 @@
+"""The shared KV tier as admission sees it: the Directory plus the tier's admission policy.
+
+The policy's resident set mirrors the Directory's entries (PENDING and READY): every entry
+the directory drops for its own reasons (cancel, expiry, a memory node lost) must be
+``forget``-ed here. Victims are only entries :meth:`Directory.can_evict` allows (READY and
+unleased), so blocks under a read lease, including one granted earlier in the same plan,
+are never reclaimed, and a PENDING entry is never evicted under its writer.
+
+Free space is the allocator's free list: quarantined blocks (a cancelled write may still
+land there) are not free until their grace period ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tessera.control.admission import AdmissionPolicy
+from tessera.control.directory import Directory
+from tessera.messages import WriteGrant
+
+
+class SharedTier:
+    """Shared-tier admission: ``observe``, ``admit`` (reserve with evictions), ``forget``."""
+
+    __slots__ = ("directory", "evictions", "policy")
+
+    def __init__(self, directory: Directory, policy: AdmissionPolicy) -> None:
+        self.directory = directory
+        self.policy = policy
+        self.evictions = 0
+
+    def observe(self, unit_ids: tuple[str, ...]) -> None:
+        self.policy.observe(unit_ids)
+
+    def admit(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
+        """Reserve a PENDING entry for ``writer`` if the unit passes shared admission.
+
+        Evicts strictly-lower-scored, safe entries when space is short. Returns the grant,
+        or None (already has an entry, not a candidate, or no room).
+        """
+        directory = self.directory
+        if unit_id in directory:
+            return None
+        policy = self.policy
+        if not policy.wants(unit_id):
+            return None
+        if unit_id in policy.resident:  # the directory dropped it and nobody told us yet
+            policy.discard(unit_id)
+        allocator = directory.allocator
+        if n_blocks > allocator.capacity:
+            return None
+        victims = policy.victims(unit_id, n_blocks, allocator.free_blocks, directory.can_evict)
+        if victims is None:
+            return None
+        for v in victims:
+            directory.evict(v)
+            policy.discard(v)
+        self.evictions += len(victims)
+        grant = directory.reserve(unit_id, n_tokens, n_blocks, writer)
+        if grant is not None:
+            policy.add(unit_id, n_blocks)
+        return grant
+
+    def forget(self, unit_ids: Iterable[str]) -> None:
+        """The directory dropped these entries (cancelled, expired, memory node lost)."""
+        for u in unit_ids:
+            if u not in self.directory:
+                self.policy.discard(u)
+
+    def sync(self) -> None:
+        """Drop residents the directory no longer has (after bulk events)."""
+        directory = self.directory
+        self.forget([u for u in self.policy.resident if u not in directory])
+
+    def check_invariants(self) -> None:
+        entries = {e.unit_id: len(e.blocks) for e in self.directory.entries()}
+        assert entries == dict(self.policy.resident), "shared residents differ from directory entries"
+        self.policy.check_invariants()

@@ -1,0 +1,149 @@
+"""Composition policies: which prompt positions to recompute over placed unit states.
+
+A prompt is a :class:`PromptLayout`: a leading text part (the exact prefix: system prompt,
+template), then context units interleaved with request text, then the suffix (question,
+generation prompt). Units arrive as independently prefilled states placed at their offsets;
+a policy decides which positions the final extend pass computes on top of them.
+
+Contract of :meth:`CompositionPolicy.select`:
+
+* it only reads the layout and returns sorted, disjoint half-open ``(start, end)`` ranges of
+  prompt positions;
+* the ranges cover every TEXT token (text never has a reusable state; the caller later drops
+  the part its exact-prefix cache already holds);
+* unit positions not covered are served from the unit's placed state; covered ones are
+  recomputed for this request only and never written back into a unit state.
+
+Policies are registered by name (``composition.policy`` in tessera.toml). This module knows
+nothing about tensors or engines.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, TypeVar
+
+from tessera.config import CompositionConfig
+from tessera.errors import ConfigError
+from tessera.messages import PromptLayout, SegmentKind
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    """Sort, drop empties, and merge overlapping or touching ranges."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def text_ranges(layout: PromptLayout) -> Ranges:
+    """Positions of every TEXT segment."""
+    spans, offset = [], 0
+    for seg in layout.segments:
+        if seg.kind is SegmentKind.TEXT:
+            spans.append((offset, offset + len(seg.token_ids)))
+        offset += len(seg.token_ids)
+    return merge_ranges(spans)
+
+
+def leading_text_tokens(layout: PromptLayout) -> list[int]:
+    """Token ids of the text before the first unit: the part an exact-prefix cache can serve."""
+    out: list[int] = []
+    for seg in layout.segments:
+        if seg.kind is SegmentKind.UNIT:
+            break
+        out.extend(seg.token_ids)
+    return out
+
+
+class CompositionPolicy(ABC):
+    """Base class of composition policies (see the module docstring for the contract)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
+        """Build from ``[composition]`` settings; policies with options override this."""
+        return cls()
+
+    @abstractmethod
+    def select(self, layout: PromptLayout) -> Ranges:
+        """Ranges of prompt positions to compute; must cover every TEXT token. Pure."""
+
+
+_REGISTRY: dict[str, type[CompositionPolicy]] = {}
+P = TypeVar("P", bound=type[CompositionPolicy])
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    """Class decorator: make a policy selectable as ``composition.policy = name``."""
+
+    def add(cls: P) -> P:
+        assert name not in _REGISTRY or _REGISTRY[name] is cls, f"policy {name!r} registered twice"
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def policy_names() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def _lookup(name: str) -> type[CompositionPolicy]:
+    if name not in _REGISTRY:
+        raise ConfigError(f"composition.policy = {name!r} is not registered; known: {', '.join(policy_names())}")
+    return _REGISTRY[name]
+
+
+def get_policy(name: str, **opts: Any) -> CompositionPolicy:
+    return _lookup(name)(**opts)
+
+
+def policy_from_config(config: CompositionConfig) -> CompositionPolicy:
+    return _lookup(config.policy).from_config(config)
+
+
+@register_policy("full")
+class FullRecompute(CompositionPolicy):
+    """Recompute everything: plain prefill of the composed prompt (the quality oracle)."""
+
+    def select(self, layout: PromptLayout) -> Ranges:
+        return ((0, layout.n_tokens),) if layout.n_tokens else ()
+
+
+@register_policy("naive")
+class NaiveConcat(CompositionPolicy):
+    """Reuse every unit state as placed; compute only the request's own text."""
+
+    def select(self, layout: PromptLayout) -> Ranges:
+        return text_ranges(layout)
+
+
+@register_policy("epic")
+class LegoLink(CompositionPolicy):
+    """EPIC LegoLink: recompute the first ``k`` tokens of every unit, plus all text.
+
+    The first tokens of an independently prefilled unit act as its attention sink; recomputing
+    them in context lets the unit's later tokens (reused) link to what precedes it.
+    """
+
+    def __init__(self, recompute_tokens: int = 16) -> None:
+        if recompute_tokens < 0:
+            raise ConfigError(f"composition.recompute_tokens = {recompute_tokens} is invalid: expected >= 0")
+        self.k = recompute_tokens
+
+    @classmethod
+    def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
+        return cls(config.recompute_tokens)
+
+    def select(self, layout: PromptLayout) -> Ranges:
+        heads = [(o, o + min(self.k, len(seg.token_ids))) for o, seg in layout.unit_offsets()]
+        return merge_ranges([*text_ranges(layout), *heads])

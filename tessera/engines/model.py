@@ -1,0 +1,168 @@
+"""Compact forward pass (Llama family, Qwen2, Qwen3) over ragged batches with explicit positions.
+
+One forward runs any mix of :class:`Item` s (sequences of a ragged batch). The tokens of all items are concatenated
+so every projection and the MLP run as one matmul per weight per layer; attention runs per
+item with 4-D tensors (``[1, heads, tokens, D]``) through ``scaled_dot_product_attention``.
+
+Two kinds of item:
+
+* *fresh* (``kv is None``): tokens at positions ``0..n-1`` attending only to each other
+  (causal). Used for independent unit prefill; ``capture`` receives the keys *before* RoPE and
+  the values of rows ``capture_from..n`` for every layer, ``[L, T, H_kv, D]`` each.
+* *slotted* (``kv`` given): tokens at arbitrary ``positions`` of a request whose post-RoPE K/V
+  live in ``kv`` (``[L, S, H_kv, D]``, position p in slot p). Their K/V are written to their
+  slots first, then each token attends to every slot whose position is <= its own. Slots
+  below a computed token's position must already be filled by the caller.
+
+This module knows nothing about units, requests or prefix caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tessera.engines.rope import RopeTable
+from tessera.engines.weights import LayerWeights, ModelSpec, Weights, load_weights
+from tessera.kernels.rope import rotate_into
+
+
+@dataclass
+class Item:
+    """One sequence of a ragged batch."""
+
+    token_ids: Sequence[int]
+    positions: Sequence[int] | None = None  # None: 0..n-1 (fresh item)
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None  # slot tensors [L, S, H_kv, D], compute dtype
+    capture: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, T, H_kv, D] pre-RoPE K and V
+    capture_from: int = 0  # rows before this are not captured (e.g. a BOS sink)
+    logits: bool = False  # return logits of the token at the highest position
+
+
+@dataclass
+class _Plan:
+    """Per-item attention plan, computed once per forward (not per layer)."""
+
+    start: int
+    end: int
+    kv: tuple[torch.Tensor, torch.Tensor] | None
+    write: slice | torch.Tensor  # slot index of each row (slotted items)
+    n_keys: int  # slots 0..n_keys-1 are attended to
+    causal: bool  # use SDPA's is_causal (queries and keys are the same 0..n-1)
+    mask: torch.Tensor | None  # [n, n_keys] bool, True = visible
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, weights: Weights, dtype: torch.dtype, device: torch.device,
+                 max_positions: int = 0) -> None:
+        self.spec = spec
+        self.w = weights
+        self.dtype = dtype
+        self.device = device
+        self.max_positions = max_positions or spec.max_positions
+        self.rope = RopeTable(spec.rope, self.max_positions, dtype, device)
+        self._scale = spec.head_dim ** -0.5
+        self._gqa = spec.n_heads != spec.n_kv_heads
+
+    @classmethod
+    def load(cls, path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+             max_positions: int = 0) -> Model:
+        return cls(spec, load_weights(path, spec, dtype, device), dtype, device, max_positions)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.spec.rms_eps)
+        # half precision: normalise in float32, round, then scale (as transformers does)
+        return weight * F.rms_norm(x.float(), weight.shape, None, self.spec.rms_eps).to(x.dtype)
+
+    def _plan(self, items: Sequence[Item]) -> tuple[list[_Plan], list[int], list[int]]:
+        plans, positions, logit_rows = [], [], []
+        row = 0
+        for it in items:
+            n = len(it.token_ids)
+            assert n > 0, "an item must compute at least one token"
+            pos = list(range(n)) if it.positions is None else list(it.positions)
+            assert len(pos) == n, (len(pos), n)
+            top = max(pos)
+            assert min(pos) >= 0, f"negative position in {pos[:8]}..."
+            positions.extend(pos)
+            if it.logits:
+                logit_rows.append(row + pos.index(top))
+            plan = _Plan(row, row + n, it.kv, slice(0, n), n, True, None)
+            if it.kv is not None:
+                assert top < it.kv[0].shape[1], f"position {top} is beyond the {it.kv[0].shape[1]} slots"
+                first = pos[0]
+                ordered = pos == list(range(first, first + n))
+                plan.write = slice(first, first + n) if ordered else torch.tensor(pos, device=self.device)
+                plan.n_keys = top + 1
+                plan.causal = ordered and first == 0
+                if not plan.causal and n > 1:
+                    q = torch.tensor(pos, device=self.device)
+                    plan.mask = torch.arange(top + 1, device=self.device)[None, :] <= q[:, None]
+            plans.append(plan)
+            row += n
+        return plans, positions, logit_rows
+
+    @torch.no_grad()
+    def forward(self, items: Sequence[Item]) -> torch.Tensor:
+        """Run one batched forward; returns float32 logits ``[n_logit_items, vocab]`` in item order."""
+        plans, positions, logit_rows = self._plan(items)
+        self.rope.ensure(max(positions) + 1)
+        pos = torch.tensor(positions, device=self.device)
+        cos, sin = self.rope.lookup(pos)  # [N, 1, D]: shared by every layer
+        ids = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
+        x = F.embedding(ids, self.w.embed)
+        for layer, lw in enumerate(self.w.layers):
+            x = self._layer(layer, lw, x, cos, sin, items, plans)
+        if not logit_rows:
+            return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
+        h = self._norm(x[logit_rows], self.w.norm)
+        return F.linear(h, self.w.lm_head).float()
+
+    def _layer(self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               items: Sequence[Item], plans: list[_Plan]) -> torch.Tensor:
+        s = self.spec
+        n_tok, d, h, hk = x.shape[0], s.head_dim, s.n_heads, s.n_kv_heads
+        qkv = F.linear(self._norm(x, lw.attn_norm), lw.wqkv, lw.bqkv)  # [N, (H + 2 H_kv) * D]
+        qk = qkv[:, :(h + hk) * d].view(n_tok, h + hk, d)  # q and k side by side: one RoPE pass
+        v = qkv[:, (h + hk) * d:].view(n_tok, hk, d)
+        if lw.q_norm is not None and lw.k_norm is not None:
+            qk = torch.cat((self._norm(qk[:, :h], lw.q_norm), self._norm(qk[:, h:], lw.k_norm)), dim=1)
+        for it, p in zip(items, plans, strict=True):
+            if it.capture is not None:  # the reusable form: keys before RoPE, values
+                it.capture[0][layer].copy_(qk[p.start + it.capture_from:p.end, h:])
+                it.capture[1][layer].copy_(v[p.start + it.capture_from:p.end])
+        qk = rotate_into(qk, cos, sin, torch.empty_like(qk, memory_format=torch.contiguous_format))
+        q, k = qk[:, :h], qk[:, h:]
+        attn = torch.empty((n_tok, h, d), dtype=x.dtype, device=x.device)
+        for p in plans:
+            attn[p.start:p.end] = self._attend(layer, q, k, v, p)
+        x = torch.addmm(x, attn.view(n_tok, h * d), lw.wo.t())
+        if lw.bo is not None:
+            x += lw.bo
+        gate_up = F.linear(self._norm(x, lw.mlp_norm), lw.w_gate_up, lw.b_gate_up)
+        act = F.silu(gate_up[:, :s.intermediate_size])
+        act *= gate_up[:, s.intermediate_size:]
+        x = torch.addmm(x, act, lw.w_down.t())
+        if lw.b_down is not None:
+            x += lw.b_down
+        return x
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Plan) -> torch.Tensor:
+        qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.kv is None:
+            ki, vi = k[p.start:p.end], v[p.start:p.end]
+        else:
+            keys, values = p.kv[0][layer], p.kv[1][layer]  # [S, H_kv, D]
+            keys[p.write] = k[p.start:p.end]
+            values[p.write] = v[p.start:p.end]
+            ki, vi = keys[:p.n_keys], values[:p.n_keys]
+        out = F.scaled_dot_product_attention(
+            qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask, is_causal=p.causal and p.end - p.start > 1, scale=self._scale, enable_gqa=self._gqa,
+        )
+        return out[0].transpose(0, 1)  # [n, H, D]

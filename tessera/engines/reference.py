@@ -1,0 +1,163 @@
+"""The PyTorch reference engine: our own forward (CPU or CUDA) behind the EngineAdapter contract.
+
+Per-request KV lives in :class:`TorchSlots`: post-RoPE keys and values ``[L, n_slots, H_kv, D]``
+in the compute dtype, position p in slot p. Reusable unit states are ``[L, T, H_kv, D]`` keys
+before RoPE and values in ``kv_dtype``; placement rotates them into slots with the kernel in
+:mod:`tessera.kernels.rope` and never writes back into a state. Exact prefixes are shared
+through a radix :class:`PrefixCache` of post-RoPE KV.
+
+This module knows nothing about plans, transports or which units are cached where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tessera.config import ClusterConfig
+from tessera.engines.base import DTYPES, EngineAdapter, Extend, KVSlots, ModelGeometry, UnitPrefill, UnitState
+from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
+from tessera.engines.model import Item, Model
+from tessera.engines.prefix_cache import PrefixCache
+from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
+from tessera.engines.weights import ModelSpec
+from tessera.errors import BadRequest, ConfigError
+from tessera.kernels.rope import rope_place
+from tessera.units import ServingFingerprint
+
+DEFAULT_PREFIX_CACHE_TOKENS = 16384
+
+
+class TorchSlots(KVSlots):
+    """Post-RoPE K and V of one request, ``[L, n_slots, H_kv, D]`` each (compute dtype)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys = keys
+        self.values = values
+        self.n_slots = int(keys.shape[1])
+        self.freed = False
+
+
+class ReferenceEngine(EngineAdapter):
+    def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
+                 kv_dtype: str = "float16", unit_bos: bool = False,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
+        s = model.spec
+        self.model = model
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.kv_dtype = DTYPES[kv_dtype]
+        self.geometry = ModelGeometry(s.n_layers, s.n_kv_heads, s.head_dim, s.vocab_size,
+                                      model.max_positions, kv_dtype)
+        if unit_bos and tokenizer.bos_token_id is None:
+            raise ConfigError("composition.unit_bos = true needs a tokenizer with a BOS token; this one has none")
+        self.bos: int | None = tokenizer.bos_token_id if unit_bos else None
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig,
+                    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> ReferenceEngine:
+        """Load the configured model (``model.threads`` also sets torch's intra-op threads)."""
+        torch.set_num_threads(cfg.model.threads)
+        checkpoint: Checkpoint = resolve(cfg.model)
+        spec = ModelSpec.from_config(load_config_dict(checkpoint))
+        device = torch.device(cfg.model.device)
+        model = Model.load(checkpoint.path, spec, DTYPES[cfg.model.dtype], device, cfg.model.max_context)
+        tokenizer = load_tokenizer(checkpoint)
+        return cls(model, tokenizer, serving_fingerprint(cfg, checkpoint, tokenizer), kv_dtype=cfg.kv_dtype,
+                   unit_bos=cfg.composition.unit_bos, prefix_cache_tokens=prefix_cache_tokens)
+
+    # --- slots ----------------------------------------------------------------------------
+
+    def allocate(self, n_slots: int) -> TorchSlots:
+        if not 0 < n_slots <= self.geometry.max_context:
+            raise BadRequest(f"a request needs {n_slots} positions; this model serves 1..{self.geometry.max_context}")
+        g, m = self.geometry, self.model
+        shape = (g.n_layers, n_slots, g.n_kv_heads, g.head_dim)
+        # uninitialised on purpose: the contract fills every slot below a computed position first
+        return TorchSlots(torch.empty(shape, dtype=m.dtype, device=m.device),
+                          torch.empty(shape, dtype=m.dtype, device=m.device))
+
+    def free(self, slots: KVSlots) -> None:
+        s = _torch_slots(slots)
+        s.keys = s.values = torch.empty(0)
+        s.freed = True
+
+    def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
+        s = _torch_slots(slots)
+        n = state.n_tokens
+        if not 0 <= offset <= s.n_slots - n:
+            raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {s.n_slots} slots")
+        if n == 0:
+            return
+        self.model.rope.ensure(offset + n)
+        positions = torch.arange(offset, offset + n, device=s.keys.device)
+        rope_place(state.keys, positions, self.model.rope.cos, self.model.rope.sin, s.keys)
+        s.values[:, offset:offset + n].copy_(state.values)
+
+    # --- forward --------------------------------------------------------------------------
+
+    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
+        g = self.geometry
+        items: list[Item] = []
+        extends: list[Extend] = []
+        for w in work:
+            if isinstance(w, UnitPrefill):
+                n = len(w.token_ids)
+                shape = (g.n_layers, n, g.n_kv_heads, g.head_dim)
+                dev = self.model.device
+                w.state = UnitState(torch.empty(shape, dtype=self.kv_dtype, device=dev),
+                                    torch.empty(shape, dtype=self.kv_dtype, device=dev))
+                if n == 0:
+                    continue
+                lead = [] if self.bos is None else [self.bos]
+                items.append(Item(lead + list(w.token_ids), capture=(w.state.keys, w.state.values),
+                                  capture_from=len(lead)))
+            else:
+                s = _torch_slots(w.slots)
+                if not w.token_ids or len(w.token_ids) != len(w.positions):
+                    raise ValueError(f"an extend needs >= 1 token and one position per token; got "
+                                     f"{len(w.token_ids)} tokens, {len(w.positions)} positions")
+                items.append(Item(w.token_ids, w.positions, kv=(s.keys, s.values), logits=True))
+                extends.append(w)
+        if not items:
+            return
+        logits = self.model.forward(items)
+        for ext, row in zip(extends, logits, strict=True):
+            ext.logits = row
+
+    # --- exact prefix cache ---------------------------------------------------------------
+
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
+        s = _torch_slots(slots)
+        hit = self.prefix_cache.match(token_ids[:s.n_slots])
+        for start, keys, values in hit.chunks:
+            end = start + keys.shape[1]
+            s.keys[:, start:end].copy_(keys)
+            s.values[:, start:end].copy_(values)
+        return hit.length
+
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
+        s = _torch_slots(slots)
+        assert len(token_ids) <= s.n_slots, (len(token_ids), s.n_slots)
+        self.prefix_cache.insert(
+            token_ids, lambda a, b: (s.keys[:, a:b].clone(), s.values[:, a:b].clone()))
+
+    # --- tokenizer ------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode_tokens(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+
+def _torch_slots(slots: KVSlots) -> TorchSlots:
+    assert isinstance(slots, TorchSlots), f"slots from another engine: {type(slots).__name__}"
+    assert not slots.freed, "slots used after free()"
+    return slots

@@ -1,0 +1,64 @@
+"""Next-token choice for one request: greedy, temperature and nucleus (top-p), seedable.
+
+A :class:`Sampler` lives as long as its request: with ``seed`` set it owns a private
+``torch.Generator``, so the same prompt and seed give the same tokens whatever else is in
+the batch. Logits are only read, never modified in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tessera.errors import BadRequest
+from tessera.messages import SamplingParams
+
+
+def check_params(params: SamplingParams) -> None:
+    """Reject parameters that cannot be served, saying what to fix (HTTP 400)."""
+    if params.max_tokens < 1:
+        raise BadRequest(f"max_tokens = {params.max_tokens} is invalid: expected >= 1")
+    if not params.temperature >= 0:
+        raise BadRequest(f"temperature = {params.temperature} is invalid: expected >= 0 (0 = greedy)")
+    if not 0 < params.top_p <= 1:
+        raise BadRequest(f"top_p = {params.top_p} is invalid: expected 0 < top_p <= 1")
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Argmax per row of ``[B, vocab]`` logits (one call for a whole decode batch)."""
+    return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
+        check_params(params)
+        self.params = params
+        self._stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stops.update(eos_token_ids)
+        self._generator: torch.Generator | None = None
+        if params.seed is not None:
+            self._generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """Choose the next token from ``[vocab]`` logits."""
+        if self.is_greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep the smallest head whose mass reaches top_p (the first token always stays)
+            keep = (sorted_probs.cumsum(0) - sorted_probs) < self.params.top_p
+            sorted_probs = sorted_probs * keep
+            choice = torch.multinomial(sorted_probs, 1, generator=self._generator)
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def is_stop(self, token: int) -> bool:
+        """Whether ``token`` ends the request (stop tokens, and EOS unless ``ignore_eos``)."""
+        return token in self._stops

@@ -1,0 +1,255 @@
+"""The generation role: ``tessera run --role generation --node NAME``.
+
+HTTP API (JSON, typed messages from :mod:`tessera.messages`):
+
+    GET  /health                        200 once the engine is loaded
+    POST /v1/snapshot   SnapshotRequest -> SnapshotResponse   (pins the held units)
+    POST /v1/execute    ExecuteRequest  -> NDJSON stream of {"token", "text"} lines, then
+                                           {"done": true, "finish_reason", "stats"}
+    POST /v1/abort      {"request_id"}
+    GET  /metrics                       Prometheus text
+
+Only the retrieval role calls these. The node never decides admission or eviction itself;
+it executes the plan it is given and reports what its local cache really holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import torch
+from aiohttp import web
+
+from tessera.config import ClusterConfig, GenerationNodeConfig
+from tessera.engines.composition import policy_from_config
+from tessera.engines.reference import ReferenceEngine
+from tessera.errors import BadRequest, TesseraError
+from tessera.generation.control_client import NodeControl
+from tessera.generation.executor import Executor, Finished, TokenEvent
+from tessera.generation.prefills import PrefillCoalescer
+from tessera.generation.retention import Retainer
+from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.unit_cache import LocalUnitCache
+from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse, check_version
+from tessera.runtime import BackgroundTasks, serve
+from tessera.serving.metrics import Registry
+from tessera.wire import WIRE_VERSION, decode, encode
+
+log = logging.getLogger(__name__)
+PIN_TIMEOUT_S = 30.0  # a snapshot's pins are dropped if its execute never arrives
+HEARTBEAT_S = 1.0
+
+
+class GenerationNode:
+    def __init__(self, config: ClusterConfig, name: str) -> None:
+        self.config = config
+        self.cfg: GenerationNodeConfig = config.generation_node(name)
+        self.name = name
+        self.ready = False
+        self.inflight: set[str] = set()
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._pin_timers: dict[str, asyncio.TimerHandle] = {}
+        self.background = BackgroundTasks(f"generation {name}")
+        self.metrics = Registry()
+        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome")
+        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source")
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        torch.set_num_threads(self.config.model.threads)
+        t0 = time.perf_counter()
+        self.engine = await asyncio.to_thread(
+            ReferenceEngine.from_config, self.config, prefix_cache_tokens=self.cfg.prefix_cache_tokens
+        )
+        log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
+        self.control = NodeControl(self.config.retrieval_url, self.name, timeout_s=self.config.transport.timeout_s)
+        self.worker = EngineWorker(self.engine)
+        self.scheduler = Scheduler(self.worker, self.cfg.max_batch_tokens)
+        self.scheduler.start()
+        self.prefills = PrefillCoalescer(self.scheduler)
+        self.cache = LocalUnitCache(self.cfg.local_capacity_blocks, self.config.block_tokens)
+        self.pool = None
+        if self.config.kvpools:
+            from tessera.transport.blocks import BlockLayout
+            from tessera.transport.pool import KVPoolClient
+
+            layout = BlockLayout(self.engine.geometry, self.config.block_tokens)
+            self.pool = KVPoolClient(self.config, layout, control=self.control)
+        self.retainer = Retainer(
+            self.cache, self.pool, self.control,
+            staging_bytes=self.config.transport.writeback_staging_bytes,
+            outstanding=self.config.transport.writeback_outstanding,
+        )
+        self.executor = Executor(
+            self.engine, self.worker, self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
+            self.control.release_later, policy_from_config(self.config.composition), self.config.control.mode,
+        )
+        self.background.spawn(self._heartbeat(), name="heartbeat")
+        self.ready = True
+        try:
+            yield
+        finally:
+            self.ready = False
+            await self.retainer.drain(timeout=10.0)
+            await self.background.drain(timeout=1.0)
+            await self.scheduler.stop()
+            self.worker.close()
+            if self.pool is not None:
+                await self.pool.close()
+            await self.control.close()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+            except TesseraError as exc:
+                log.debug("%s: heartbeat failed: %s", self.name, exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    # --- handlers ------------------------------------------------------------------------
+
+    def _admit(self, request_id: str) -> None:
+        if request_id not in self.inflight and len(self.inflight) >= self.cfg.max_inflight:
+            raise web.HTTPTooManyRequests(
+                text=f"node {self.name} has {len(self.inflight)} requests in flight (max_inflight = "
+                     f"{self.cfg.max_inflight}); retry later", content_type="text/plain")
+        self.inflight.add(request_id)
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        msg = decode(SnapshotRequest, await request.read())
+        check_version(msg.version)
+        self._admit(msg.request_id)
+        held = self.cache.held(msg.request_id, msg.unit_ids)
+        loop = asyncio.get_running_loop()
+        self._pin_timers[msg.request_id] = loop.call_later(PIN_TIMEOUT_S, self._expire_pins, msg.request_id)
+        resp = SnapshotResponse(WIRE_VERSION, msg.request_id, self.name, tuple(held), len(self.inflight))
+        return web.Response(body=encode(resp), content_type="application/json")
+
+    def _expire_pins(self, request_id: str) -> None:
+        self._pin_timers.pop(request_id, None)
+        if request_id not in self._tasks:
+            self.cache.unpin_request(request_id)
+            self.inflight.discard(request_id)
+
+    async def execute(self, request: web.Request) -> web.StreamResponse:
+        msg = decode(ExecuteRequest, await request.read())
+        check_version(msg.version)
+        if msg.plan.node != self.name:
+            raise BadRequest(f"plan is for node {msg.plan.node!r}, this is {self.name!r}")
+        self._admit(msg.request_id)
+        timer = self._pin_timers.pop(msg.request_id, None)
+        if timer is not None:
+            timer.cancel()
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        current = asyncio.current_task()
+        assert current is not None
+        self._tasks[msg.request_id] = current
+        outcome = "error"
+        try:
+            async for event in self.executor.run(msg):
+                if isinstance(event, TokenEvent):
+                    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
+                    if event.logprob is not None:
+                        line["logprob"] = event.logprob
+                        line["top"] = event.top
+                    await resp.write(orjson.dumps(line) + b"\n")
+                else:
+                    assert isinstance(event, Finished)
+                    self._count(event)
+                    outcome = "ok"
+                    await resp.write(orjson.dumps(
+                        {"done": True, "finish_reason": event.finish_reason, "stats": event.stats.as_dict()}
+                    ) + b"\n")
+        except asyncio.CancelledError:
+            outcome = "aborted"
+            raise
+        except Exception as exc:
+            log.exception("%s: request %s failed", self.name, msg.request_id)
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}) + b"\n")
+        finally:
+            self.m_requests.inc(labels={"outcome": outcome})
+            self._tasks.pop(msg.request_id, None)
+            self.inflight.discard(msg.request_id)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+    def _count(self, event: Finished) -> None:
+        s = event.stats
+        for source, n in (("prefix", s.prefix_cached_tokens), ("local", s.local_tokens), ("remote", s.remote_tokens),
+                          ("computed", s.computed_unit_tokens), ("recomputed", s.recomputed_tokens)):
+            self.m_tokens.inc(n, labels={"source": source})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read() or b"{}")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+        if not isinstance(request_id, str):
+            raise BadRequest("body must be {\"request_id\": \"...\"}")
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+        else:
+            self._expire_pins(request_id)
+        return web.json_response({"aborted": task is not None})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.json_response({"node": self.name, "ready": False}, status=503)
+        return web.json_response({"node": self.name, "ready": True, "inflight": len(self.inflight),
+                                  "fingerprint": self.engine.fingerprint.digest.hex()})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        g = self.metrics
+        extra = [
+            f"tessera_node_inflight {len(self.inflight)}",
+            f"tessera_node_queued_tokens {self.scheduler.queued_tokens}",
+            f"tessera_node_local_cache_blocks {self.cache.used_blocks}",
+            f"tessera_node_coalesced_prefills_total {self.prefills.coalesced}",
+            f"tessera_node_unit_prefills_total {self.prefills.started}",
+            f"tessera_node_writebacks_published_total {self.retainer.published}",
+            f"tessera_node_writeback_failures_total {self.retainer.write_failures}",
+        ]
+        return web.Response(text=g.render() + "\n".join(extra) + "\n", content_type="text/plain")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return web.json_response({"error": str(exc)}, status=exc.status)
+
+
+def build_app(config: ClusterConfig, name: str) -> web.Application:
+    node = GenerationNode(config, name)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=64 << 20)
+    app["node"] = node
+    app.cleanup_ctx.append(node.lifecycle)
+    app.router.add_get("/health", node.health)
+    app.router.add_post("/v1/snapshot", node.snapshot)
+    app.router.add_post("/v1/execute", node.execute)
+    app.router.add_post("/v1/abort", node.abort)
+    app.router.add_get("/metrics", node.metrics_text)
+    return app
+
+
+def run_generation(config: ClusterConfig, name: str | None) -> int:
+    from tessera.runtime import run
+
+    if name is None:
+        if len(config.generation) != 1:
+            raise BadRequest(f"--node is required: the config has generation nodes "
+                             f"{', '.join(n.name for n in config.generation)}")
+        name = config.generation[0].name
+    cfg = config.generation_node(name)
+    app = build_app(config, name)
+    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", drain_s=30.0))

@@ -1,0 +1,157 @@
+"""Continuous batching over one engine, plus the engine's single worker thread.
+
+Every engine call runs on one dedicated thread (:class:`EngineWorker`), so the event loop
+keeps serving HTTP, transfers and other requests while a forward pass runs. The
+:class:`Scheduler` loop is the node's step, in the spirit of nano-vllm's six lines:
+
+    batch = take pending decodes + extend work up to the token budget
+    run the batch as ONE engine.step()
+    resolve each item's future
+
+Unit prefills (internal requests for missing units) and requests' final extends join the
+same batches; a request that waits for its unit states is simply not in the queue yet, so
+it never blocks anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineWorker:
+    """The one thread that may touch the engine."""
+
+    def __init__(self, engine: EngineAdapter) -> None:
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class _Job:
+    item: UnitPrefill | Extend
+    future: asyncio.Future[Any]
+    decode: bool
+
+    @property
+    def tokens(self) -> int:
+        return len(self.item.token_ids)
+
+
+class Scheduler:
+    """Queues extend/decode work and runs it in batches on the engine worker."""
+
+    def __init__(self, worker: EngineWorker, max_batch_tokens: int) -> None:
+        self.worker = worker
+        self.max_batch_tokens = max_batch_tokens
+        self._extends: deque[_Job] = deque()
+        self._decodes: deque[_Job] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.batched_items = 0
+
+    # --- submission ----------------------------------------------------------------------
+
+    def _submit(self, item: UnitPrefill | Extend, decode: bool) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        (self._decodes if decode else self._extends).append(_Job(item, future, decode))
+        self._wake.set()
+        return future
+
+    async def prefill_unit(self, token_ids: Sequence[int]) -> UnitState:
+        """Independent prefill of one unit from position 0 (an internal request)."""
+        state: UnitState = await self._submit(UnitPrefill(token_ids), decode=False)
+        return state
+
+    async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Compute tokens at positions over the request's slots; logits of the last position."""
+        logits: torch.Tensor = await self._submit(Extend(slots, token_ids, positions), decode=False)
+        return logits
+
+    async def decode(self, slots: KVSlots, token_id: int, position: int) -> torch.Tensor:
+        logits: torch.Tensor = await self._submit(Extend(slots, [token_id], [position]), decode=True)
+        return logits
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(j.tokens for j in self._extends) + len(self._decodes)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._task is None
+        self._task = asyncio.create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for job in (*self._extends, *self._decodes):
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("generation node is shutting down"))
+        self._extends.clear()
+        self._decodes.clear()
+
+    def _next_batch(self) -> list[_Job]:
+        # drop work whose requester went away (client disconnected)
+        batch = [j for j in self._decodes if not j.future.cancelled()]
+        self._decodes.clear()
+        budget = self.max_batch_tokens - len(batch)
+        while self._extends:
+            job = self._extends[0]
+            if job.future.cancelled():
+                self._extends.popleft()
+                continue
+            # an item larger than the budget still runs, alone with the decodes
+            if job.tokens > budget and any(not j.decode for j in batch):
+                break
+            batch.append(self._extends.popleft())
+            budget -= job.tokens
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self.worker.call(self.worker.engine.step, [j.item for j in batch])
+            except Exception as exc:
+                log.exception("engine step failed for a batch of %d items", len(batch))
+                for j in batch:
+                    if not j.future.done():
+                        j.future.set_exception(exc)
+                continue
+            self.steps += 1
+            self.batched_items += len(batch)
+            for j in batch:
+                if j.future.done():
+                    continue
+                if isinstance(j.item, UnitPrefill):
+                    j.future.set_result(j.item.state)
+                else:
+                    j.future.set_result(j.item.logits)

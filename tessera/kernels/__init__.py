@@ -1,0 +1,1 @@
+"""Device kernels, each beside a typed wrapper and the torch reference the tests compare against."""

@@ -1,0 +1,137 @@
+"""Start a whole cluster on this machine as real processes (``tessera up``, the bench).
+
+Order matters: the retrieval node (the control plane) first, then the memory nodes, which
+register with it, then the generation nodes, which find the memory nodes through it. Each
+child gets the same effective config file. Shutdown is the reverse order with SIGTERM (each
+role drains), then SIGKILL for anything that does not stop in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tessera.config import ClusterConfig, dump_toml
+from tessera.engines.checkpoint import resolve
+
+
+@dataclass
+class Child:
+    role: str
+    node: str
+    url: str
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    log_file: IO[bytes] = field(repr=False)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class LocalCluster:
+    """Every role of ``config`` as child processes of this one."""
+
+    def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False) -> None:
+        self.config = config
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tessera-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.log_dir / "tessera.toml"
+        self.config_path.write_text(dump_toml(config))
+        self.children: list[Child] = []
+        self.quiet = quiet
+
+    def _say(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    def _spawn(self, role: str, node: str, host: str, port: int) -> Child:
+        cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(self.config_path)]
+        if role != "retrieval":
+            cmd += ["--node", node]
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["PYTHONUNBUFFERED"] = "1"
+        log_path = self.log_dir / f"{role}-{node}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the child
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        child = Child(role, node, f"http://{host}:{port}", log_path, proc, log_file)
+        self.children.append(child)
+        return child
+
+    def _wait(self, children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None:
+                    raise ClusterError(
+                        f"{child.role} {child.node} exited with code {child.proc.returncode}; "
+                        f"log {child.log_path}:\n{child.tail()}"
+                    )
+                with contextlib.suppress(OSError, urllib.error.URLError), \
+                        urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        pending.remove(child)
+                        self._say(f"  {child.role:<10} {child.node:<6} ready at {child.url}")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"{c.role} {c.node}" for c in pending)
+                raise ClusterError(f"not healthy after {timeout:.0f}s: {names}; logs in {self.log_dir}")
+            if pending:
+                time.sleep(0.2)
+
+    def start(self, timeout: float = 180.0) -> None:
+        cfg = self.config
+        # convert the checkpoint once here, not concurrently in every child
+        resolve(cfg.model)
+        self._say(f"starting tessera cluster (logs in {self.log_dir})")
+        try:
+            self._wait([self._spawn("retrieval", "main", cfg.retrieval.host, cfg.retrieval.port)], timeout)
+            self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)
+            self._wait([self._spawn("generation", n.name, n.host, n.port) for n in cfg.generation], timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is None]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+                try:
+                    child.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self._say(f"  {child.role} {child.node} did not stop in {timeout:.0f}s; killing it")
+                    child.proc.kill()
+                    child.proc.wait()
+            child.log_file.close()
+        self.children.clear()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,75 @@
+"""The retrieval role's client of the generation nodes (snapshot, execute, abort)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tessera.config import ClusterConfig
+from tessera.errors import BadRequest, Overloaded, TesseraError
+from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse
+from tessera.wire import WIRE_VERSION, encode, from_wire
+
+
+class NodeUnavailable(TesseraError):
+    """A generation node could not be reached or failed mid-request (HTTP 503 to the client)."""
+
+
+class NodeClients:
+    def __init__(self, config: ClusterConfig, connect_timeout_s: float = 5.0) -> None:
+        self.urls = {n.name: f"http://{n.host}:{n.port}" for n in config.generation}
+        # no total timeout: a long generation is fine; connecting and the first byte are bounded
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _error(self, node: str, resp: aiohttp.ClientResponse) -> TesseraError:
+        text = (await resp.text())[:500]
+        if resp.status == 429:
+            return Overloaded(f"generation node {node} is overloaded: {text}")
+        if 400 <= resp.status < 500:
+            return BadRequest(f"generation node {node} refused the request: {text}", resp.status)
+        return NodeUnavailable(f"generation node {node} answered HTTP {resp.status}: {text}")
+
+    async def snapshot(self, node: str, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
+        msg = SnapshotRequest(WIRE_VERSION, request_id, tuple(unit_ids))
+        try:
+            async with self._http().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
+                                         headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    raise await self._error(node, resp)
+                return from_wire(SnapshotResponse, orjson.loads(await resp.read()))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
+
+    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncIterator[dict[str, Any]]:
+        """Yield the node's NDJSON events; the last one has ``done`` (or ``error``)."""
+        try:
+            async with self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
+                                         headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    raise await self._error(node, resp)
+                async for line in resp.content:
+                    if line.strip():
+                        yield orjson.loads(line)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
+
+    async def abort(self, node: str, request_id: str) -> None:
+        try:
+            async with self._http().post(self.urls[node] + "/v1/abort",
+                                         data=orjson.dumps({"request_id": request_id})) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the node is gone; nothing left to abort

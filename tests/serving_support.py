@@ -1,0 +1,107 @@
+"""Real clusters on loopback for the end-to-end serving tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from support import free_port
+
+from tessera.config import ClusterConfig, load_config
+from tessera.launcher import LocalCluster
+from tessera.messages import PromptLayout, Segment, SegmentKind
+
+
+def cluster_config(model_source: str, *, nodes: int = 2, local_blocks: int = 1024, transport: str = "shm",
+                   max_inflight: int = 64, kv_blocks: int = 1024, threads: int = 1, **control: Any) -> ClusterConfig:
+    """The default cluster on free ports, with a chosen model and a few knobs."""
+    base = load_config()
+    gen_proto = base.generation[0]
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, source=model_source, threads=threads),
+        control=dataclasses.replace(base.control, **control),
+        transport=dataclasses.replace(base.transport, name=transport, timeout_s=2.0),
+        retrieval=dataclasses.replace(base.retrieval, port=free_port()),
+        kvpools=tuple(dataclasses.replace(n, port=free_port(), data_port=free_port(), capacity_blocks=kv_blocks)
+                      for n in base.kvpools),
+        generation=tuple(
+            dataclasses.replace(gen_proto, name=f"gen{i}", port=free_port(), local_capacity_blocks=local_blocks,
+                                max_inflight=max_inflight)
+            for i in range(nodes)),
+    )
+
+
+@contextmanager
+def running_cluster(config: ClusterConfig, log_dir: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(config, log_dir=log_dir, quiet=True)
+    cluster.start(timeout=120)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def call(url: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """POST JSON (or GET when there is no body); returns (status, parsed body or text)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            payload = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        payload, status = exc.read(), exc.code
+    try:
+        return status, json.loads(payload)
+    except json.JSONDecodeError:
+        return status, payload.decode(errors="replace")
+
+
+def chat(url: str, units: list[str], question: str = "What do the records say?", **extra: Any) -> dict[str, Any]:
+    body = {"model": "tessera", "messages": [{"role": "system", "content": "Answer briefly."},
+                                             {"role": "user", "content": question}],
+            "context_units": units, "max_tokens": 6, "temperature": 0, "return_layout": True,
+            "logprobs": True, "top_logprobs": 5, **extra}
+    status, payload = call(url, "/v1/chat/completions", body)
+    assert status == 200, payload
+    return payload  # type: ignore[no-any-return]
+
+
+def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
+    """Rebuild a PromptLayout from the ``tessera_layout`` a response carries."""
+    tokens = trace["tokens"]
+    segments: list[Segment] = []
+    at = 0
+    for start, end in trace["units"]:
+        if start > at:
+            segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:start])))
+        segments.append(Segment(SegmentKind.UNIT, tuple(tokens[start:end]), f"u{start}-{end}"))
+        at = end
+    if at < len(tokens):
+        segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:])))
+    return PromptLayout(tuple(segments))
+
+
+def node_metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")

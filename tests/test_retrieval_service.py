@@ -1,0 +1,167 @@
+"""The retrieval role as a real process on a free loopback port, exercised over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from support import RoleProcess, free_port, write_config
+
+from tessera.config import (
+    ClusterConfig,
+    ControlConfig,
+    GenerationNodeConfig,
+    KVPoolNodeConfig,
+    RetrievalConfig,
+)
+from tessera.messages import RequestPlan
+from tessera.wire import WIRE_VERSION, from_wire
+
+V = WIRE_VERSION
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A retrieval process for the whole module; it must drain and exit 0 on SIGTERM."""
+    directory: Path = tmp_path_factory.mktemp("retrieval")
+    port = free_port()
+    config = ClusterConfig(
+        block_tokens=4,
+        control=ControlConfig(heartbeat_timeout_s=60.0),
+        retrieval=RetrievalConfig(port=port, max_unit_tokens=64),
+        kvpools=(KVPoolNodeConfig("kv0", port=free_port(), data_port=free_port(), capacity_blocks=64),),
+        generation=tuple(GenerationNodeConfig(f"gen{i}", port=free_port()) for i in range(2)),
+    )
+    proc = RoleProcess("retrieval", write_config(directory, config))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_healthy(url, timeout=120)
+        yield url
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log()
+    assert "retrieval stopped" in proc.log()
+
+
+async def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        kwargs: dict[str, Any] = {"data": raw} if raw is not None else {"json": body}
+        async with session.request(method, url + path, **kwargs) as resp:
+            assert resp.content_type == "application/json", await resp.text()
+            return resp.status, await resp.json()
+
+
+async def test_health_says_ready(service: str) -> None:
+    """GET /health is 200 once the tokenizer and the embedder are loaded."""
+    assert await call(service, "GET", "/health") == (200, {"version": V, "status": "ready", "role": "retrieval"})
+
+
+async def test_ingest_then_retrieve_the_paraphrased_passage(service: str) -> None:
+    """Ingested units come back ranked by meaning, with ids, token counts and metadata."""
+    units = [
+        {"scope": "kb", "text": "The Great Barrier Reef is the world's largest coral reef system, off Queensland.",
+         "metadata": {"source": "reef"}},
+        {"scope": "kb", "text": "A transistor is a semiconductor device used to amplify or switch signals."},
+        {"scope": "kb", "text": "Espresso is coffee brewed by forcing hot water through finely ground beans."},
+    ]
+    status, out = await call(service, "POST", "/v1/units", {"version": V, "units": units})
+    assert status == 200 and [u["new"] for u in out["units"]] == [True, True, True]
+    assert all(u["n_tokens"] > 0 and len(u["unit_id"]) == 32 for u in out["units"])
+    status, again = await call(service, "POST", "/v1/units", {"version": V, "units": units[:1]})
+    assert again["units"][0] == {**out["units"][0], "new": False}
+    status, hits = await call(service, "POST", "/v1/retrieve",
+                              {"version": V, "scope": "kb", "query": "Where is the biggest coral reef?", "top_k": 2})
+    assert status == 200 and len(hits["units"]) == 2
+    top = hits["units"][0]
+    assert top["unit_id"] == out["units"][0]["unit_id"] and top["metadata"] == {"source": "reef"}
+    assert top["text"] == units[0]["text"] and top["score"] > hits["units"][1]["score"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/units", b"{not json", 400, "not valid JSON"),
+        ("/v1/units", {"version": V, "units": [{"scope": "kb", "text": 7}]}, 400, "units[0].text: expected a string"),
+        ("/v1/units", {"version": V}, 400, "field units is required"),
+        ("/v1/units", {"version": 99, "units": []}, 400, "protocol version 99"),
+        ("/v1/units", {"version": V, "units": []}, 400, "units is empty"),
+        ("/v1/units", {"version": V, "units": [{"scope": "kb", "text": ""}]}, 400, "units[0].text is empty"),
+        ("/v1/units", {"version": V, "units": [{"scope": "kb", "text": "many words " * 80}]}, 413,
+         "max_unit_tokens = 64"),
+        ("/v1/units", {"version": V, "units": [{"scope": "no spaces", "text": "x"}]}, 400, "not a valid scope"),
+        ("/v1/retrieve", {"version": V, "scope": "nowhere", "query": "x"}, 404, "unknown scope 'nowhere'"),
+        ("/v1/retrieve", {"version": V, "scope": "kb"}, 400, "exactly one of query"),
+        ("/v1/retrieve", {"version": V, "scope": "kb", "embedding": [1.0, 2.0]}, 400, "2 dimensions"),
+        ("/control/route", {"version": V, "request_id": "", "units": []}, 400, "request_id is empty"),
+        ("/control/route", {"version": V, "request_id": "q", "units": [{"unit_id": "a", "n_tokens": 0}]}, 400,
+         "n_tokens must be > 0"),
+        ("/control/plan", {"version": V, "request_id": "q", "node": "gen9"}, 404, "unknown generation node 'gen9'"),
+        ("/control/plan", {"version": V, "request_id": "never-routed", "node": "gen0"}, 404, "not routed"),
+        ("/control/residency", {"version": V, "node": "gen9"}, 404, "unknown generation node 'gen9'"),
+        ("/control/load", {"version": V, "node": "ghost", "inflight": 0}, 404, "unknown generation node 'ghost'"),
+        ("/control/kvpool/hello", {"version": V, "name": "kv9", "boot_id": "b", "capacity_blocks": 4,
+                                   "block_bytes": 64, "shm_name": "s", "data_host": "h", "data_port": 1}, 404,
+         "unknown memory node 'kv9'"),
+        ("/no/such/path", {}, 404, "Not Found"),
+    ],
+)
+async def test_bad_requests_get_a_4xx_that_says_what_to_fix(service: str, path: str, body: Any, status: int,
+                                                            needle: str) -> None:
+    """Malformed JSON, wrong types, bad values, unknown scopes and nodes: 4xx with a message."""
+    raw = body if isinstance(body, bytes) else None
+    got, out = await call(service, "POST", path, None if raw else body, raw)
+    assert got == status and needle in out["error"], out
+
+
+async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(service: str) -> None:
+    """route -> plan -> publish -> a remote hit elsewhere under a lease -> release -> complete."""
+    hello = {"version": V, "name": "kv0", "boot_id": "boot-a", "capacity_blocks": 64, "block_bytes": 4096,
+             "shm_name": "tessera-kv0", "data_host": "127.0.0.1", "data_port": 9999}
+    assert (await call(service, "POST", "/control/kvpool/hello", hello))[1]["ok"] is True
+    status, pools = await call(service, "GET", "/control/kvpool")
+    assert status == 200 and pools["nodes"] == [hello]
+    for node in ("gen0", "gen1"):
+        assert (await call(service, "POST", "/control/load", {"version": V, "node": node, "inflight": 0}))[0] == 200
+
+    units = [{"unit_id": "u" * 32, "n_tokens": 10}]
+
+    async def plan(rid: str, held: list[str] | None = None) -> RequestPlan:
+        status, routed = await call(service, "POST", "/control/route", {"version": V, "request_id": rid, "units": units})
+        assert status == 200 and routed["request_id"] == rid
+        status, body = await call(service, "POST", "/control/plan",
+                                  {"version": V, "request_id": rid, "node": routed["node"], "held": held or []})
+        assert status == 200, body
+        return from_wire(RequestPlan, body)
+
+    first = await plan("h1")
+    assert first.units[0].preparation.value == "compute" and first.units[0].grant is None
+    assert (await call(service, "POST", "/control/complete", {"version": V, "request_id": "h1"}))[1]["ok"]
+    second = await plan("h2")
+    grant = second.units[0].grant
+    assert grant is not None and grant.writer == second.node and len(grant.blocks) == 3
+    publish = {"version": V, "unit_id": grant.unit_id, "epoch": grant.epoch, "writer": "gen-impostor",
+               "blocks": [{"node": b.node, "index": b.index} for b in grant.blocks]}
+    status, ack = await call(service, "POST", "/control/publish", publish)
+    assert status == 409 and ack["ok"] is False and "not the authorized writer" in ack["reason"]
+    status, ack = await call(service, "POST", "/control/publish", {**publish, "writer": grant.writer})
+    assert status == 200 and ack["ok"] is True
+    await call(service, "POST", "/control/complete", {"version": V, "request_id": "h2"})
+
+    third = await plan("h3")
+    assert third.node != second.node and third.units[0].preparation.value == "remote"
+    lease = third.units[0].lease
+    assert lease is not None and lease.epoch == grant.epoch
+    status, ack = await call(service, "POST", "/control/release", {"version": V, "lease_ids": [lease.lease_id]})
+    assert status == 200 and ack == {"version": V, "ok": True, "reason": ""}
+    status, ack = await call(service, "POST", "/control/cancel", {"version": V, "unit_id": grant.unit_id,
+                                                                  "epoch": grant.epoch, "writer": grant.writer})
+    assert status == 200 and ack["ok"] is False  # already published: nothing to cancel
+    status, ack = await call(service, "POST", "/control/residency",
+                             {"version": V, "node": third.node, "inserted": [], "evicted": []})
+    assert status == 200 and ack["ok"]
+    status, stats = await call(service, "GET", "/control/stats")
+    assert stats["plans"]["plans"] == 3 and stats["shared_entries"] == 1
+    assert stats["nodes"][third.node]["inflight"] == 1
