@@ -2,13 +2,15 @@
 
 Each request retrieves 10 distinct units drawn from a Zipf popularity over a unit universe;
 8 generation nodes each keep a simulated local cache that follows the plans exactly
-(insert what is retained locally, drop ``local_evict``), writers publish their grants and
-readers release their leases at once, and a fixed number of requests stay in flight.
+(drop ``local_evict``, insert what is retained locally, send the ResidencyReport), writers
+publish their grants and readers release their leases at once, and a fixed number of
+requests stay in flight. The first 10% of requests (cold start) are not counted.
 
-Measured per request: route + finalize + complete (the plan latency); throughput counts
-the whole loop including the simulated node traffic (snapshot, publish, release).
+Measured per request: route + finalize + complete, in process (the plan latency);
+"plans/s" is requests / sum of plan latencies. The whole-loop rate also counts the
+simulated node traffic (snapshot, publish, release, residency report).
 
-    flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--units U] [--zipf S]
+    PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--units U] [--zipf S]
 
 Prints numbers; asserts nothing.
 """
@@ -67,7 +69,6 @@ def run(args: argparse.Namespace) -> None:
     pc = time.perf_counter_ns
     gc.collect()
     gc.freeze()
-    gc.disable() if os.environ.get("NOGC") else None
     start = pc()
     for i, (rid, units) in enumerate(zip(rids, requests, strict=True)):
         t0 = pc()

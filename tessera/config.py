@@ -84,12 +84,17 @@ class CompositionConfig:
     recompute_tokens: int = 16
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
+    # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
+    # way EPIC's chunks start with BOS; LegoLink needs it on SmolLM2, see README). "" = none.
+    unit_lead: str = "<|endoftext|>"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,
                "expected a registered policy name such as epic, naive or full")
         _non_negative("composition.recompute_tokens", self.recompute_tokens)
         _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
+        _check(isinstance(self.unit_lead, str) and len(self.unit_lead) <= 64, "composition.unit_lead",
+               self.unit_lead, "expected a short string (\"\" for none)")
 
 
 @dataclass(frozen=True)

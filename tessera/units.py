@@ -99,12 +99,18 @@ class TokenCache:
 
 
 class UnitFactory:
-    """Turns (scope, text) into identified :class:`ContextUnit` values for one serving fingerprint."""
+    """Turns (scope, text) into identified :class:`ContextUnit` values for one serving fingerprint.
 
-    def __init__(self, fingerprint: ServingFingerprint, tokens: TokenCache) -> None:
+    ``lead`` token ids start every unit (e.g. ``<|endoftext|>`` as an attention sink, the way
+    EPIC's chunks start with BOS). They are part of the unit's token ids, hence of its
+    identity and of the prompt.
+    """
+
+    def __init__(self, fingerprint: ServingFingerprint, tokens: TokenCache, lead: tuple[int, ...] = ()) -> None:
         self.fingerprint = fingerprint
         self.tokens = tokens
+        self.lead = lead
 
     def make(self, scope: str, text: str) -> ContextUnit:
-        ids = self.tokens.tokens(text)
+        ids = self.lead + self.tokens.tokens(text)
         return ContextUnit(unit_id_for(scope, ids, self.fingerprint), scope, text, ids)

@@ -129,3 +129,13 @@ def test_geometry_fingerprint_and_tokenizer_describe_the_model(engine: Reference
     text = "Composable KV caches."
     assert engine.decode_tokens(engine.encode(text)) == text
     assert 2 in engine.eos_token_ids
+
+
+def test_bfloat16_compute_stays_close_to_float32(tiny_dir: Path, engine: ReferenceEngine) -> None:
+    """model.dtype = bfloat16 runs the same forward in half precision (same argmax, small drift)."""
+    half = tiny_engine(tiny_dir, dtype="bfloat16", kv_dtype="bfloat16")
+    tokens = random_tokens(40, 9)
+    a, b = prefill(engine, tokens).logits, prefill(half, tokens).logits
+    assert b.dtype == torch.float32
+    assert int(a.argmax()) == int(b.argmax())
+    assert max_diff(a, b) < 0.1 * float(a.abs().max())

@@ -10,9 +10,17 @@ from typing import Any
 
 import pytest
 import torch
-from serving_support import call, chat, cluster_config, layout_from_trace, node_metric, running_cluster, wait_for
+from serving_support import (
+    call,
+    chat,
+    cluster_config,
+    layout_from_trace,
+    node_metric,
+    running_cluster,
+    wait_for,
+)
 
-from tessera.config import ClusterConfig
+from tessera.config import ClusterConfig, load_config
 from tessera.engines.compose import compose, prefill_units
 from tessera.engines.composition import policy_from_config
 from tessera.engines.reference import ReferenceEngine
@@ -41,7 +49,8 @@ def tokenizer(tiny_model: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def one_node(tiny_model: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One generation node whose local cache fits exactly unit A; a shared pool for the rest."""
-    a_blocks = blocks_for(len(tokenizer.encode(UNIT_A)), 16)
+    lead = tokenizer.encode(load_config().composition.unit_lead)  # every unit starts with the sink token
+    a_blocks = blocks_for(len(lead) + len(tokenizer.encode(UNIT_A)), 16)
     cfg = cluster_config(str(tiny_model), nodes=1, local_blocks=a_blocks)
     with running_cluster(cfg, tmp_path_factory.mktemp("one-node")) as cluster:
         yield cfg, cluster
@@ -75,7 +84,7 @@ def assert_same_as_offline(engine: ReferenceEngine, cfg: ClusterConfig, response
 
 def test_local_remote_and_missing_units_compose_like_the_offline_engine(one_node: Any, engine: ReferenceEngine) -> None:
     """A request mixing a local hit, a remote hit and a miss returns what offline composition returns."""
-    cfg, cluster = one_node
+    cfg, _ = one_node
     url = cfg.retrieval_url
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
     r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
@@ -187,6 +196,6 @@ def test_killing_the_kvpool_mid_run_still_answers_every_request(tcp_cluster: Any
     for i in range(4):
         r = chat(url, units, f"after the crash {i}")
         assert r["choices"][0]["finish_reason"] in ("stop", "length")
-    status, text = call(url, "/metrics")
+    _, text = call(url, "/metrics")
     fallbacks = [ln for ln in text.splitlines() if ln.startswith("tessera_fetch_fallbacks_total ")]
     assert float(fallbacks[0].split()[1]) >= 2

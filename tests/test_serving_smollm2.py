@@ -10,8 +10,7 @@ from serving_support import chat, cluster_config, node_metric, running_cluster
 
 pytestmark = pytest.mark.model
 
-VAULT = ("Security memo. The vault in the basement of the museum opens with a four-digit code. "
-         "The vault code is 7421. Only the night guard and the director know it.")
+VAULT = "Security memo: the museum vault opens with the code 7421."
 GARDEN = ("Garden notes. The museum garden has forty rose bushes, a fountain with bronze fish and "
           "a bench dedicated to the founder, who planted the first oak tree there in 1911.")
 
@@ -24,7 +23,7 @@ def test_smollm2_cluster_answers_from_units_and_prefills_a_shared_miss_once(tmp_
         questions = ["What is the vault code? Answer with the number only.", "Who knows the vault code?",
                      "How many rose bushes are there?", "When was the oak tree planted?"]
         with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
-            responses = list(pool.map(lambda q: chat(url, [VAULT, GARDEN], q, max_tokens=30), questions))
+            responses = list(pool.map(lambda q: chat(url, [VAULT, GARDEN], q, max_tokens=30, unit_placement="user"), questions))
         node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
         assert node_metric(node_url, "tessera_node_unit_prefills_total") == 2
         coalesced = sum(r["usage"]["tessera"]["coalesced_units"] for r in responses)

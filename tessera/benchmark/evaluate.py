@@ -24,8 +24,9 @@ from tessera.engines.base import UnitState
 from tessera.engines.compose import compose, prefill_units
 from tessera.engines.composition import get_policy
 from tessera.engines.reference import ReferenceEngine
+from tessera.engines.tokenizer import unit_factory
 from tessera.serving.prompt import PromptBuilder
-from tessera.units import TokenCache, UnitFactory
+from tessera.units import TokenCache
 
 
 @dataclass
@@ -71,7 +72,7 @@ def evaluate(config: ClusterConfig, workload: Workload, questions: int, policies
              max_new_tokens: int = 24, progress: bool = True) -> dict[str, Any]:
     engine = ReferenceEngine.from_config(config)
     tokens = TokenCache(engine.tokenizer.encode)
-    factory = UnitFactory(engine.fingerprint, tokens)
+    factory = unit_factory(config, engine.fingerprint, engine.tokenizer, tokens)
     builder = PromptBuilder(engine.tokenizer, tokens)
     ranker = Ranker()
     scores = {p: PolicyScore() for p in policies}

@@ -26,10 +26,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import ClassVar
 
-from sortedcontainers import SortedList
-
 from tessera.config import ControlConfig
 from tessera.control.demand import DemandTracker
+from tessera.control.ranking import ScoreBuckets
 
 Safe = Callable[[str], bool]
 
@@ -125,13 +124,13 @@ class DemandAdmission(AdmissionPolicy):
     tier's stream. If space is short, safe residents with *strictly lower* scores are taken
     from the lowest score up; if they cannot free enough blocks, the candidate is refused.
 
-    Residents sit in a sorted list keyed ``(score, stream clock when keyed, unit)``: among
-    equal scores the unit whose score last changed earliest goes first. Invariant: a
-    key never *over*estimates its unit's score. A score only drops when a request leaves
-    the window, and those units are re-keyed at once; a score that rose (the unit was
-    retrieved again) is re-keyed lazily, when an eviction walk reaches the stale key. The
-    walk may therefore stop at the first key >= the candidate's score. Popular units change
-    score on every request; this keeps them off the hot path.
+    Residents are ranked in :class:`ScoreBuckets` by the score they were keyed at; among
+    equal scores, the one keyed earliest goes first. Invariant: a key never *over*estimates
+    its unit's score. A score only drops when a request leaves the window, and those units
+    are re-keyed at once; a score that rose (the unit was retrieved again) is re-keyed
+    lazily, when an eviction walk reaches it. The walk may therefore stop at the first key
+    >= the candidate's score. Popular units change score on every request; this keeps them
+    off the hot path.
     """
 
     def __init__(self, control: ControlConfig) -> None:
@@ -139,19 +138,20 @@ class DemandAdmission(AdmissionPolicy):
         self.demand = DemandTracker(control.window, control.w_recent, control.w_lifetime)
         self.theta = control.theta
         self.min_retrievals = 1 if control.admit_first else 2
-        self._order: SortedList = SortedList()
-        self._keys: dict[str, tuple[float, int, str]] = {}
+        self._ranks = ScoreBuckets()
 
     def observe(self, unit_ids: tuple[str, ...]) -> None:
         demand = self.demand
         left = demand.record(unit_ids)
-        keys = self._keys
-        if not keys:
+        ranks = self._ranks
+        if not len(ranks):
             return
         for u in left:
-            key = keys.get(u)
-            if key is not None and demand.score(u) < key[0]:
-                self._rekey(u, key)
+            keyed = ranks.keyed(u)
+            if keyed is not None:
+                now = demand.score(u)
+                if now < keyed:
+                    ranks.put(u, now)
 
     def score(self, unit_id: str) -> float:
         return self.demand.score(unit_id)
@@ -164,53 +164,39 @@ class DemandAdmission(AdmissionPolicy):
         if need <= 0:
             return []
         score = self.demand.score
-        bar = score(unit_id)
-        order = self._order
         blocks = self._blocks
         out: list[str] = []
-        i = 0
-        while i < len(order):
-            key = order[i]
-            if key[0] >= bar:
-                return None  # every later key, hence every later score, is >= bar
-            v = key[2]
-            if score(v) != key[0]:
-                self._rekey(v, key)  # it rose: moves to a later index; look at index i again
-                continue
-            if v != unit_id and safe(v):
-                out.append(v)
-                need -= blocks[v]
-                if need <= 0:
-                    return out
-            i += 1
-        return None
+        walk = self._ranks.walk(score(unit_id), lambda v, _: score(v))
+        try:
+            for v, _ in walk:  # strictly lower scores only, lowest first
+                if v != unit_id and safe(v):
+                    out.append(v)
+                    need -= blocks[v]
+                    if need <= 0:
+                        return out
+            return None
+        finally:
+            walk.close()
 
     def ranked(self) -> list[tuple[float, str]]:
         """Residents in eviction order with their exact scores (for tests and dumps)."""
-        for u, key in list(self._keys.items()):
-            if self.demand.score(u) != key[0]:
-                self._rekey(u, key)
-        return [(s, u) for s, _, u in self._order]
-
-    def _rekey(self, unit_id: str, old: tuple[float, int, str]) -> None:
-        self._order.remove(old)
-        new = (self.demand.score(unit_id), self.demand.requests, unit_id)
-        self._keys[unit_id] = new
-        self._order.add(new)
+        for s, u in self._ranks.items():
+            if self.demand.score(u) != s:
+                self._ranks.put(u, self.demand.score(u))
+        return self._ranks.items()
 
     def _on_add(self, unit_id: str) -> None:
-        key = (self.demand.score(unit_id), self.demand.requests, unit_id)
-        self._keys[unit_id] = key
-        self._order.add(key)
+        self._ranks.put(unit_id, self.demand.score(unit_id))
 
     def _on_discard(self, unit_id: str) -> None:
-        self._order.remove(self._keys.pop(unit_id))
+        self._ranks.drop(unit_id)
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        assert len(self._order) == len(self._keys) == len(self._blocks), "sorted index out of step"
-        for u, key in self._keys.items():
-            assert key[0] <= self.demand.score(u), f"key of {u} overestimates its score: {key[0]} > {self.score(u)}"
+        self._ranks.check_invariants()
+        assert len(self._ranks) == len(self._blocks), "ranking out of step with the resident set"
+        for s, u in self._ranks.items():
+            assert s <= self.demand.score(u), f"key of {u} overestimates its score: {s} > {self.score(u)}"
         self.demand.check_invariants()
 
 

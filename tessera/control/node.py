@@ -22,7 +22,7 @@ from tessera.control.embedder import Embedder
 from tessera.control.plane import ControlPlane
 from tessera.control.retrieval import Hit, RetrievalPool
 from tessera.runtime import BackgroundTasks
-from tessera.units import ContextUnit, ServingFingerprint, TokenCache, UnitFactory
+from tessera.units import ContextUnit, ServingFingerprint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,12 +58,12 @@ class RetrievalNode:
 
     def _load(self) -> RetrievalPool:
         from tessera.engines.checkpoint import resolve
-        from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
+        from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint, unit_factory
 
         checkpoint = resolve(self.config.model)
         self.tokenizer = load_tokenizer(checkpoint)
         self.fingerprint = serving_fingerprint(self.config, checkpoint, self.tokenizer)
-        factory = UnitFactory(self.fingerprint, TokenCache(self.tokenizer.encode))
+        factory = unit_factory(self.config, self.fingerprint, self.tokenizer)
         embedder = Embedder(threads=self.config.retrieval.embed_threads)
         log.info("retrieval ready: model %s, embedder dim %d", self.fingerprint.model, embedder.dim)
         return RetrievalPool(factory, embedder, self.config.retrieval)

@@ -106,8 +106,10 @@ class ControlPlane:
         self.memory = MemoryNodes({k.name for k in config.kvpools})
         self.stats = PlaneStats()
         self._requests: dict[str, _Routed] = {}
-        self._blocks: dict[str, int] = {}  # every unit seen -> its block count (for residency reports)
-        self._interned: dict[tuple[str, Preparation, bool], UnitPlan] = {}
+        # block counts of units admitted locally: a late ResidencyReport may re-add one the
+        # view had already dropped
+        self._blocks: dict[str, int] = {}
+        self._interned: dict[tuple[str, bool, bool], UnitPlan] = {}
 
     # --- the request path ----------------------------------------------------------------
 
@@ -159,13 +161,9 @@ class ControlPlane:
         local.policy.observe(ids)
         shared = self.shared
         shared.observe(ids)
-        sizes = self._blocks
         directory = self.directory
         # preparation first: every lease exists before any eviction of this plan is decided
-        leases: list[ReadLease | None] = []
-        for u, b in pairs:
-            sizes[u] = b
-            leases.append(None if u in held_set else directory.lease(u, node))
+        leases: list[ReadLease | None] = [None if u in held_set else directory.lease(u, node) for u, _ in pairs]
         plans: list[UnitPlan] = []
         evict: list[str] = []
         interned = self._interned
@@ -185,15 +183,17 @@ class ControlPlane:
                 keep_local = victims is not None
                 if keep_local:
                     kept_local += 1
+                    self._blocks[u] = b
                     if victims:
                         evict += victims
             if lease is None:
                 # the shared policy's residents mirror the directory's entries (pending or ready)
                 grant = None if u in shared_resident else shared.admit(u, n, b, node)
                 if grant is None:
-                    plan = interned.get((u, prep, keep_local))
+                    key = (u, prep is LOCAL, keep_local)  # bools: Enum.__hash__ is a Python call
+                    plan = interned.get(key)
                     if plan is None or plan.n_tokens != n:
-                        plan = interned[(u, prep, keep_local)] = UnitPlan(
+                        plan = interned[key] = UnitPlan(
                             u, n, prep, Retention.LOCAL if keep_local else Retention.NEITHER)
                     plans.append(plan)
                     continue

@@ -87,15 +87,22 @@ class CacheAwareRouter(Router):
 
     def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
         bound = min(n.inflight for n in nodes) + 1
+        n_nodes = self.n_nodes
+        after = self._last + 1
         best = nodes[0]
-        best_key: tuple[int, int, int] | None = None
+        # rank by (most blocks, lowest load, earliest after the last choice), without tuples:
+        # this runs once per request over every node
+        best_blocks = best_load = best_rr = -1
         for node in nodes:
             load = node.inflight
             if load > bound:
                 continue
-            key = (local_blocks[node.index], -load, -self._after_last(node.index))
-            if best_key is None or key > best_key:
-                best, best_key = node, key
+            blocks = local_blocks[node.index]
+            if blocks < best_blocks:
+                continue
+            rr = (node.index - after) % n_nodes
+            if blocks > best_blocks or load < best_load or (load == best_load and rr < best_rr):
+                best, best_blocks, best_load, best_rr = node, blocks, load, rr
         return self._chose(best)
 
 

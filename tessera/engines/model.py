@@ -85,6 +85,7 @@ class Model:
         for it in items:
             n = len(it.token_ids)
             assert n > 0, "an item must compute at least one token"
+            assert it.kv is not None or it.positions is None, "a fresh item always sits at positions 0..n-1"
             pos = list(range(n)) if it.positions is None else list(it.positions)
             assert len(pos) == n, (len(pos), n)
             top = max(pos)
@@ -97,12 +98,12 @@ class Model:
                 assert top < it.kv[0].shape[1], f"position {top} is beyond the {it.kv[0].shape[1]} slots"
                 first = pos[0]
                 ordered = pos == list(range(first, first + n))
-                plan.write = slice(first, first + n) if ordered else torch.tensor(pos, device=self.device)
+                where = torch.tensor(pos, device=self.device)
+                plan.write = slice(first, first + n) if ordered else where
                 plan.n_keys = top + 1
                 plan.causal = ordered and first == 0
-                if not plan.causal and n > 1:
-                    q = torch.tensor(pos, device=self.device)
-                    plan.mask = torch.arange(top + 1, device=self.device)[None, :] <= q[:, None]
+                if not plan.causal and n > 1:  # one query alone sees every slot up to itself: no mask
+                    plan.mask = torch.arange(top + 1, device=self.device)[None, :] <= where[:, None]
             plans.append(plan)
             row += n
         return plans, positions, logit_rows

@@ -13,7 +13,7 @@ from typing import Any
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import Checkpoint
 from tessera.errors import ModelLoadError
-from tessera.units import ServingFingerprint
+from tessera.units import ServingFingerprint, TokenCache, UnitFactory
 
 
 class Tokenizer:
@@ -65,3 +65,10 @@ def serving_fingerprint(config: ClusterConfig, checkpoint: Checkpoint, tokenizer
         kv_dtype=config.kv_dtype,
         unit_bos=config.composition.unit_bos,
     )
+
+
+def unit_factory(config: ClusterConfig, fingerprint: ServingFingerprint, tokenizer: Tokenizer,
+                 tokens: TokenCache | None = None) -> UnitFactory:
+    """The deployment's unit factory: identity from the fingerprint, ``composition.unit_lead`` first."""
+    lead = tuple(tokenizer.encode(config.composition.unit_lead)) if config.composition.unit_lead else ()
+    return UnitFactory(fingerprint, tokens or TokenCache(tokenizer.encode), lead)
