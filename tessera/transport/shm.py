@@ -70,26 +70,36 @@ class ShmTransport(Transport):
             raise TransferError(f"memory node {node.name} (pid {arena.pid}) is not running; its arena is stale")
         return arena
 
-    @staticmethod
-    def _slots(arena: Arena, ios: Sequence[SlotIO]) -> list[memoryview]:
-        # bounds were checked against the endpoint, and the endpoint against the arena
-        view, size = arena.view, arena.slot_bytes
-        starts = [ARENA_HEADER_BYTES + io.slot * size for io in ios]
-        return [view[start : start + len(io.buf)] for start, io in zip(starts, ios, strict=True)]
+    # bounds were checked against the endpoint, and the endpoint against the arena
 
     async def _read(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
-        slots = self._slots(self._arena(node), ios)
-        await self._copy([(io.buf, slot) for io, slot in zip(ios, slots, strict=True)])
+        arena = self._arena(node)
+        view, size, base = arena.view, arena.slot_bytes, ARENA_HEADER_BYTES
+        if self._inline(ios):  # the hot path for small blocks: one bare memcpy each, no lists
+            for io in ios:
+                start = base + io.slot * size
+                io.buf[:] = view[start : start + len(io.buf)]
+            return
+        await self._offload([(io.buf, view[base + io.slot * size : base + io.slot * size + len(io.buf)])
+                             for io in ios])
 
     async def _write(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
-        slots = self._slots(self._arena(node), ios)
-        await self._copy([(slot, io.buf) for io, slot in zip(ios, slots, strict=True)])
-
-    async def _copy(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
-        total = sum(len(d) for d, _ in pairs)
-        if total <= INLINE_COPY_BYTES or total <= SMALL_BLOCK_BYTES * len(pairs):
-            copy_pairs_now(pairs)
+        arena = self._arena(node)
+        view, size, base = arena.view, arena.slot_bytes, ARENA_HEADER_BYTES
+        if self._inline(ios):
+            for io in ios:
+                start = base + io.slot * size
+                view[start : start + len(io.buf)] = io.buf
             return
+        await self._offload([(view[base + io.slot * size : base + io.slot * size + len(io.buf)], io.buf)
+                             for io in ios])
+
+    @staticmethod
+    def _inline(ios: Sequence[SlotIO]) -> bool:
+        total = sum(map(len, (io.buf for io in ios)))
+        return total <= INLINE_COPY_BYTES or total <= SMALL_BLOCK_BYTES * len(ios)
+
+    async def _offload(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tessera-shm")
         fut = asyncio.get_running_loop().run_in_executor(self._pool, copy_pairs, pairs)
