@@ -197,6 +197,8 @@ def bench(
     data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for bench.json and the plots.")] = Path("results/bench"),
     dump_trace: Annotated[bool, typer.Option("--dump-trace", help="Write each run's rendered prompts as JSONL traces.")] = False,
+    trace_only: Annotated[bool, typer.Option("--trace-only", help="Only render the workload's prompts (retrieval "
+                                             "included, no serving) into OUT/trace-WORKLOAD.jsonl for tessera analyze.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
     config: ConfigOpt = None,
 ) -> None:
@@ -219,6 +221,13 @@ def bench(
     except ConfigError as exc:
         typer.echo(f"tessera bench: {exc}", err=True)
         raise typer.Exit(2) from None
+    if trace_only:
+        from tessera.benchmark.render import write_traces
+
+        path = out / f"trace-{wl.name}.jsonl"
+        n = write_traces(cfg, wl, path)
+        typer.echo(f"wrote {n} rendered prompts to {path}; classify them with: tessera analyze {path}")
+        return
     opts = BenchOptions(systems=names, rates=_floats(rates, "--rates"), max_tokens=max_tokens, warmup_frac=warmup,
                         unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed)
     report = asyncio.run(run_bench(cfg, wl, opts))

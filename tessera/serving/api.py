@@ -39,7 +39,7 @@ from tessera.messages import (
 )
 from tessera.serving.metrics import Registry
 from tessera.serving.nodes import NodeClients, NodeUnavailable
-from tessera.serving.prompt import PromptBuilder
+from tessera.serving.prompt import PromptBuilder, trace_record
 from tessera.serving.protocol import ChatRequest, chunk_body, completion_body, error_body, parse_chat_request
 from tessera.units import ContextUnit, TokenCache
 from tessera.wire import WIRE_VERSION
@@ -137,15 +137,6 @@ def _usage(layout: PromptLayout, stats: dict[str, int], node: str) -> dict[str, 
         "prompt_tokens_details": {"cached_tokens": cached},
         "tessera": {**stats, "node": node},
     }
-
-
-def _layout_trace(layout: PromptLayout, stream: str) -> dict[str, Any]:
-    units, offset = [], 0
-    for seg in layout.segments:
-        if seg.kind is SegmentKind.UNIT:
-            units.append([offset, offset + len(seg.token_ids)])
-        offset += len(seg.token_ids)
-    return {"stream": stream, "tokens": layout.token_ids(), "units": units}
 
 
 class ChatCall:
@@ -248,7 +239,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                   served_model=serving.config.model.source)
         call = ChatCall(serving, node, chat)
         layout = await call.prepare()
-        trace = _layout_trace(layout, chat.retrieval.scope if chat.retrieval else "") \
+        trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") \
             if body.get("return_layout") is True else None
         if chat.stream:
             return await _stream(request, serving, call, layout, trace)
