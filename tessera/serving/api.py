@@ -113,7 +113,10 @@ def _json_error(message: str, status: int) -> web.Response:
 async def _units(node: RetrievalNode, chat: ChatRequest) -> list[ContextUnit]:
     if chat.retrieval is not None:
         r = chat.retrieval
-        hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
+        if r.embedding is not None:
+            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k)
+        else:
+            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
         return [h.unit for h in hits]
     if chat.units:
         by_scope: dict[str, list[int]] = {}
