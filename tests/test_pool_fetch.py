@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from kvpool_support import (
+    BLOCK_TOKENS,
     HANG_GUARD_S,
+    TINY_GEOMETRY,
     TRANSPORTS,
     memory_node,
     pool_config,
@@ -26,6 +29,7 @@ from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
 from tessera.messages import BlockRef, ReadLease
 from tessera.transport.arena import Arena
 from tessera.transport.base import SlotIO
+from tessera.transport.blocks import BlockLayout
 from tessera.transport.pool import KVPoolClient
 
 UNIT = "unit-x"
@@ -136,3 +140,24 @@ async def test_killing_a_memory_node_during_a_read_fails_it_fast_with_a_typed_er
         finally:
             with contextlib.suppress(Exception):
                 await client.close()
+
+
+async def test_a_copy_that_could_outlive_its_lease_is_not_started(pool: KVPoolClient) -> None:
+    """Leased blocks are protected only until the lease ends; with less than a transfer timeout
+    left the reader falls back instead of racing reclamation."""
+    blocks = spread(1, first=25)
+    await put(pool, blocks, random_state(4, seed=5))
+    lease = lease_for(blocks)
+    with pytest.raises(TransferError, match="left"):
+        await pool.fetch(lease, 4, release=False, received_at=time.monotonic() - lease.ttl_s + 1.0)
+    await pool.fetch(lease, 4, release=False, received_at=time.monotonic())
+
+
+async def test_a_memory_node_with_another_block_layout_is_refused(two_nodes: Cluster) -> None:
+    """Slots sized for another model or block_tokens are never read as this node's blocks."""
+    client = KVPoolClient(two_nodes.config, BlockLayout(TINY_GEOMETRY, BLOCK_TOKENS * 2))
+    try:
+        with pytest.raises(TransferError, match="block_tokens"):
+            await client.fetch(lease_for((BlockRef("kv0", 0),)), 4, release=False)
+    finally:
+        await client.close()

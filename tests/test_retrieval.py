@@ -159,3 +159,17 @@ def test_top_k_defaults_to_the_config(parts: tuple[UnitFactory, Embedder]) -> No
     pool.ingest([("s", text, {}) for text in PASSAGES.values()])
     assert len(pool.retrieve("s", query="mountain")) == 2
     assert len(pool.retrieve("s", query="mountain", top_k=0)) == 2
+
+
+def test_precomputed_unit_embeddings_are_indexed_as_given(pool: RetrievalPool,
+                                                         parts: tuple[UnitFactory, Embedder]) -> None:
+    """A unit ingested with its own vector is found by that vector (here: another text's embedding)."""
+    decoy = parts[1].embed_one(PASSAGES["everest"]).tolist()
+    [(unit, new)] = pool.ingest([("own", "an unrelated note about kettles", {})], [decoy])
+    assert new
+    hits = pool.retrieve("own", query=PASSAGES["everest"], top_k=1)
+    assert hits[0].unit.unit_id == unit.unit_id and hits[0].score > 0.99
+    with pytest.raises(BadRequest, match="dimensions"):
+        pool.ingest([("own", "another note", {})], [[1.0, 2.0]])
+    with pytest.raises(BadRequest, match="2 embeddings for 1 units"):
+        pool.ingest([("own", "a third note", {})], [None, None])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,13 @@ class Result:
         return self.status == 200 and not self.error and self.ttft is not None
 
 
-async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progress: bool = True) -> int:
-    """Add the corpus to the Retrieval Pool's index; returns the number of units sent."""
+async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progress: bool = True,
+                 embeddings: Mapping[str, list[float]] | None = None) -> int:
+    """Add the corpus to the Retrieval Pool's index; returns the number of units sent.
+
+    With ``embeddings`` (text -> vector) the units carry precomputed vectors, so the
+    retrieval node only tokenizes and indexes them.
+    """
     if not corpus:
         return 0
     bar = tqdm(total=len(corpus), desc="ingest", unit="unit", disable=not progress, leave=False)
@@ -48,7 +53,13 @@ async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progre
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for i in range(0, len(corpus), batch):
             chunk = corpus[i:i + batch]
-            body = {"version": 1, "units": [{"scope": u.scope, "text": u.text} for u in chunk]}
+            units: list[dict[str, Any]] = []
+            for u in chunk:
+                unit: dict[str, Any] = {"scope": u.scope, "text": u.text}
+                if embeddings is not None and u.text in embeddings:
+                    unit["embedding"] = embeddings[u.text]
+                units.append(unit)
+            body = {"version": 1, "units": units}
             async with http.post(f"{url}/v1/units", data=orjson.dumps(body),
                                  headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
@@ -98,8 +109,12 @@ async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], resu
 
 async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, max_tokens: int = 1,
                    seed: int = 0, return_layout: bool = False, progress: bool = True,
-                   desc: str = "") -> list[Result]:
-    """Send ``requests`` at Poisson arrivals of ``rate`` req/s (rate <= 0: one at a time)."""
+                   desc: str = "", embeddings: Mapping[str, list[float]] | None = None) -> list[Result]:
+    """Send ``requests`` at Poisson arrivals of ``rate`` req/s (rate <= 0: one at a time).
+
+    With ``embeddings`` (query text -> vector) retrieval requests carry precomputed query
+    embeddings, so TTFT excludes query embedding, as in the paper's methodology.
+    """
     rng = random.Random(seed)
     results = [Result(i, 0.0) for i in range(len(requests))]
     bar = tqdm(total=len(requests), desc=desc or f"{rate:g} req/s", unit="req", disable=not progress,
@@ -116,6 +131,8 @@ async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, m
             body["stream_options"] = {"include_usage": True}
             if return_layout:
                 body["return_layout"] = True
+            if embeddings is not None and "retrieval" in body and body["retrieval"]["query"] in embeddings:
+                body["retrieval"]["embedding"] = embeddings[body["retrieval"]["query"]]
             if rate > 0:
                 delay = start + next_at - time.perf_counter()
                 if delay > 0:

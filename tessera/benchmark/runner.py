@@ -52,6 +52,29 @@ class BenchOptions:
     dump_trace: bool = False
     progress: bool = True
     seed: int = 0
+    # precompute corpus and query embeddings once in the bench process (the paper excludes
+    # query embedding from TTFT); False: the retrieval node embeds everything itself
+    precompute_embeddings: bool = True
+
+
+def embed_workload(workload: Workload) -> dict[str, list[float]]:
+    """MiniLM vectors of every corpus text and retrieval query, computed once per bench."""
+    from tessera.control.embedder import Embedder
+
+    texts = list(dict.fromkeys([u.text for u in workload.corpus] +
+                               [r.retrieval["query"] for r in workload.requests if r.retrieval is not None]))
+    if not texts:
+        return {}
+    embedder = Embedder(threads=2)
+    out: dict[str, list[float]] = {}
+    for i in range(0, len(texts), 256):
+        chunk = texts[i:i + 256]
+        for text, vec in zip(chunk, embedder.embed(chunk), strict=True):
+            out[text] = [float(x) for x in vec]
+        print(f"\rembedding the workload once: {min(i + 256, len(texts))}/{len(texts)}", end="", file=sys.stderr,
+              flush=True)
+    print(file=sys.stderr)
+    return out
 
 
 def _say(msg: str) -> None:
@@ -69,19 +92,20 @@ def _write_trace(path: Path, results: list[Result], workload: Workload) -> None:
 
 async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchOptions, log_dir: Path, *,
                     load: list[BenchRequest], rate: float, serial: list[BenchRequest] | None = None,
-                    ) -> tuple[list[Result], list[Result]]:
+                    embeddings: dict[str, list[float]] | None = None) -> tuple[list[Result], list[Result]]:
     """Fresh cluster: ingest, send ``load`` open-loop at ``rate``, then ``serial`` one at a time."""
     cluster = LocalCluster(cluster_cfg, log_dir=log_dir, quiet=True)
     await asyncio.to_thread(cluster.start)
     try:
         url = cluster_cfg.retrieval_url
-        await ingest(url, workload.corpus, progress=opts.progress)
+        await ingest(url, workload.corpus, progress=opts.progress, embeddings=embeddings)
         results = await run_load(url, load, rate, max_tokens=opts.max_tokens, seed=opts.seed,
-                                 return_layout=opts.dump_trace, progress=opts.progress, desc=f"{rate:g} req/s")
+                                 return_layout=opts.dump_trace, progress=opts.progress, desc=f"{rate:g} req/s",
+                                 embeddings=embeddings)
         serial_results: list[Result] = []
         if serial:
             serial_results = await run_load(url, serial, 0.0, max_tokens=opts.max_tokens, progress=opts.progress,
-                                            desc="unloaded")
+                                            desc="unloaded", embeddings=embeddings)
         return results, serial_results
     finally:
         await asyncio.to_thread(cluster.stop)
@@ -100,6 +124,7 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     split = int(len(workload.requests) * opts.warmup_frac)
+    embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
     for system in opts.systems:
         cfg = system_config(base, system)
         sysrep: dict[str, Any] = {"config": SYSTEMS[system], "runs": []}
@@ -110,14 +135,14 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
             _, serial = await _run_once(
                 cfg, workload, opts, opts.out_dir / f"logs-{system}-unloaded",
                 load=workload.requests[:split], rate=min(opts.rates),
-                serial=workload.requests[split:split + opts.unloaded_requests])
+                serial=workload.requests[split:split + opts.unloaded_requests], embeddings=embeddings)
             sysrep["unloaded"] = summarize(serial, 0.0, 0.0)
             _say(f"[{system}] unloaded mean TTFT {sysrep['unloaded'].get('mean', float('nan')):.3f}s")
         for rate in opts.rates:
             _say(f"[{system}] rate {rate:g} req/s: {len(workload.requests)} requests "
                  f"(first {opts.warmup_frac:.0%} warm up)")
             results, _ = await _run_once(cfg, workload, opts, opts.out_dir / f"logs-{system}-{rate:g}",
-                                         load=workload.requests, rate=rate)
+                                         load=workload.requests, rate=rate, embeddings=embeddings)
             summary = summarize(results, opts.warmup_frac, rate)
             sysrep["runs"].append(summary)
             _say(f"[{system}] rate {rate:g}: mean TTFT {summary.get('mean', float('nan')):.3f}s "

@@ -20,6 +20,8 @@ class IngestUnit:
     scope: str
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # a precomputed embedding (the embedder's dimension); computed here when absent
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,8 +84,9 @@ class RetrievalNode:
 
     # --- retrieval (worker thread) -------------------------------------------------------
 
-    async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[tuple[ContextUnit, bool]]:
-        return await self._run(self._pool().ingest, items)
+    async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
+                     embeddings: Sequence[Sequence[float] | None] | None = None) -> list[tuple[ContextUnit, bool]]:
+        return await self._run(self._pool().ingest, items, embeddings)
 
     async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
                        top_k: int | None = None) -> list[Hit]:

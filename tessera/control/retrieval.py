@@ -75,8 +75,14 @@ class RetrievalPool:
             )
         return unit
 
-    def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[tuple[ContextUnit, bool]]:
-        """Add (scope, text, metadata) units; returns (unit, newly indexed) per item, in order."""
+    def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
+               embeddings: Sequence[Sequence[float] | None] | None = None) -> list[tuple[ContextUnit, bool]]:
+        """Add (scope, text, metadata) units; returns (unit, newly indexed) per item, in order.
+
+        ``embeddings`` may bring precomputed vectors (None entries are embedded here).
+        """
+        if embeddings is not None and len(embeddings) != len(items):
+            raise BadRequest(f"{len(embeddings)} embeddings for {len(items)} units")
         units = [self.identify(scope, text, f"units[{i}]") for i, (scope, text, _) in enumerate(items)]
         fresh: dict[str, int] = {}  # unit id -> first row needing an embedding
         for row, unit in enumerate(units):
@@ -84,7 +90,7 @@ class RetrievalPool:
                 fresh[unit.unit_id] = row
         if fresh:
             rows = list(fresh.values())
-            vectors = self.embedder.embed([units[r].text for r in rows])  # [len(rows), dim]
+            vectors = self._vectors(units, rows, embeddings)  # [len(rows), dim]
             by_scope: dict[str, list[int]] = {}
             for i, r in enumerate(rows):
                 by_scope.setdefault(units[r].scope, []).append(i)
@@ -108,6 +114,27 @@ class RetrievalPool:
         return [Hit(self._units[u].unit, score, self._units[u].metadata)
                 for u, score in self.index.search(scope, vector, k)]
 
+    def _vectors(self, units: Sequence[ContextUnit], rows: list[int],
+                 embeddings: Sequence[Sequence[float] | None] | None) -> np.ndarray:
+        given = [None if embeddings is None else embeddings[r] for r in rows]
+        out = np.empty((len(rows), self.embedder.dim), dtype=np.float32)
+        todo = [i for i, v in enumerate(given) if v is None]
+        if todo:
+            out[todo] = self.embedder.embed([units[rows[i]].text for i in todo])
+        for i, v in enumerate(given):
+            if v is not None:
+                out[i] = self._normalized(v, f"units[{rows[i]}].embedding")
+        return out
+
+    def _normalized(self, embedding: Sequence[float], field: str = "embedding") -> np.ndarray:
+        if len(embedding) != self.embedder.dim:
+            raise BadRequest(f"{field} has {len(embedding)} dimensions; the embedder's have {self.embedder.dim}")
+        vector = np.asarray(embedding, dtype=np.float32)
+        norm = float(np.linalg.norm(vector))
+        if not math.isfinite(norm) or norm == 0.0:
+            raise BadRequest(f"{field} must be finite and non-zero")
+        return vector / norm
+
     def _query_vector(self, query: str | None, embedding: Sequence[float] | None) -> np.ndarray:
         if (query is None) == (embedding is None):
             raise BadRequest("give exactly one of query (text) or embedding (a vector)")
@@ -116,10 +143,4 @@ class RetrievalPool:
                 raise BadRequest("query is empty")
             return self.embedder.embed_one(query)
         assert embedding is not None
-        if len(embedding) != self.embedder.dim:
-            raise BadRequest(f"embedding has {len(embedding)} dimensions; the embedder's have {self.embedder.dim}")
-        vector = np.asarray(embedding, dtype=np.float32)
-        norm = float(np.linalg.norm(vector))
-        if not math.isfinite(norm) or norm == 0.0:
-            raise BadRequest("embedding must be finite and non-zero")
-        return vector / norm
+        return self._normalized(embedding)

@@ -121,7 +121,8 @@ async def ingest(request: web.Request) -> web.Response:
         raise BadRequest("units is empty; send at least one {scope, text} unit")
     if len(msg.units) > MAX_INGEST:
         raise BadRequest(f"{len(msg.units)} units in one call; send at most {MAX_INGEST} per call", 413)
-    done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units])
+    done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units],
+                                       [u.embedding for u in msg.units])
     return reply(api.IngestResponse(WIRE_VERSION, tuple(
         api.IngestedUnit(unit.unit_id, unit.scope, unit.n_tokens, new) for unit, new in done)))
 

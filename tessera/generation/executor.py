@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class SharedReader(Protocol):
-    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True) -> UnitState: ...
+    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True,
+                    received_at: float | None = None) -> UnitState: ...
 
 
 @dataclass
@@ -99,13 +101,14 @@ class Executor:
         self.mode = mode
 
     async def run(self, req: ExecuteRequest) -> AsyncIterator[TokenEvent | Finished]:
+        received_at = time.monotonic()
         layout, sp = req.layout, req.sampling
         sampler = Sampler(sp, self.engine.eos_token_ids)
         stats = RequestStats(prompt_tokens=layout.n_tokens)
         unreleased = {u.lease.lease_id for u in req.plan.units if u.lease is not None}
         slots = await self.worker.call(self.engine.allocate, layout.n_tokens + sp.max_tokens)
         try:
-            logits = await self._prefill(req, slots, stats, unreleased)
+            logits = await self._prefill(req, slots, stats, unreleased, received_at)
             position = layout.n_tokens
             generated: list[int] = []
             text = ""
@@ -134,7 +137,7 @@ class Executor:
             await self.worker.call(self.engine.free, slots)
 
     async def _prefill(self, req: ExecuteRequest, slots: KVSlots, stats: RequestStats,
-                       unreleased: set[str]) -> torch.Tensor:
+                       unreleased: set[str], received_at: float) -> torch.Tensor:
         layout = req.layout
         if self.mode == "prefix" or not req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
@@ -157,7 +160,8 @@ class Executor:
         # the three preparation paths overlap; each unit is placed as soon as it is ready.
         # units the policy recomputes entirely need no state at all.
         await asyncio.gather(*(
-            self._prepare(slots, tokens[uid], plans[uid], unit_spans, req.plan.local_evict, stats, unreleased)
+            self._prepare(slots, tokens[uid], plans[uid], unit_spans, req.plan.local_evict, stats, unreleased,
+                          received_at)
             for uid, unit_spans in spans.items()
         ))
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
@@ -168,7 +172,8 @@ class Executor:
         return logits
 
     async def _prepare(self, slots: KVSlots, token_ids: Sequence[int], plan: UnitPlan, spans: list[Placement],
-                       local_evict: Sequence[str], stats: RequestStats, unreleased: set[str]) -> None:
+                       local_evict: Sequence[str], stats: RequestStats, unreleased: set[str],
+                       received_at: float) -> None:
         state: UnitState | None = None
         n = len(token_ids)
         if plan.preparation is Preparation.LOCAL:
@@ -181,7 +186,8 @@ class Executor:
             try:
                 if self.reader is None:
                     raise TransferError("this node has no KV pool client")
-                state = await self.reader.fetch(lease, n, release=False)
+                # the lease's TTL runs from when the plan arrived, not from when this fetch starts
+                state = await self.reader.fetch(lease, n, release=False, received_at=received_at)
                 stats.remote_tokens += n
                 stats.remote_units += 1
                 stats.bytes_fetched += state.nbytes()
@@ -200,7 +206,7 @@ class Executor:
         # retention happens off the critical path; a local hit is already retained locally
         self.retainer.retain(plan.unit_id, state,
                              plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                             plan.grant, local_evict)
+                             plan.grant, local_evict, received_at)
 
 
 def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -81,16 +80,18 @@ class Retainer:
         self.bytes_written = 0
 
     def retain(self, unit_id: str, state: UnitState, local: bool, grant: WriteGrant | None,
-               evict: Sequence[str]) -> None:
-        """Schedule the authorized retention of one unit; returns at once."""
+               evict: Sequence[str], received_at: float) -> None:
+        """Schedule the authorized retention of one unit; returns at once.
+
+        ``received_at`` is when the plan arrived: the grant's deadline counts from then.
+        """
         if local:
             self._insert_local(unit_id, state, evict)
         if grant is not None:
             if self.writer is None:
                 self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
             else:
-                received = time.monotonic()
-                self.tasks.spawn(self._write_shared(grant, state, received), name=f"writeback-{unit_id[:8]}")
+                self.tasks.spawn(self._write_shared(grant, state, received_at), name=f"writeback-{unit_id[:8]}")
 
     def _insert_local(self, unit_id: str, state: UnitState, evict: Sequence[str]) -> None:
         # a plain dict update on the event loop: cheap, and it keeps the cache single-threaded

@@ -39,7 +39,7 @@ from tessera.messages import (
 )
 from tessera.serving.metrics import Registry
 from tessera.serving.nodes import NodeClients, NodeUnavailable
-from tessera.serving.prompt import PromptBuilder
+from tessera.serving.prompt import PromptBuilder, trace_record
 from tessera.serving.protocol import ChatRequest, chunk_body, completion_body, error_body, parse_chat_request
 from tessera.units import ContextUnit, TokenCache
 from tessera.wire import WIRE_VERSION
@@ -113,7 +113,10 @@ def _json_error(message: str, status: int) -> web.Response:
 async def _units(node: RetrievalNode, chat: ChatRequest) -> list[ContextUnit]:
     if chat.retrieval is not None:
         r = chat.retrieval
-        hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
+        if r.embedding is not None:
+            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k)
+        else:
+            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
         return [h.unit for h in hits]
     if chat.units:
         by_scope: dict[str, list[int]] = {}
@@ -137,15 +140,6 @@ def _usage(layout: PromptLayout, stats: dict[str, int], node: str) -> dict[str, 
         "prompt_tokens_details": {"cached_tokens": cached},
         "tessera": {**stats, "node": node},
     }
-
-
-def _layout_trace(layout: PromptLayout, stream: str) -> dict[str, Any]:
-    units, offset = [], 0
-    for seg in layout.segments:
-        if seg.kind is SegmentKind.UNIT:
-            units.append([offset, offset + len(seg.token_ids)])
-        offset += len(seg.token_ids)
-    return {"stream": stream, "tokens": layout.token_ids(), "units": units}
 
 
 class ChatCall:
@@ -248,7 +242,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                   served_model=serving.config.model.source)
         call = ChatCall(serving, node, chat)
         layout = await call.prepare()
-        trace = _layout_trace(layout, chat.retrieval.scope if chat.retrieval else "") \
+        trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") \
             if body.get("return_layout") is True else None
         if chat.stream:
             return await _stream(request, serving, call, layout, trace)

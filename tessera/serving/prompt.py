@@ -72,3 +72,13 @@ class PromptBuilder:
                 m["content"] = f"{MEMORY_OPEN}{SENTINEL}{MEMORY_CLOSE}{m['content']}"
                 return out
         raise BadRequest('unit_placement "user" needs at least one user message')
+
+
+def trace_record(layout: PromptLayout, stream: str) -> dict[str, Any]:
+    """A layout as one trace line for ``tessera analyze``: its tokens and its unit ranges."""
+    units, offset = [], 0
+    for seg in layout.segments:
+        if seg.kind is SegmentKind.UNIT:
+            units.append([offset, offset + len(seg.token_ids)])
+        offset += len(seg.token_ids)
+    return {"stream": stream, "tokens": layout.token_ids(), "units": units}

@@ -38,6 +38,7 @@ class RetrievalSpec:
     query: str
     top_k: int
     scope: str
+    embedding: tuple[float, ...] | None = None  # precomputed query embedding (then query is informative)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,12 @@ def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str,
         top_k = r.get("top_k", default_top_k)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_UNITS:
             raise BadRequest(f"retrieval.top_k: expected an integer 1..{MAX_UNITS}, got {top_k!r}")
-        retrieval = RetrievalSpec(query, top_k, _scope(r.get("scope", default_scope), "retrieval.scope"))
+        embedding = r.get("embedding")
+        if embedding is not None and (not isinstance(embedding, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in embedding)):
+            raise BadRequest("retrieval.embedding: expected an array of numbers")
+        retrieval = RetrievalSpec(query, top_k, _scope(r.get("scope", default_scope), "retrieval.scope"),
+                                  None if embedding is None else tuple(float(x) for x in embedding))
 
     units: list[UnitInput] = []
     raw_units = body.get("context_units")

@@ -77,6 +77,9 @@ class Transport(ABC):
     """Client side of a transport (see the module docstring for the contract)."""
 
     name: ClassVar[str]
+    # largest request a batch is split into (bounded by max_inflight_bytes as well)
+    request_bytes: ClassVar[int] = REQUEST_BYTES
+    request_blocks: ClassVar[int] = REQUEST_BLOCKS
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -117,18 +120,20 @@ class Transport(ABC):
         ios: Sequence[SlotIO],
         run: Callable[[NodeEndpoint, Sequence[SlotIO]], Awaitable[None]],
     ) -> None:
-        for io in ios:
-            if not 0 <= io.slot < node.capacity_blocks or len(io.buf) > node.slot_bytes:
-                raise TransferError(
-                    f"{op} of slot {io.slot} ({len(io.buf)} B) does not fit memory node {node.name} "
-                    f"({node.capacity_blocks} slots of {node.slot_bytes} B)"
-                )
         if not ios:
             return
-        requests = split_requests(ios, min(REQUEST_BYTES, self.config.max_inflight_bytes))
+        requests = split_requests(ios, min(self.request_bytes, self.config.max_inflight_bytes), self.request_blocks)
+        sizes = [[len(io.buf) for io in r] for r in requests]
+        slots = [io.slot for io in ios]
+        if min(slots) < 0 or max(slots) >= node.capacity_blocks or max(map(max, sizes)) > node.slot_bytes:
+            bad = next(io for io in ios if not 0 <= io.slot < node.capacity_blocks or len(io.buf) > node.slot_bytes)
+            raise TransferError(
+                f"{op} of slot {bad.slot} ({len(bad.buf)} B) does not fit memory node {node.name} "
+                f"({node.capacity_blocks} slots of {node.slot_bytes} B)"
+            )
         try:
             async with asyncio.timeout(self.config.timeout_s):
-                await all_or_nothing([self._bounded(run, node, r) for r in requests])
+                await all_or_nothing([self._bounded(run, node, r, sum(n)) for r, n in zip(requests, sizes, strict=True)])
         except TimeoutError:
             self.forget(node.name)
             raise TransferTimeout(
@@ -144,24 +149,24 @@ class Transport(ABC):
 
     async def _bounded(
         self, run: Callable[[NodeEndpoint, Sequence[SlotIO]], Awaitable[None]], node: NodeEndpoint,
-        ios: Sequence[SlotIO],
+        ios: Sequence[SlotIO], nbytes: int,
     ) -> None:
-        charge = await self.limiter.acquire(sum(len(io.buf) for io in ios))
+        charge = await self.limiter.acquire(nbytes)
         try:
             await run(node, ios)
         finally:
             self.limiter.release(charge)
 
 
-def split_requests(ios: Sequence[SlotIO], max_bytes: int) -> list[Sequence[SlotIO]]:
-    """Consecutive runs of at most ``max_bytes`` (at least one slot) and REQUEST_BLOCKS slots."""
+def split_requests(ios: Sequence[SlotIO], max_bytes: int, max_blocks: int = REQUEST_BLOCKS) -> list[Sequence[SlotIO]]:
+    """Consecutive runs of at most ``max_bytes`` (at least one slot) and ``max_blocks`` slots."""
     out: list[Sequence[SlotIO]] = []
     start, size = 0, 0
-    for i, io in enumerate(ios):
-        if i > start and (size + len(io.buf) > max_bytes or i - start >= REQUEST_BLOCKS):
+    for i, n in enumerate(map(len, (io.buf for io in ios))):
+        if i > start and (size + n > max_bytes or i - start >= max_blocks):
             out.append(ios[start:i])
             start, size = i, 0
-        size += len(io.buf)
+        size += n
     out.append(ios[start:])
     return out
 

@@ -32,11 +32,14 @@ from tessera.config import TransportConfig
 from tessera.errors import ConfigError, TransferError
 from tessera.transport.arena import ARENA_HEADER_BYTES, Arena
 from tessera.transport.base import ArenaExport, NodeEndpoint, SlotIO, Transport, register_transport
-from tessera.transport.shm import copy_pairs
+from tessera.transport.shm import copy_pairs_now
 
 INSTALL_HINT = ("the mooncake transport needs `pip install 'tessera[rdma]'` (mooncake-transfer-engine-non-cuda) "
                 "and the Debian package libibverbs1 (`apt-get install -y libibverbs1`), even for protocol tcp")
 _STAGE_MIN = 64 << 10
+# engine calls of one client run one at a time: each busy-polls a core, and concurrent batch
+# calls to one target were seen failing (rc -1) with the 0.3.x engine
+MC_THREADS = 1
 
 
 def load_engine_class() -> Any:
@@ -121,12 +124,17 @@ class _StagingPool:
 
 @register_transport("mooncake")
 class MooncakeTransport(Transport):
+    # one engine call per batch: the engine splits and parallelizes it itself, and each call
+    # busy-polls a thread, so fewer and larger calls are what it is fastest with
+    request_bytes = 64 << 20
+    request_blocks = 2048  # the 0.3.x engine fails (rc -1) batches of more entries
+
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
         load_engine_class()  # fail at construction, with the install hint, not at first transfer
         self._engine: Any = None
         self._staging: _StagingPool | None = None
-        self._pool = ThreadPoolExecutor(max_workers=min(4, config.max_outstanding), thread_name_prefix="tessera-mc")
+        self._pool = ThreadPoolExecutor(max_workers=min(MC_THREADS, config.max_outstanding), thread_name_prefix="tessera-mc")
 
     @classmethod
     def export(cls, arena: Arena, host: str, config: TransportConfig) -> ArenaExport | None:
@@ -150,7 +158,7 @@ class MooncakeTransport(Transport):
         offsets = np.cumsum([0, *lengths[:-1]]).tolist()
         views = [stage.data[off : off + n] for off, n in zip(offsets, lengths, strict=True)]
         if write:
-            copy_pairs([(view, io.buf) for view, io in zip(views, ios, strict=True)])
+            copy_pairs_now([(view, io.buf) for view, io in zip(views, ios, strict=True)])
         local = [stage.ctypes.data + off for off in offsets]
         remote = [node.engine_base + ARENA_HEADER_BYTES + io.slot * node.slot_bytes for io in ios]
         call = self._engine.batch_transfer_sync_write if write else self._engine.batch_transfer_sync_read
@@ -169,7 +177,7 @@ class MooncakeTransport(Transport):
                 raise TransferError(f"mooncake {'write' if write else 'read'} of {len(ios)} blocks on memory node "
                                     f"{node.name} ({node.engine_session}) failed (rc {rc})")
             if not write:
-                copy_pairs([(io.buf, view) for view, io in zip(views, ios, strict=True)])
+                copy_pairs_now([(io.buf, view) for view, io in zip(views, ios, strict=True)])
         finally:
             staging.give(stage)
 
@@ -185,4 +193,4 @@ class MooncakeTransport(Transport):
             self._staging.close()
         self._staging = None
         self._engine = None
-        self._pool = ThreadPoolExecutor(max_workers=min(4, self.config.max_outstanding), thread_name_prefix="tessera-mc")
+        self._pool = ThreadPoolExecutor(max_workers=min(MC_THREADS, self.config.max_outstanding), thread_name_prefix="tessera-mc")

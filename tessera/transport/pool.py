@@ -59,6 +59,7 @@ class KVPoolClient:
         # writes abandoned by a failed store may still land for up to the transport's own
         # timeout (Mooncake's engine rounds it up to whole seconds); the cancel waits that out
         self.settle_s = math.ceil(config.transport.timeout_s) + 1.0
+        self.timeout_s = config.transport.timeout_s
 
     async def close(self) -> None:
         await self.transport.close()
@@ -67,9 +68,18 @@ class KVPoolClient:
 
     # --- reader --------------------------------------------------------------------------
 
-    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True) -> UnitState:
-        """Read and verify a leased unit; releases the lease afterwards unless ``release=False``."""
+    async def fetch(
+        self, lease: ReadLease, n_tokens: int, *, release: bool = True, received_at: float | None = None
+    ) -> UnitState:
+        """Read and verify a leased unit; releases the lease afterwards unless ``release=False``.
+
+        ``received_at`` (``time.monotonic()`` when the lease arrived) lets the client refuse to
+        start a copy that could outlive the lease: the blocks are protected only until it ends.
+        """
         try:
+            if received_at is not None and time.monotonic() + self.timeout_s > received_at + lease.ttl_s:
+                raise TransferError(f"lease {lease.lease_id} on unit {lease.unit_id} has less than a "
+                                    f"transfer timeout ({self.timeout_s}s) left; not starting the copy")
             if len(lease.blocks) != self.layout.n_blocks(n_tokens):
                 raise ChecksumMismatch(f"unit {lease.unit_id}: lease lists {len(lease.blocks)} blocks, "
                                        f"{n_tokens} tokens need {self.layout.n_blocks(n_tokens)}")
@@ -143,7 +153,11 @@ class KVPoolClient:
             by_node.setdefault(ref.node, []).append(SlotIO(ref.index, view))
         endpoints = {}
         for node in by_node:
-            endpoints[node] = await self.endpoints.get(node)
+            ep = endpoints[node] = await self.endpoints.get(node)
+            if ep.slot_bytes != self.layout.slot_bytes:
+                raise TransferError(
+                    f"memory node {node} has {ep.slot_bytes}-byte slots but this node's blocks need "
+                    f"{self.layout.slot_bytes} B: the two run with another model, kv_dtype or block_tokens")
         op = self.transport.write if write else self.transport.read
         try:
             await all_or_nothing([op(endpoints[node], ios) for node, ios in by_node.items()])

@@ -179,11 +179,11 @@ class _Connection(asyncio.BufferedProtocol):
         pending = _Pending(next(self._ids), op, views, asyncio.get_running_loop().create_future())
         # no await between queueing and sending: the answer order is the send order
         self.pending.append(pending)
-        self.transport.write(pack_request(op, pending.req_id, [(io.slot, len(io.buf)) for io in ios]))
+        head = pack_request(op, pending.req_id, [(io.slot, len(io.buf)) for io in ios])
         if op is Op.WRITE:
-            for io in ios:
-                if len(io.buf):
-                    self.transport.write(io.buf)
+            self.transport.writelines([head, *(io.buf for io in ios if len(io.buf))])
+        else:
+            self.transport.write(head)
         try:
             await pending.fut
         except asyncio.CancelledError:

@@ -140,10 +140,8 @@ class _Connection(asyncio.BufferedProtocol):
         views = [self.arena.slot(slot, length) for slot, length in self._blocks]
         if total <= 64 << 10:  # small answers: one send
             self.transport.write(b"".join([head, *views]))
-        else:
-            self.transport.write(head)
-            for view in views:
-                self.transport.write(view)
+        else:  # one vectored send (uvloop) straight from the arena
+            self.transport.writelines([head, *views])
         self._expect(memoryview(self._header), "header")
 
     def _refuse(self, reason: str) -> None:

@@ -1,0 +1,210 @@
+"""Transport throughput: GB/s per transport and block size, next to two ceilings measured in the same run.
+
+For each block size a real memory node process is started (its model geometry chosen so that
+one slot is one block of that size) and a batch of blocks (``--total-mib`` per batch) is read
+and written repeatedly through every transport. Baselines, same sizes, same run:
+
+* ``memcpy``: one thread copying block by block between two buffers (bare memcpy per block);
+* ``socket``: a plain blocking TCP socket on loopback to a sink process, ``sendall`` per block.
+
+    flock /tmp/tessera-cpu.lock python bench/transport.py [--seconds 1.0] [--total-mib 64]
+
+Prints numbers; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import uvloop
+
+from tessera.config import (
+    ClusterConfig,
+    GenerationNodeConfig,
+    KVPoolNodeConfig,
+    ModelConfig,
+    TransportConfig,
+    dump_toml,
+)
+from tessera.errors import ConfigError
+from tessera.transport.arena import SHM_DIR
+from tessera.transport.base import NodeEndpoint, SlotIO, create_transport
+from tessera.wire import from_wire
+
+SIZES = {"16 KiB": 16 << 10, "256 KiB": 256 << 10, "4 MiB": 4 << 20}
+BLOCK_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mooncake_available() -> bool:
+    from tessera.transport.mooncake import load_engine_class
+
+    try:
+        load_engine_class()
+    except ConfigError as exc:
+        print(f"# mooncake skipped: {exc}")
+        return False
+    return True
+
+
+# --- baselines ------------------------------------------------------------------------------
+
+
+def bench_memcpy(block: int, n: int, seconds: float) -> float:
+    src = memoryview(np.random.default_rng(0).integers(0, 255, block * n, dtype=np.uint8).tobytes())
+    dst = memoryview(bytearray(block * n))
+    pairs = [(dst[i * block : (i + 1) * block], src[i * block : (i + 1) * block]) for i in range(n)]
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for d, s in pairs:
+            d[:] = s  # a bare memcpy per block
+        done += block * n
+    return done / (time.perf_counter() - start) / 1e9
+
+
+def _sink(port: int, block: int) -> None:
+    with socket.create_server(("127.0.0.1", port)) as server:
+        conn, _ = server.accept()
+        buf = memoryview(bytearray(block))
+        with conn:
+            while conn.recv_into(buf):
+                pass
+
+
+def bench_socket(block: int, n: int, seconds: float) -> float:
+    port = free_port()
+    sink = mp.get_context("spawn").Process(target=_sink, args=(port, block), daemon=True)
+    sink.start()
+    for _ in range(100):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+            break
+        except OSError:
+            time.sleep(0.05)
+    payload = memoryview(bytearray(os.urandom(block)))
+    done, start = 0, time.perf_counter()
+    with sock:
+        while time.perf_counter() - start < seconds:
+            for _ in range(n):
+                sock.sendall(payload)
+            done += block * n
+    elapsed = time.perf_counter() - start
+    sink.join(5)
+    return done / elapsed / 1e9
+
+
+# --- a memory node whose slot is one block of the given size ----------------------------------
+
+
+class Node:
+    def __init__(self, workdir: Path, block: int, n: int, transport: str) -> None:
+        # 1 layer, 1 kv head, fp16: token = 4 * head_dim bytes; B tokens = block - header
+        head_dim = max(1, (block - 64) // (4 * BLOCK_TOKENS))
+        model = workdir / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({
+            "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": head_dim,
+            "hidden_size": head_dim, "vocab_size": 16, "max_position_embeddings": 64}))
+        node = KVPoolNodeConfig("kvb", port=free_port(), data_port=free_port(), capacity_blocks=n)
+        config = ClusterConfig(block_tokens=BLOCK_TOKENS, model=ModelConfig(source=str(model)),
+                               transport=TransportConfig(name=transport, timeout_s=30.0), kvpools=(node,),
+                               generation=(GenerationNodeConfig("gen0", port=free_port()),))
+        config = dataclasses.replace(config, retrieval=dataclasses.replace(config.retrieval, port=free_port()))
+        self.config = config
+        path = workdir / "tessera.toml"
+        path.write_text(dump_toml(config))
+        self.log = open(workdir / "kvpool.log", "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen([sys.executable, "-m", "tessera", "run", "--role", "kvpool", "--config",
+                                      str(path), "--log-level", "WARNING"], stdout=self.log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{node.port}/info"
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    self.endpoint = from_wire(NodeEndpoint, json.loads(resp.read()))
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError((workdir / "kvpool.log").read_text()) from None
+                time.sleep(0.1)
+        raise RuntimeError("memory node did not come up")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+        self.log.close()
+        (SHM_DIR / self.endpoint.shm_name).unlink(missing_ok=True)
+
+
+async def bench_transport(name: str, node: Node, seconds: float) -> tuple[float, float]:
+    ep = node.endpoint
+    transport = create_transport(dataclasses.replace(node.config.transport, name=name))
+    bufs = [memoryview(bytearray(os.urandom(ep.slot_bytes))) for _ in range(ep.capacity_blocks)]
+    ios = [SlotIO(i, b) for i, b in enumerate(bufs)]
+    batch_bytes = ep.slot_bytes * len(ios)
+    out = []
+    try:
+        for op in (transport.read, transport.write):
+            await op(ep, ios)  # warm: connections, mappings, staging buffers
+            done, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                await op(ep, ios)
+                done += batch_bytes
+            out.append(done / (time.perf_counter() - start) / 1e9)
+    finally:
+        await transport.close()
+    return out[0], out[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--total-mib", type=int, default=64, help="bytes per batch (MiB)")
+    parser.add_argument("--transports", default="shm,tcp,mooncake", help="comma-separated subset")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
+    args = parser.parse_args()
+    wanted = args.transports.split(",")
+    with_mooncake = "mooncake" in wanted and mooncake_available()
+    transports = [t for t in wanted if t != "mooncake" or with_mooncake]
+    rows: list[tuple[str, str, float, float]] = []
+    for label in args.sizes.split(","):
+        block = SIZES[label]
+        n = max(1, (args.total_mib << 20) // block)
+        rows.append((label, "memcpy", bench_memcpy(block, n, args.seconds), float("nan")))
+        rows.append((label, "socket", bench_socket(block, n, args.seconds), float("nan")))
+        with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
+            node = Node(Path(tmp), block, n, "mooncake" if with_mooncake else "tcp")
+            try:
+                for name in transports:
+                    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                        read, write = runner.run(bench_transport(name, node, args.seconds))
+                    rows.append((label, name, read, write))
+            finally:
+                node.stop()
+    print(f"\n{'block':>8}  {'path':<9} {'read GB/s':>10} {'write GB/s':>11}")
+    for label, name, read, write in rows:
+        w = "" if write != write else f"{write:11.2f}"
+        print(f"{label:>8}  {name:<9} {read:10.2f} {w:>11}")
+    print("(memcpy: one thread, a bare memcpy per block; socket: blocking sendall per block to a sink process; "
+          "one-way, so one column)")
+
+
+if __name__ == "__main__":
+    main()

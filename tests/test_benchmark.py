@@ -1,0 +1,113 @@
+"""Bench workloads, summaries and the target comparison (pure logic), and the analyze CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import child_env
+
+from tessera.benchmark.client import Result
+from tessera.benchmark.report import compare, summarize, sustained_rate
+from tessera.benchmark.workloads import DATA_DIR, Zipf, locomo_workload, rag_workload, synthetic_workload
+
+
+def test_zipf_prefers_low_ranks_over_a_fixed_permutation() -> None:
+    z = Zipf(50, 1.2, random.Random(1))
+    draws = z.draw(4000)
+    top = z.order[0]
+    assert draws.count(top) > draws.count(z.order[-1]) * 10
+    picked = z.draw_distinct(5)
+    assert len(set(picked)) == 5
+
+
+def test_synthetic_workload_is_deterministic_and_recurs_out_of_order() -> None:
+    a, b = synthetic_workload(30, seed=4), synthetic_workload(30, seed=4)
+    assert [r.context_units for r in a.requests] == [r.context_units for r in b.requests]
+    seen: set[str] = set()
+    moved = 0
+    for r in a.requests:
+        moved += any(u in seen for u in r.context_units[1:])
+        seen.update(r.context_units)
+    assert moved > 0  # some records come back at a later position than first
+
+
+@pytest.mark.skipif(not (DATA_DIR / "locomo" / "locomo10.json").is_file(), reason="../shared/data is absent")
+def test_locomo_scopes_are_conversations_and_questions_keep_their_order() -> None:
+    w = locomo_workload(0, conversations=2)
+    scopes = {u.scope for u in w.corpus}
+    assert scopes == {r.scope for r in w.requests} and len(scopes) == 2
+    assert all(r.category in (1, 2, 3, 4) and r.answers for r in w.requests)
+    assert all(r.retrieval is not None and r.retrieval["top_k"] == 6 for r in w.requests)
+
+
+@pytest.mark.skipif(not (DATA_DIR / "musique" / "musique_s.json").is_file(), reason="../shared/data is absent")
+def test_rag_corpus_is_deduplicated_passages() -> None:
+    w = rag_workload(10, unit_words=20)
+    texts = [u.text for u in w.corpus]
+    assert len(texts) == len(set(texts)) and all(len(t.split()) <= 20 for t in texts)
+
+
+def results(ttfts: list[float]) -> list[Result]:
+    out = []
+    for i, t in enumerate(ttfts):
+        r = Result(i, float(i), ttft=t, latency=t, status=200,
+                   usage={"prompt_tokens": 10, "tessera": {"local_tokens": 3, "computed_unit_tokens": 1}})
+        out.append(r)
+    return out
+
+
+def test_summary_excludes_the_warm_up_share() -> None:
+    s = summarize(results([9.0, 9.0, 1.0, 3.0]), 0.5, 1.0)
+    assert s["requests"] == 2 and s["mean"] == pytest.approx(2.0)
+    assert s["hit_rate"]["local"] == pytest.approx(0.75)
+
+
+def test_sustained_rate_interpolates_the_crossing() -> None:
+    assert sustained_rate([1, 2, 3], [1.0, 1.5, 3.0], 2.0) == pytest.approx(2 + 1 / 3)
+    assert sustained_rate([1, 2], [1.0, 1.2], 2.0) == 2
+    assert sustained_rate([1, 2], [5.0, 6.0], 2.0) == 1
+
+
+def test_compare_computes_both_targets() -> None:
+    def sysrep(unloaded: float, means: list[float]) -> dict:
+        return {"unloaded": {"mean": unloaded}, "runs": [{"rate": r, "mean": m} for r, m in zip([1, 2, 3], means, strict=True)]}
+
+    report = {"systems": {"prefix": sysrep(1.0, [1.5, 3.0, 9.0]), "tessera": sysrep(0.5, [0.5, 0.6, 0.9])}}
+    c = compare(report)
+    assert c["rate_baseline_at_3x_unloaded"] == pytest.approx(2.0)
+    assert c["ttft_reduction_at_knee"] == pytest.approx(3.0 / 0.6)
+    assert c["baseline_sustained_rate"] == pytest.approx(1 + 0.5 / 1.5)
+    assert c["system_sustained_rate"] == 3
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, env=child_env(),
+                          timeout=120)
+
+
+def test_analyze_cli_prints_the_classification(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [{"stream": "s", "tokens": [9, 1, 2, 3], "units": [[1, 4]]},
+             {"stream": "s", "tokens": [8, 1, 2, 3], "units": [[1, 4]]}]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = run_cli("analyze", str(trace))
+    assert out.returncode == 0, out.stderr
+    assert "non-prefix repeat: 50.0%" in out.stdout and "new: 50.0%" in out.stdout
+
+
+def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("block_tokens = 0\n[[generation]]\nname = 'g'\n")
+    out = run_cli("run", "--role", "generation", "--config", str(bad))
+    assert out.returncode == 2 and "block_tokens = 0" in out.stderr
+    out = run_cli("analyze", str(tmp_path / "missing.jsonl"))
+    assert out.returncode == 2 and "does not exist" in out.stderr
+    out = run_cli("bench", "--systems", "vllm")
+    assert out.returncode == 2 and "unknown system" in out.stderr
+    out = run_cli("run", "--help")
+    assert out.returncode == 0 and "--role" in out.stdout
