@@ -213,7 +213,8 @@ class DemandAdmission(AdmissionPolicy):
         assert len(self._ranks) == len(self), "ranking out of step with the resident set"
         for s, r in self._ranks.items():
             assert r.blocks, f"{r.unit_id} is ranked but not resident"
-            assert s <= self.demand.score_of(r), f"key of {r.unit_id} overestimates its score: {s} > {self.demand.score_of(r)}"
+            now = self.demand.score_of(r)
+            assert s <= now, f"key of {r.unit_id} overestimates its score: {s} > {now}"
         self.demand.check_invariants()
 
 
