@@ -130,11 +130,12 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
         sysrep: dict[str, Any] = {"config": SYSTEMS[system], "runs": []}
         report["systems"][system] = sysrep
         if opts.unloaded_requests:
-            # same warm-up as the sweep (open loop at the lowest rate), then one request at a time
+            # the sweep's warm-up requests (open loop at the middle rate: only the cache state
+            # matters, not their latency), then measured requests one at a time
             _say(f"[{system}] unloaded reference: {opts.unloaded_requests} requests one at a time after warm-up")
             _, serial = await _run_once(
                 cfg, workload, opts, opts.out_dir / f"logs-{system}-unloaded",
-                load=workload.requests[:split], rate=min(opts.rates),
+                load=workload.requests[:split], rate=opts.rates[len(opts.rates) // 2],
                 serial=workload.requests[split:split + opts.unloaded_requests], embeddings=embeddings)
             sysrep["unloaded"] = summarize(serial, 0.0, 0.0)
             _say(f"[{system}] unloaded mean TTFT {sysrep['unloaded'].get('mean', float('nan')):.3f}s")
