@@ -101,9 +101,10 @@ class DirectoryProtocol(RuleBasedStateMachine):
         may_land = [(f.writer, f.ref, f.incarnation) for f in self.inflight]
         may_land += [(w, ref, w.incarnations[ref.node]) for w in self.active_writers()
                      if self.clock.now <= w.received + w.grant.deadline_s for ref in w.grant.blocks]
-        for w, ref, incarnation in may_land:
+        for w, ref, _incarnation in may_land:
             owner = owners.get(ref)
-            if owner is not None and incarnation == self.incarnation[ref.node]:
+            # a stale write lands in whatever incarnation of the node is up when it arrives
+            if owner is not None:
                 assert (owner.unit_id, owner.epoch) == (w.grant.unit_id, w.grant.epoch), (
                     f"{ref} now belongs to {owner.unit_id}@{owner.epoch} but "
                     f"{w.grant.unit_id}@{w.grant.epoch} (writer {w.grant.writer}) may still write it")
@@ -126,9 +127,13 @@ class DirectoryProtocol(RuleBasedStateMachine):
             return
         for b in blocks:
             ref = w.grant.blocks[b]
-            if ref.node in self.down or self.incarnation[ref.node] != w.incarnations[ref.node]:
-                w.failed = True  # the node is gone or restarted: the transport refuses
+            if ref.node in self.down:
+                w.failed = True  # the node is gone: the transport fails
                 continue
+            # NOTE: a writer that never saw the node's previous incarnation cannot tell it
+            # restarted, so its write goes through to the new, empty arena
+            if self.incarnation[ref.node] != w.incarnations[ref.node]:
+                w.failed = True  # its grant's slots are gone: it can never publish
             w.started.add(b)
             self.inflight.append(InFlight(w, b, ref, self.incarnation[ref.node], self.clock.now + TRANSFER_TIMEOUT))
 
@@ -148,9 +153,11 @@ class DirectoryProtocol(RuleBasedStateMachine):
 
     def land(self, f: InFlight) -> None:
         self.inflight.remove(f)
-        if f.incarnation == self.incarnation[f.ref.node] and f.ref.node not in self.down:
+        if f.ref.node not in self.down:
+            # lands even in a newer incarnation of the node (only the directory's fence protects it)
             self.arena[f.ref] = (f.writer.grant.unit_id, f.writer.grant.epoch)
-            f.writer.landed.add(f.block)
+            if f.incarnation == self.incarnation[f.ref.node]:
+                f.writer.landed.add(f.block)
         self.assert_ready_entries_hold_their_own_blocks()
 
     @precondition(lambda self: self.inflight)
@@ -284,7 +291,7 @@ class DirectoryProtocol(RuleBasedStateMachine):
         """A live node dies (its arena is gone); a dead one comes back with an empty arena."""
         if node in self.down:
             self.down.discard(node)
-            self.allocator.add_node(node, CAPACITY)
+            self.directory.add_node(node, CAPACITY)
             return
         self.down.add(node)
         self.incarnation[node] += 1

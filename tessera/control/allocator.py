@@ -103,6 +103,13 @@ class BlockAllocator:
         self.free_blocks -= n
         return tuple(out)
 
+    def take_all(self, name: str) -> tuple[BlockRef, ...]:
+        """Every free block of one node (to fence a node that came back)."""
+        node = self._nodes[name]
+        taken = node.refs(node.allocate(node.free_count))
+        self.free_blocks -= len(taken)
+        return tuple(taken)
+
     def free(self, blocks: tuple[BlockRef, ...] | list[BlockRef]) -> None:
         by_node: dict[str, list[int]] = {}
         for b in blocks:

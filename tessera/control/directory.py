@@ -13,6 +13,8 @@ An entry is PENDING from reservation until its writer publishes, then READY. Rul
   reservation dropped *before* its deadline (writer declared dead, a memory node of the unit
   died) is quarantined until deadline + grace: its writer may not know and keep writing.
 * A memory node that dies or restarts empty takes its entries with it (:meth:`drop_node`).
+  When it (re)joins (:meth:`add_node`), its slots stay fenced until no write under a grant of
+  its lost incarnation can land anymore, so such a write never hits a newly reserved slot.
 
 The directory decides nothing about *which* units deserve space (that is admission) and
 never touches payload bytes.
@@ -88,6 +90,8 @@ class Directory:
         self._lease_ids = itertools.count(1)
         # (free_at, seq, blocks): blocks that may still receive a stale write
         self._quarantine: list[tuple[float, int, tuple[BlockRef, ...]]] = []
+        # memory node -> until when writes under grants of its lost incarnation may land
+        self._fences: dict[str, float] = {}
         self._qseq = itertools.count()
 
     # --- queries -------------------------------------------------------------------------
@@ -229,9 +233,19 @@ class Directory:
                 report.reservations.append((entry.unit_id, entry.epoch))
         return report
 
+    def add_node(self, node: str, capacity: int) -> None:
+        """A memory node joins (or comes back empty); fenced slots return when writes are done."""
+        self.allocator.add_node(node, capacity)
+        until = self._fences.pop(node, None)
+        now = self.clock()
+        if until is not None and until > now:
+            self._quarantine_blocks(self.allocator.take_all(node), until)
+
     def drop_node(self, node: str) -> list[str]:
         """A memory node died or restarted empty: every entry with a block there is gone."""
         dropped: list[str] = []
+        now = self.clock()
+        fence = now
         for entry in list(self._entries.values()):
             if any(b.node == node for b in entry.blocks):
                 del self._entries[entry.unit_id]
@@ -240,17 +254,23 @@ class Directory:
                 # blocks on surviving nodes go back (after grace if a write may be in flight)
                 survivors = tuple(b for b in entry.blocks if b.node != node)
                 if entry.state is EntryState.PENDING:
-                    self._quarantine_blocks(survivors, self._stale_writes_done(entry, self.clock()))
+                    fence = max(fence, self._stale_writes_done(entry, now))
+                    self._quarantine_blocks(survivors, self._stale_writes_done(entry, now))
                 elif entry.leases:
                     # a reader may still be copying from the surviving blocks
-                    self._quarantine_blocks(survivors, self.clock() + self.lease_ttl_s)
+                    self._quarantine_blocks(survivors, now + self.lease_ttl_s)
                 else:
                     self.allocator.free(survivors)
                 dropped.append(entry.unit_id)
-        self._quarantine = [
-            (t, s, tuple(b for b in blocks if b.node != node)) for t, s, blocks in self._quarantine
-        ]
+        kept = []
+        for t, s, blocks in self._quarantine:
+            if any(b.node == node for b in blocks):
+                fence = max(fence, t)  # a stale write may still land there until t
+            kept.append((t, s, tuple(b for b in blocks if b.node != node)))
+        self._quarantine = kept
         heapq.heapify(self._quarantine)
+        if fence > now:
+            self._fences[node] = max(fence, self._fences.get(node, fence))
         self.allocator.remove_node(node)
         return dropped
 

@@ -297,7 +297,7 @@ class ControlPlane:
         if outcome is HelloOutcome.RESTARTED:
             self.shared.forget(self.directory.drop_node(msg.name))
         if outcome is not HelloOutcome.HEARTBEAT:
-            self.allocator.add_node(msg.name, msg.capacity_blocks)
+            self.directory.add_node(msg.name, msg.capacity_blocks)
         return Ack(WIRE_VERSION, True, outcome.value)
 
     def memory_nodes(self) -> list[MemoryNodeHello]:
