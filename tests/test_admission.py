@@ -16,6 +16,7 @@ from tessera.control.admission import (
     register_admission,
 )
 from tessera.control.local import LocalTier
+from tessera.errors import ConfigError
 from tessera.units import blocks_for
 
 B = 4
@@ -175,7 +176,7 @@ def test_policies_are_found_by_name_and_new_ones_can_be_registered() -> None:
     """The registry knows demand and lru, rejects unknown names, and accepts new policies."""
     assert {"demand", "lru"} <= set(admission_names())
     assert isinstance(make_admission("lru", ControlConfig()), LruAdmission)
-    with pytest.raises(KeyError, match="registered: "):
+    with pytest.raises(ConfigError, match="known: "):
         make_admission("nope", ControlConfig())
 
     @register_admission("never")

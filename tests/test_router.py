@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tessera.control.router import CacheAwareRouter, LoadRouter, make_router, router_names
+from tessera.errors import ConfigError
 
 
 @dataclass
@@ -62,7 +63,7 @@ def test_routers_are_registered_by_name() -> None:
     """cache_aware and load are registered; unknown names list the known ones."""
     assert {"cache_aware", "load"} <= set(router_names())
     assert isinstance(make_router("load", 2), LoadRouter)
-    with pytest.raises(KeyError, match="cache_aware"):
+    with pytest.raises(ConfigError, match="cache_aware"):
         make_router("random", 2)
 
 

@@ -32,6 +32,7 @@ from tessera.config import ControlConfig
 from tessera.control.demand import DemandTracker
 from tessera.control.ranking import ScoreBuckets
 from tessera.control.record import NO_RECORD, UnitRecord, UnitTable
+from tessera.registry import Registry
 
 Safe = Callable[[str], bool]
 
@@ -106,27 +107,13 @@ class AdmissionPolicy(ABC):
         """Hook: a unit stopped being resident (``record.blocks`` is 0)."""
 
 
-_REGISTRY: dict[str, type[AdmissionPolicy]] = {}
-
-
-def register_admission(name: str) -> Callable[[type[AdmissionPolicy]], type[AdmissionPolicy]]:
-    def deco(cls: type[AdmissionPolicy]) -> type[AdmissionPolicy]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+ADMISSIONS: Registry[type[AdmissionPolicy]] = Registry("control.admission")
+register_admission = ADMISSIONS.register
+admission_names = ADMISSIONS.names
 
 
 def make_admission(name: str, control: ControlConfig) -> AdmissionPolicy:
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise KeyError(f"no admission policy named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    return cls(control)
-
-
-def admission_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return ADMISSIONS.get(name)(control)
 
 
 @register_admission("demand")

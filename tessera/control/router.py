@@ -14,8 +14,10 @@ from every node, so it cannot make one node better than another.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar, Protocol, TypeVar
+
+from tessera.registry import Registry
 
 
 class RoutableNode(Protocol):
@@ -50,27 +52,13 @@ class Router(ABC):
     def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N: ...
 
 
-_REGISTRY: dict[str, type[Router]] = {}
-
-
-def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
-    def deco(cls: type[Router]) -> type[Router]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+ROUTERS: Registry[type[Router]] = Registry("control.routing")
+register_router = ROUTERS.register
+router_names = ROUTERS.names
 
 
 def make_router(name: str, n_nodes: int) -> Router:
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise KeyError(f"no routing policy named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    return cls(n_nodes)
-
-
-def router_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return ROUTERS.get(name)(n_nodes)
 
 
 @register_router("cache_aware")

@@ -21,12 +21,13 @@ nothing about tensors or engines.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from tessera.config import CompositionConfig
 from tessera.errors import ConfigError
 from tessera.messages import PromptLayout, SegmentKind
+from tessera.registry import Registry
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -77,38 +78,18 @@ class CompositionPolicy(ABC):
         """Ranges of prompt positions to compute; must cover every TEXT token. Pure."""
 
 
-_REGISTRY: dict[str, type[CompositionPolicy]] = {}
-P = TypeVar("P", bound=type[CompositionPolicy])
-
-
-def register_policy(name: str) -> Callable[[P], P]:
-    """Class decorator: make a policy selectable as ``composition.policy = name``."""
-
-    def add(cls: P) -> P:
-        assert name not in _REGISTRY or _REGISTRY[name] is cls, f"policy {name!r} registered twice"
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-def policy_names() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
-
-
-def _lookup(name: str) -> type[CompositionPolicy]:
-    if name not in _REGISTRY:
-        raise ConfigError(f"composition.policy = {name!r} is not registered; known: {', '.join(policy_names())}")
-    return _REGISTRY[name]
+POLICIES: Registry[type[CompositionPolicy]] = Registry("composition.policy")
+# class decorator: make a policy selectable as ``composition.policy = name``
+register_policy = POLICIES.register
+policy_names = POLICIES.names
 
 
 def get_policy(name: str, **opts: Any) -> CompositionPolicy:
-    return _lookup(name)(**opts)
+    return POLICIES.get(name)(**opts)
 
 
 def policy_from_config(config: CompositionConfig) -> CompositionPolicy:
-    return _lookup(config.policy).from_config(config)
+    return POLICIES.get(config.policy).from_config(config)
 
 
 @register_policy("full")

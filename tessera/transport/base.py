@@ -21,14 +21,14 @@ Contract of every transport:
 from __future__ import annotations
 
 import asyncio
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tessera.config import TransportConfig
-from tessera.errors import ConfigError, TesseraError, TransferError, TransferTimeout
+from tessera.errors import TesseraError, TransferError, TransferTimeout
+from tessera.registry import Registry
 from tessera.transport.arena import Arena
 from tessera.transport.limits import TransferLimiter
 
@@ -196,28 +196,11 @@ async def all_or_nothing(coros: Sequence[Awaitable[None]]) -> None:
 
 # --- registry by name ----------------------------------------------------------------------
 
-_REGISTRY: dict[str, type[Transport]] = {}
 # built-ins are imported on first use, so a missing optional engine only matters when chosen
-_BUILTIN = {"shm": "tessera.transport.shm", "tcp": "tessera.transport.tcp", "mooncake": "tessera.transport.mooncake"}
-
-
-def register_transport(name: str) -> Callable[[type[Transport]], type[Transport]]:
-    def deco(cls: type[Transport]) -> type[Transport]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def transport_class(name: str) -> type[Transport]:
-    if name not in _REGISTRY and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        known = sorted(set(_REGISTRY) | set(_BUILTIN))
-        raise ConfigError(f"transport.name = {name!r} is not a registered transport; known: {', '.join(known)}")
-    return cls
+TRANSPORTS: Registry[type[Transport]] = Registry("transport.name", {
+    "shm": "tessera.transport.shm", "tcp": "tessera.transport.tcp", "mooncake": "tessera.transport.mooncake"})
+register_transport = TRANSPORTS.register
+transport_class = TRANSPORTS.get
 
 
 def create_transport(config: TransportConfig) -> Transport:
