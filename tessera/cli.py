@@ -157,14 +157,15 @@ class WorkloadName(StrEnum):
 
 
 def _workload(name: WorkloadName, requests: int, data_dir: Path | None, zipf: float, top_k: int | None,
-              unit_words: int, placement: str, seed: int) -> Workload:
+              unit_words: int, placement: str, seed: int, conversations: int = 0) -> Workload:
     from tessera.benchmark import workloads as w
 
     data = data_dir or w.DATA_DIR
     if name is WorkloadName.rag:
         return w.rag_workload(requests, data_dir=data, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed)
     if name is WorkloadName.locomo:
-        return w.locomo_workload(requests, data_dir=data, top_k=top_k or 6, placement=placement, seed=seed)
+        return w.locomo_workload(requests, data_dir=data, top_k=top_k or 6, placement=placement, seed=seed,
+                                 conversations=conversations)
     return w.synthetic_workload(requests, units_per_request=top_k or 5, unit_words=unit_words or 120,
                                 zipf_s=zipf, seed=seed)
 
@@ -194,6 +195,7 @@ def bench(
     top_k: Annotated[int | None, typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
     unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
     placement: Annotated[str, typer.Option(help="locomo: user (OpenViking style) or system (Mem0 style).")] = "user",
+    conversations: Annotated[int, typer.Option(help="locomo: use the first N conversations (0: all 10).")] = 0,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for bench.json and the plots.")] = Path("results/bench"),
     dump_trace: Annotated[bool, typer.Option("--dump-trace", help="Write each run's rendered prompts as JSONL traces.")] = False,
@@ -217,7 +219,7 @@ def bench(
         typer.echo("tessera bench: --warmup must be in [0, 1) and --requests >= 2", err=True)
         raise typer.Exit(2)
     try:
-        wl = _workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed)
+        wl = _workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed, conversations)
     except ConfigError as exc:
         typer.echo(f"tessera bench: {exc}", err=True)
         raise typer.Exit(2) from None
