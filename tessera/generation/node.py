@@ -59,6 +59,16 @@ class GenerationNode:
         self.metrics = Registry()
         self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome")
         self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source")
+        # read from the components at scrape time
+        self.g_state = {name: self.metrics.gauge(name, help_text) for name, help_text in (
+            ("tessera_node_inflight", "Requests admitted and not finished"),
+            ("tessera_node_queued_tokens", "Tokens waiting for the engine"),
+            ("tessera_node_local_cache_blocks", "Blocks used in the local unit cache"),
+            ("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit"),
+            ("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)"),
+            ("tessera_node_writebacks_published_total", "Shared writebacks published"),
+            ("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)"),
+        )}
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -208,17 +218,17 @@ class GenerationNode:
                                   "fingerprint": self.engine.fingerprint.digest.hex()})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        g = self.metrics
-        extra = [
-            f"tessera_node_inflight {len(self.inflight)}",
-            f"tessera_node_queued_tokens {self.scheduler.queued_tokens}",
-            f"tessera_node_local_cache_blocks {self.cache.used_blocks}",
-            f"tessera_node_coalesced_prefills_total {self.prefills.coalesced}",
-            f"tessera_node_unit_prefills_total {self.prefills.started}",
-            f"tessera_node_writebacks_published_total {self.retainer.published}",
-            f"tessera_node_writeback_failures_total {self.retainer.write_failures}",
-        ]
-        return web.Response(text=g.render() + "\n".join(extra) + "\n", content_type="text/plain")
+        for name, value in (
+            ("tessera_node_inflight", len(self.inflight)),
+            ("tessera_node_queued_tokens", self.scheduler.queued_tokens),
+            ("tessera_node_local_cache_blocks", self.cache.used_blocks),
+            ("tessera_node_coalesced_prefills_total", self.prefills.coalesced),
+            ("tessera_node_unit_prefills_total", self.prefills.started),
+            ("tessera_node_writebacks_published_total", self.retainer.published),
+            ("tessera_node_writeback_failures_total", self.retainer.write_failures),
+        ):
+            self.g_state[name].set(value)
+        return web.Response(text=self.metrics.render(), content_type="text/plain")
 
 
 @web.middleware
