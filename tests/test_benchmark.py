@@ -111,3 +111,16 @@ def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:
     assert out.returncode == 2 and "unknown system" in out.stderr
     out = run_cli("run", "--help")
     assert out.returncode == 0 and "--role" in out.stdout
+
+
+def test_plot_writes_rate_curve_and_cdf(tmp_path: Path) -> None:
+    from tessera.benchmark.report import plot
+
+    report = {"workload": "synthetic", "systems": {
+        "prefix": {"runs": [{"rate": 0.5, "mean": 1.0, "ttfts": [0.9, 1.1]}, {"rate": 1.0, "mean": 3.0, "ttfts": [2.0, 4.0]}]},
+        "tessera": {"runs": [{"rate": 0.5, "mean": 0.3, "ttfts": [0.2, 0.4]}, {"rate": 1.0, "mean": 0.4, "ttfts": [0.3, 0.5]}]},
+    }}
+    paths = plot(report, tmp_path, cdf_rate=1.0)
+    assert [p.name for p in paths] == ["ttft_vs_rate.png", "ttft_cdf.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

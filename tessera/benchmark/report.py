@@ -147,16 +147,8 @@ def plot(report: dict[str, Any], out_dir: Path, cdf_rate: float | None = None) -
     for name, sysrep in report["systems"].items():
         runs = [r for r in sysrep["runs"] if "mean" in r]
         ax.plot([r["rate"] for r in runs], [r["mean"] for r in runs], marker="o", label=name)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("mean TTFT (s)")
-    ax.set_title(f"Mean TTFT vs rate — {report['workload']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    p = out_dir / "ttft_vs_rate.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_finish(fig, ax, "request rate (req/s)", "mean TTFT (s)",
+                         f"Mean TTFT vs rate — {report['workload']}", out_dir / "ttft_vs_rate.png"))
 
     rates = sorted({r["rate"] for s in report["systems"].values() for r in s["runs"]})
     if rates:
@@ -167,14 +159,21 @@ def plot(report: dict[str, Any], out_dir: Path, cdf_rate: float | None = None) -
                 if r["rate"] == rate and r.get("ttfts"):
                     xs = np.sort(np.array(r["ttfts"]))
                     ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
-        ax.set_xlabel("TTFT (s)")
-        ax.set_ylabel("CDF")
-        ax.set_title(f"TTFT CDF at {rate:g} req/s — {report['workload']}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        p = out_dir / "ttft_cdf.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_finish(fig, ax, "TTFT (s)", "CDF", f"TTFT CDF at {rate:g} req/s — {report['workload']}",
+                             out_dir / "ttft_cdf.png"))
     return paths
+
+
+def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    """Label, save and close one plot."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
