@@ -124,3 +124,18 @@ def test_plot_writes_rate_curve_and_cdf(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["ttft_vs_rate.png", "ttft_cdf.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_summary_names_the_ttft_ratio_per_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    from tessera.cli import _print_demo
+
+    report = {"table": "| table |", "plots": ["results/demo/ttft_vs_rate.png"], "systems": {
+        "prefix": {"runs": [{"rate": 0.5, "mean": 2.0}, {"rate": 1.0, "mean": 4.0}]},
+        "tessera": {"runs": [{"rate": 0.5, "mean": 1.0}, {"rate": 1.0, "mean": 0.5}]},
+    }}
+    _print_demo(report)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| table |"
+    assert out[1] == "at 0.5 req/s: prefix caching 2.00s vs Tessera 1.00s mean TTFT -> 2.0x lower"
+    assert out[2] == "at 1 req/s: prefix caching 4.00s vs Tessera 0.50s mean TTFT -> 8.0x lower"
+    assert out[3] == "plot: results/demo/ttft_vs_rate.png"
