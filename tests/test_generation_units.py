@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -62,13 +64,22 @@ class CountingEngine(EngineAdapter):
     eos_token_ids = ()  # type: ignore[assignment]
 
 
-async def test_concurrent_misses_of_one_unit_share_one_prefill() -> None:
-    engine = CountingEngine()
+@contextlib.asynccontextmanager
+async def running_coalescer(engine: EngineAdapter) -> AsyncIterator[PrefillCoalescer]:
+    """A coalescer over a real scheduler and engine thread, stopped afterwards."""
     worker = EngineWorker(engine)
     scheduler = Scheduler(worker, max_batch_tokens=64)
     scheduler.start()
     try:
-        coalescer = PrefillCoalescer(scheduler)
+        yield PrefillCoalescer(scheduler)
+    finally:
+        await scheduler.stop()
+        worker.close()
+
+
+async def test_concurrent_misses_of_one_unit_share_one_prefill() -> None:
+    engine = CountingEngine()
+    async with running_coalescer(engine) as coalescer:
         results = await asyncio.gather(*(coalescer.state("u1", [1, 2, 3]) for _ in range(5)),
                                        coalescer.state("u2", [4, 5]))
         assert engine.prefilled.count((1, 2, 3)) == 1 and engine.prefilled.count((4, 5)) == 1
@@ -77,18 +88,10 @@ async def test_concurrent_misses_of_one_unit_share_one_prefill() -> None:
         # once finished, a later miss prefills again (coalescing is for in-flight work only)
         await coalescer.state("u1", [1, 2, 3])
         assert engine.prefilled.count((1, 2, 3)) == 2
-    finally:
-        await scheduler.stop()
-        worker.close()
 
 
 async def test_a_waiter_going_away_does_not_cancel_the_shared_prefill() -> None:
-    engine = CountingEngine()
-    worker = EngineWorker(engine)
-    scheduler = Scheduler(worker, max_batch_tokens=64)
-    scheduler.start()
-    try:
-        coalescer = PrefillCoalescer(scheduler)
+    async with running_coalescer(CountingEngine()) as coalescer:
         first = asyncio.ensure_future(coalescer.state("u", [7, 8]))
         second = asyncio.ensure_future(coalescer.state("u", [7, 8]))
         await asyncio.sleep(0)
@@ -97,6 +100,3 @@ async def test_a_waiter_going_away_does_not_cancel_the_shared_prefill() -> None:
         assert coalesced and st.n_tokens == 2
         with pytest.raises(asyncio.CancelledError):
             await first
-    finally:
-        await scheduler.stop()
-        worker.close()
