@@ -187,6 +187,9 @@ def bench(
     workload: Annotated[WorkloadName, typer.Option(help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.rag,
     systems: Annotated[str, typer.Option(help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
     rates: Annotated[str, typer.Option(help="Comma-separated aggregate request rates (req/s).")] = "0.1,0.2,0.4",
+    rates_for: Annotated[list[str] | None, typer.Option(
+        help="SYSTEM=R1,R2,...: this system's own rates instead of --rates (repeatable), e.g. "
+             "tessera=1.5,2,2.5,3 to sweep each system where its curve bends.")] = None,
     requests: Annotated[int, typer.Option(help="Requests per run (the first --warmup share warms up).")] = 60,
     warmup: Annotated[float, typer.Option(help="Share of each run's requests excluded as warm-up.")] = 0.5,
     unloaded: Annotated[int, typer.Option(help="Requests measured one at a time for the unloaded TTFT (0: skip).")] = 5,
@@ -202,6 +205,10 @@ def bench(
     trace_only: Annotated[bool, typer.Option("--trace-only", help="Only render the workload's prompts (retrieval "
                                              "included, no serving) into OUT/trace-WORKLOAD.jsonl for tessera analyze.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
+    drain_warmup: Annotated[bool, typer.Option(help="Start the measured requests once the warm-up requests have "
+                                               "finished (steady state, no cold-start backlog).")] = True,
+    saturation: Annotated[float, typer.Option(help="Skip a system's higher rates once its mean TTFT exceeds this × "
+                                              "its unloaded TTFT (0: run every rate).")] = 10.0,
     config: ConfigOpt = None,
 ) -> None:
     """Open-loop Poisson load against fresh local clusters; prints and plots TTFT per system and rate."""
@@ -215,8 +222,8 @@ def bench(
     if unknown or not names:
         typer.echo(f"tessera bench: unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}", err=True)
         raise typer.Exit(2)
-    if not 0 <= warmup < 1 or requests < 2:
-        typer.echo("tessera bench: --warmup must be in [0, 1) and --requests >= 2", err=True)
+    if not 0 <= warmup < 1 or requests < 2 or saturation < 0:
+        typer.echo("tessera bench: --warmup must be in [0, 1), --requests >= 2 and --saturation >= 0", err=True)
         raise typer.Exit(2)
     try:
         wl = _workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed, conversations)
@@ -230,8 +237,17 @@ def bench(
         n = write_traces(cfg, wl, path)
         typer.echo(f"wrote {n} rendered prompts to {path}; classify them with: tessera analyze {path}")
         return
+    system_rates: dict[str, list[float]] = {}
+    for spec in rates_for or []:
+        system, sep, values = spec.partition("=")
+        if not sep or system.strip() not in names:
+            typer.echo(f"tessera bench: --rates-for {spec!r}: expected SYSTEM=R1,R2,... with SYSTEM one of "
+                       f"--systems ({', '.join(names)})", err=True)
+            raise typer.Exit(2)
+        system_rates[system.strip()] = _floats(values, f"--rates-for {system.strip()}")
     opts = BenchOptions(systems=names, rates=_floats(rates, "--rates"), max_tokens=max_tokens, warmup_frac=warmup,
-                        unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed)
+                        unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed,
+                        drain_warmup=drain_warmup, saturation_factor=saturation, system_rates=system_rates)
     report = asyncio.run(run_bench(cfg, wl, opts))
     _print_report(report)
 

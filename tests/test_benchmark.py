@@ -85,6 +85,78 @@ def test_compare_computes_both_targets() -> None:
     assert c["system_sustained_rate"] == 3
 
 
+def test_compare_anchors_a_high_rate_sweep_at_the_unloaded_reference() -> None:
+    # tessera swept only above prefix's knee: its TTFT there comes from (0, unloaded)
+    report = {"systems": {
+        "prefix": {"unloaded": {"mean": 1.0}, "runs": [{"rate": 1, "mean": 1.5}, {"rate": 2, "mean": 4.0}]},
+        "tessera": {"unloaded": {"mean": 0.5}, "runs": [{"rate": 2, "mean": 0.8}, {"rate": 3, "mean": 1.2}]},
+    }}
+    c = compare(report)
+    assert c["rate_baseline_at_3x_unloaded"] == pytest.approx(1.6)
+    assert c["system_mean_at_knee"] == pytest.approx(0.5 + 0.3 * 1.6 / 2)
+    assert c["system_sustained_rate"] == pytest.approx(2.5)
+    assert c["sustained_rate_ratio"] == pytest.approx(2.5 / (1 + 0.5 / 2.5))
+
+
+def test_saturation_skips_only_past_the_factor() -> None:
+    from tessera.benchmark.report import table
+    from tessera.benchmark.runner import _saturated
+
+    sysrep = {"unloaded": {"mean": 2.0}, "runs": [{"rate": 1, "mean": 19.0}]}
+    assert not _saturated(sysrep, {"mean": 19.0}, 10.0)
+    assert _saturated(sysrep, {"mean": 21.0}, 10.0)
+    assert not _saturated(sysrep, {"mean": 210.0}, 0.0)  # 0: never skip
+    assert not _saturated(sysrep, {"ok": 0}, 10.0)  # every request failed: no mean, keep going
+    # no serial reference: the first measured rate stands in
+    assert _saturated({"runs": [{"rate": 1, "mean": 1.0}]}, {"mean": 10.5}, 10.0)
+    rows = table({"systems": {"prefix": {"runs": [{"rate": 3, "requests": 0, "ok": 0, "skipped": "saturated at 2"}]}}})
+    assert "| prefix | 3 | skipped (saturated at 2) |" in rows
+
+
+async def test_drained_warm_up_finishes_before_the_first_measured_request() -> None:
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    from tessera.benchmark.runner import BenchOptions, run_phases
+
+    spans: list[tuple[float, float]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        await request.read()
+        await asyncio.sleep(0.3)  # slower than the arrivals: without the drain, the phases overlap
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        spans.append((t0, time.perf_counter()))
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        load = synthetic_workload(8, n_units=10).requests
+        opts = BenchOptions(systems=["tessera"], rates=[50.0], progress=False)
+        results = await run_phases(f"http://127.0.0.1:{port}", load, 50.0, opts, drain=True)
+        assert [r.index for r in results] == list(range(8)) and all(r.ok for r in results)
+        spans.sort()
+        warm_end = max(end for _, end in spans[:4])
+        assert all(start >= warm_end for start, _ in spans[4:])
+        spans.clear()
+        await run_phases(f"http://127.0.0.1:{port}", load, 50.0, opts, drain=False)
+        spans.sort()
+        assert max(end for _, end in spans[:4]) > min(start for start, _ in spans[4:])  # the test can fail
+    finally:
+        await runner.cleanup()
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, env=child_env(),
                           timeout=120)
@@ -109,6 +181,8 @@ def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:
     assert out.returncode == 2 and "does not exist" in out.stderr
     out = run_cli("bench", "--systems", "vllm")
     assert out.returncode == 2 and "unknown system" in out.stderr
+    out = run_cli("bench", "--workload", "synthetic", "--rates-for", "C+S=1,2")
+    assert out.returncode == 2 and "expected SYSTEM=R1,R2" in out.stderr and "prefix, tessera" in out.stderr
     out = run_cli("run", "--help")
     assert out.returncode == 0 and "--role" in out.stdout
 
@@ -124,6 +198,19 @@ def test_plot_writes_rate_curve_and_cdf(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["ttft_vs_rate.png", "ttft_cdf.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_handles_per_system_rates(tmp_path: Path) -> None:
+    from tessera.benchmark.report import plot
+
+    report = {"workload": "synthetic", "systems": {
+        "prefix": {"runs": [{"rate": 0.5, "mean": 1.0, "ttfts": [0.9, 1.1]}]},
+        "tessera": {"runs": [{"rate": 1.5, "mean": 0.3, "ttfts": [0.2, 0.4]},
+                             {"rate": 3.0, "requests": 0, "ok": 0, "skipped": "saturated at 1.5"}]},
+    }}
+    paths = plot(report, tmp_path)
+    assert [p.name for p in paths] == ["ttft_vs_rate.png", "ttft_cdf.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
 
 
 def test_demo_summary_names_the_ttft_ratio_per_rate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,9 +93,15 @@ def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tes
 
     def curve(name: str) -> tuple[list[float], list[float], float]:
         runs = [r for r in systems[name]["runs"] if "mean" in r]
+        rates, means = [r["rate"] for r in runs], [r["mean"] for r in runs]
+        serial = systems[name].get("unloaded")
+        if serial and "mean" in serial:
+            # the serial reference is the curve at rate 0: a system swept only at high rates is
+            # interpolated from it. Mean TTFT is convex in the rate, so the straight line
+            # overstates TTFT (and understates the sustained rate) below the first measured rate.
+            return [0.0, *rates], [serial["mean"], *means], float(serial["mean"])
         # without a serial reference, the lowest rate stands in for "unloaded"
-        unloaded = systems[name].get("unloaded") or (runs[0] if runs else {})
-        return [r["rate"] for r in runs], [r["mean"] for r in runs], float(unloaded.get("mean", float("nan")))
+        return rates, means, float(runs[0]["mean"]) if runs else float("nan")
 
     b_rates, b_means, b_unloaded = curve(baseline)
     s_rates, s_means, s_unloaded = curve(system)
@@ -124,6 +130,9 @@ def table(report: dict[str, Any]) -> str:
     for name, sysrep in report["systems"].items():
         unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
         for r in [*unloaded, *sysrep["runs"]]:
+            if "skipped" in r:
+                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) | - | - | - | - | - | - |")
+                continue
             if "mean" not in r:
                 rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - |")
                 continue
@@ -150,17 +159,23 @@ def plot(report: dict[str, Any], out_dir: Path, cdf_rate: float | None = None) -
     paths.append(_finish(fig, ax, "request rate (req/s)", "mean TTFT (s)",
                          f"Mean TTFT vs rate — {report['workload']}", out_dir / "ttft_vs_rate.png"))
 
-    rates = sorted({r["rate"] for s in report["systems"].values() for r in s["runs"]})
-    if rates:
-        rate = cdf_rate if cdf_rate in rates else rates[len(rates) // 2]
+    measured = [[r for r in s["runs"] if r.get("ttfts")] for s in report["systems"].values()]
+    common = sorted(set.intersection(*[{r["rate"] for r in runs} for runs in measured])) if measured else []
+    everywhere = sorted({r["rate"] for runs in measured for r in runs})
+    if everywhere:
+        # one rate all systems ran at if there is one; otherwise (per-system sweeps) each system's run
+        # nearest to it, labelled with its rate
+        pool = common or everywhere
+        rate = cdf_rate if cdf_rate in pool else pool[len(pool) // 2]
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for name, sysrep in report["systems"].items():
-            for r in sysrep["runs"]:
-                if r["rate"] == rate and r.get("ttfts"):
-                    xs = np.sort(np.array(r["ttfts"]))
-                    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
-        paths.append(_finish(fig, ax, "TTFT (s)", "CDF", f"TTFT CDF at {rate:g} req/s — {report['workload']}",
-                             out_dir / "ttft_cdf.png"))
+        for name, runs in zip(report["systems"], measured, strict=True):
+            if not runs:
+                continue
+            r = min(runs, key=lambda run: abs(run["rate"] - rate))
+            xs = np.sort(np.array(r["ttfts"]))
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name if common else f"{name} at {r['rate']:g} req/s")
+        title = f"TTFT CDF at {rate:g} req/s" if common else "TTFT CDF"
+        paths.append(_finish(fig, ax, "TTFT (s)", "CDF", f"{title} — {report['workload']}", out_dir / "ttft_cdf.png"))
     return paths
 
 

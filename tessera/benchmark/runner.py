@@ -2,8 +2,13 @@
 
 Every (system, rate) run starts the cluster anew so that no run inherits another's caches;
 the first ``warmup_frac`` of the request sequence warms the caches and is excluded from the
-numbers. Before the sweep, each system's *unloaded* TTFT is measured with requests sent one
-at a time (after the same warm-up).
+numbers. By default the measured requests start only once every warm-up request has
+finished (``drain_warmup``): the cold-start backlog (every unit a miss) would otherwise spill
+into the measured half and the numbers would describe the transient, not the steady state.
+Before the sweep, each system's *unloaded* TTFT is measured with requests sent one at a time
+(after the same warm-up). Once a system's mean TTFT passes ``saturation_factor`` × its
+unloaded TTFT, its higher rates are skipped: past that point it is saturated, and an
+overloaded 300-request run of the baseline costs minutes without telling anything new.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +60,15 @@ class BenchOptions:
     # precompute corpus and query embeddings once in the bench process (the paper excludes
     # query embedding from TTFT); False: the retrieval node embeds everything itself
     precompute_embeddings: bool = True
+    # measured requests start after the warm-up requests have all completed
+    drain_warmup: bool = True
+    # skip a system's higher rates once its mean TTFT exceeds this × its unloaded TTFT (0: never)
+    saturation_factor: float = 10.0
+    # per-system rate lists replacing ``rates`` (each system swept where its curve bends)
+    system_rates: dict[str, list[float]] = field(default_factory=dict)
+
+    def rates_for(self, system: str) -> list[float]:
+        return self.system_rates.get(system, self.rates)
 
 
 def embed_workload(workload: Workload) -> dict[str, list[float]]:
@@ -90,6 +104,24 @@ def _write_trace(path: Path, results: list[Result], workload: Workload) -> None:
                 fh.write(json.dumps(rec) + "\n")
 
 
+async def run_phases(url: str, load: list[BenchRequest], rate: float, opts: BenchOptions, *, drain: bool,
+                     embeddings: dict[str, list[float]] | None = None) -> list[Result]:
+    """Send ``load`` open-loop at ``rate``; with ``drain``, the measured share starts only after
+    every warm-up request has completed (the results keep the sequence's order either way)."""
+    split = int(len(load) * opts.warmup_frac)
+    phases = [load[:split], load[split:]] if drain and 0 < split < len(load) else [load]
+    results: list[Result] = []
+    for n, phase in enumerate(phases):
+        part = await run_load(url, phase, rate, max_tokens=opts.max_tokens, seed=opts.seed + n,
+                              return_layout=opts.dump_trace, progress=opts.progress,
+                              desc=f"{rate:g} req/s" + (" warm-up" if len(phases) > 1 and n == 0 else ""),
+                              embeddings=embeddings)
+        for r in part:
+            r.index += len(results)
+        results += part
+    return results
+
+
 async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchOptions, log_dir: Path, *,
                     load: list[BenchRequest], rate: float, serial: list[BenchRequest] | None = None,
                     embeddings: dict[str, list[float]] | None = None) -> tuple[list[Result], list[Result]]:
@@ -99,9 +131,8 @@ async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchO
     try:
         url = cluster_cfg.retrieval_url
         await ingest(url, workload.corpus, progress=opts.progress, embeddings=embeddings)
-        results = await run_load(url, load, rate, max_tokens=opts.max_tokens, seed=opts.seed,
-                                 return_layout=opts.dump_trace, progress=opts.progress, desc=f"{rate:g} req/s",
-                                 embeddings=embeddings)
+        results = await run_phases(url, load, rate, opts, drain=opts.drain_warmup and serial is None,
+                                   embeddings=embeddings)
         serial_results: list[Result] = []
         if serial:
             serial_results = await run_load(url, serial, 0.0, max_tokens=opts.max_tokens, progress=opts.progress,
@@ -109,6 +140,16 @@ async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchO
         return results, serial_results
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+def _saturated(sysrep: dict[str, Any], summary: dict[str, Any], factor: float) -> bool:
+    """Whether ``summary`` is past ``factor`` × the system's unloaded (else its first) mean TTFT."""
+    if factor <= 0 or "mean" not in summary:
+        return False
+    reference = sysrep.get("unloaded") or next((r for r in sysrep["runs"] if "mean" in r), None)
+    if reference is None or "mean" not in reference:
+        return False
+    return bool(summary["mean"] > factor * reference["mean"])
 
 
 async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions) -> dict[str, Any]:
@@ -127,7 +168,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
     embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
     for system in opts.systems:
         cfg = system_config(base, system)
-        sysrep: dict[str, Any] = {"config": SYSTEMS[system], "runs": []}
+        rates = opts.rates_for(system)
+        sysrep: dict[str, Any] = {"config": SYSTEMS[system], "rates": rates, "runs": []}
         report["systems"][system] = sysrep
         if opts.unloaded_requests:
             # the sweep's warm-up requests (open loop at the middle rate: only the cache state
@@ -135,11 +177,16 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
             _say(f"[{system}] unloaded reference: {opts.unloaded_requests} requests one at a time after warm-up")
             _, serial = await _run_once(
                 cfg, workload, opts, opts.out_dir / f"logs-{system}-unloaded",
-                load=workload.requests[:split], rate=opts.rates[len(opts.rates) // 2],
+                load=workload.requests[:split], rate=rates[len(rates) // 2],
                 serial=workload.requests[split:split + opts.unloaded_requests], embeddings=embeddings)
             sysrep["unloaded"] = summarize(serial, 0.0, 0.0)
             _say(f"[{system}] unloaded mean TTFT {sysrep['unloaded'].get('mean', float('nan')):.3f}s")
-        for rate in opts.rates:
+        saturated_at: float | None = None
+        for rate in rates:
+            if saturated_at is not None:
+                sysrep["runs"].append({"rate": rate, "requests": 0, "ok": 0, "skipped": f"saturated at {saturated_at:g}"})
+                _say(f"[{system}] rate {rate:g}: skipped (saturated at {saturated_at:g} req/s)")
+                continue
             _say(f"[{system}] rate {rate:g} req/s: {len(workload.requests)} requests "
                  f"(first {opts.warmup_frac:.0%} warm up)")
             results, _ = await _run_once(cfg, workload, opts, opts.out_dir / f"logs-{system}-{rate:g}",
@@ -148,6 +195,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
             sysrep["runs"].append(summary)
             _say(f"[{system}] rate {rate:g}: mean TTFT {summary.get('mean', float('nan')):.3f}s "
                  f"p90 {summary.get('p90', float('nan')):.3f}s ok {summary['ok']}/{summary['requests']}")
+            if _saturated(sysrep, summary, opts.saturation_factor):
+                saturated_at = rate
             if opts.dump_trace:
                 _write_trace(opts.out_dir / f"trace-{workload.name}-{system}-{rate:g}.jsonl", results, workload)
     report["comparison"] = compare(report)
