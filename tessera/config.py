@@ -337,16 +337,54 @@ def parse_config(raw: Mapping[str, Any]) -> ClusterConfig:
     return ClusterConfig(**kwargs)
 
 
-def load_config(path: str | Path | None = None) -> ClusterConfig:
-    """Load and validate a cluster config; ``None`` loads the embedded single-machine default."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+def _overlay(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: tables merge key by key, ``[[kvpools]]``/``[[generation]]`` entries
+    merge into the base's node of the same name (or are appended), everything else replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        if key in ("kvpools", "generation") and isinstance(value, list) and isinstance(base.get(key), list):
+            nodes = [dict(n) for n in base[key]]
+            by_name = {n.get("name"): n for n in nodes}
+            for node in value:
+                if isinstance(node, Mapping) and node.get("name") in by_name:
+                    by_name[node["name"]].update(node)
+                else:
+                    nodes.append(node)
+            out[key] = nodes
+        elif isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
+            out[key] = {**base[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _read_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Parsed TOML of ``path`` with its ``base`` (``"default"`` or a path relative to it) applied."""
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass --config PATH or omit it for the default")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    return parse_config(raw)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base = {base!r} is invalid: expected \"default\" or a path to another config")
+    base_path = DEFAULT_CONFIG if base == "default" else (path.parent / base)
+    if base_path.resolve() in seen:
+        raise ConfigError(f"{path}: base = {base!r} makes a cycle of base configs")
+    return _overlay(_read_raw(base_path, (*seen, path.resolve())), raw)
+
+
+def load_config(path: str | Path | None = None) -> ClusterConfig:
+    """Load and validate a cluster config; ``None`` loads the embedded single-machine default.
+
+    A file with ``base = "default"`` (or ``base = "other.toml"``) lists only what differs from
+    that config; see :func:`_overlay` for how the two combine.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    return parse_config(_read_raw(path))
 
 
 def config_to_dict(config: ClusterConfig) -> dict[str, Any]:

@@ -50,3 +50,38 @@ def test_missing_file_says_how_to_fix(tmp_path) -> None:
     """A missing config file is a ConfigError that mentions --config."""
     with pytest.raises(ConfigError, match="--config"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_a_base_overlay_changes_only_what_it_lists(tmp_path) -> None:
+    default = load_config()
+    top = tmp_path / "small.toml"
+    top.write_text('base = "default"\nblock_tokens = 32\n[control]\ntheta = 3.0\n'
+                   '[[generation]]\nname = "gen1"\nlocal_capacity_blocks = 96\n'
+                   '[[generation]]\nname = "gen2"\nport = 8602\n')
+    cfg = load_config(top)
+    assert cfg.block_tokens == 32
+    assert cfg.control.theta == 3.0 and cfg.control.window == default.control.window
+    assert [g.name for g in cfg.generation] == ["gen0", "gen1", "gen2"]
+    assert cfg.generation[0] == default.generation[0]
+    assert cfg.generation[1].local_capacity_blocks == 96 and cfg.generation[1].port == default.generation[1].port
+    assert cfg.kvpools == default.kvpools
+    # a base may itself have a base, relative to the file that names it
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "more.toml").write_text('base = "../small.toml"\n[composition]\nunit_lead = ""\n')
+    more = load_config(tmp_path / "sub" / "more.toml")
+    assert more.composition.unit_lead == "" and more.block_tokens == 32 and len(more.generation) == 3
+
+
+def test_a_bad_base_says_what_is_wrong(tmp_path) -> None:
+    loop = tmp_path / "loop.toml"
+    loop.write_text('base = "loop.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(loop)
+    missing = tmp_path / "missing.toml"
+    missing.write_text('base = "nowhere.toml"\n')
+    with pytest.raises(ConfigError, match=r"nowhere\.toml.*does not exist"):
+        load_config(missing)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text("base = 3\n")
+    with pytest.raises(ConfigError, match="expected \"default\" or a path"):
+        load_config(wrong)
