@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from prompts import build_layout, load_questions
 
-from tessera.config import load_config
+from tessera.composition.layout import leading_text_tokens, placements, tokens_to_compute
+from tessera.composition.policies import get_policy
+from tessera.config_file import load_config
 from tessera.engines.base import Extend
-from tessera.engines.compose import place_units, placements, prefill_units, tokens_to_compute
-from tessera.engines.composition import get_policy, leading_text_tokens
+from tessera.engines.offline import place_units, prefill_units
 from tessera.engines.reference import ReferenceEngine
 from tessera.messages import PromptLayout
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from prompts import build_layout, load_questions
 
+from tessera.composition.policies import get_policy
 from tessera.config import ClusterConfig, GenerationNodeConfig, ModelConfig
 from tessera.engines.base import UnitState
-from tessera.engines.compose import compose, prefill, prefill_units
-from tessera.engines.composition import get_policy
+from tessera.engines.offline import compose, prefill, prefill_units
 from tessera.engines.reference import ReferenceEngine
 
 

@@ -31,14 +31,8 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from tessera.config import (
-    ClusterConfig,
-    GenerationNodeConfig,
-    KVPoolNodeConfig,
-    ModelConfig,
-    TransportConfig,
-    dump_toml,
-)
+from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, ModelConfig, TransportConfig
+from tessera.config_file import dump_toml
 from tessera.errors import ConfigError
 from tessera.transport.arena import SHM_DIR
 from tessera.transport.base import NodeEndpoint, SlotIO, create_transport

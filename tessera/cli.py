@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
-from tessera.config import ClusterConfig, load_config
+from tessera.benchmark.report import format_demo, format_report
+from tessera.benchmark.workloads import WorkloadName, select_workload
+from tessera.config import ClusterConfig, Role
+from tessera.config_file import load_config
 from tessera.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tessera.benchmark.workloads import Workload
 
 app = typer.Typer(
     name="tessera",
@@ -29,12 +28,6 @@ def _root() -> None:
     """Tessera: retrieval as the control plane for KV-cache reuse."""
 
 
-class Role(StrEnum):
-    retrieval = "retrieval"
-    kvpool = "kvpool"
-    generation = "generation"
-
-
 ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="Cluster config (TOML). Default: the embedded single-machine cluster."),
@@ -42,8 +35,12 @@ ConfigOpt = Annotated[
 
 
 def _load(config: Path | None) -> ClusterConfig:
+    from tessera.roles import check_registered
+
     try:
-        return load_config(config)
+        cfg = load_config(config)
+        check_registered(cfg)
+        return cfg
     except ConfigError as exc:
         typer.echo(f"tessera: config error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -67,14 +64,6 @@ def run(
     cfg = _load(config)
     configure_logging(log_level)
     raise typer.Exit(main_for(role.value, cfg, node))
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
 
 
 @app.command()
@@ -150,26 +139,6 @@ def analyze(
                        f"new {s['new']:.1%} of prompt {s['repeat_share_of_prompt_tokens']:.1%} ({s['requests']} req)")
 
 
-class WorkloadName(StrEnum):
-    rag = "rag"
-    locomo = "locomo"
-    synthetic = "synthetic"
-
-
-def _workload(name: WorkloadName, requests: int, data_dir: Path | None, zipf: float, top_k: int | None,
-              unit_words: int, placement: str, seed: int, conversations: int = 0) -> Workload:
-    from tessera.benchmark import workloads as w
-
-    data = data_dir or w.DATA_DIR
-    if name is WorkloadName.rag:
-        return w.rag_workload(requests, data_dir=data, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed)
-    if name is WorkloadName.locomo:
-        return w.locomo_workload(requests, data_dir=data, top_k=top_k or 6, placement=placement, seed=seed,
-                                 conversations=conversations)
-    return w.synthetic_workload(requests, units_per_request=top_k or 5, unit_words=unit_words or 120,
-                                zipf_s=zipf, seed=seed)
-
-
 def _floats(text: str, what: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -226,7 +195,7 @@ def bench(
         typer.echo("tessera bench: --warmup must be in [0, 1), --requests >= 2 and --saturation >= 0", err=True)
         raise typer.Exit(2)
     try:
-        wl = _workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed, conversations)
+        wl = select_workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed, conversations)
     except ConfigError as exc:
         typer.echo(f"tessera bench: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -249,39 +218,8 @@ def bench(
                         unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed,
                         drain_warmup=drain_warmup, saturation_factor=saturation, system_rates=system_rates)
     report = asyncio.run(run_bench(cfg, wl, opts))
-    _print_report(report)
-
-
-def _print_report(report: dict[str, Any]) -> None:
-    typer.echo(report["table"])
-    c = report.get("comparison") or {}
-    if c:
-        def f(x: object) -> str:
-            return "n/a" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
-
-        typer.echo(f"\nunloaded mean TTFT: prefix {f(c.get('baseline_unloaded_ttft'))}s, "
-                   f"tessera {f(c.get('system_unloaded_ttft'))}s")
-        typer.echo(f"rate where prefix reaches 3x its unloaded TTFT: {f(c.get('rate_baseline_at_3x_unloaded'))} req/s; "
-                   f"there prefix {f(c.get('baseline_mean_at_knee'))}s vs tessera {f(c.get('system_mean_at_knee'))}s "
-                   f"-> {f(c.get('ttft_reduction_at_knee'))}x lower (target >= 4x)")
-        typer.echo(f"highest rate with mean TTFT <= 2x unloaded: prefix {f(c.get('baseline_sustained_rate'))}, "
-                   f"tessera {f(c.get('system_sustained_rate'))} req/s -> {f(c.get('sustained_rate_ratio'))}x "
-                   f"(target >= 3x)")
-    for p in report.get("plots", []):
-        typer.echo(f"plot: {p}")
-
-
-def _print_demo(report: dict[str, Any]) -> None:
-    """The table, then one line per rate: how much lower Tessera's mean TTFT is than prefix caching's."""
-    typer.echo(report["table"])
-    means = {name: {r["rate"]: r["mean"] for r in rep["runs"] if "mean" in r} for name, rep in report["systems"].items()}
-    for rate, base in means.get("prefix", {}).items():
-        ours = means.get("tessera", {}).get(rate)
-        if ours:
-            typer.echo(f"at {rate:g} req/s: prefix caching {base:.2f}s vs Tessera {ours:.2f}s mean TTFT "
-                       f"-> {base / ours:.1f}x lower")
-    for p in report.get("plots", []):
-        typer.echo(f"plot: {p}")
+    for line in format_report(report):
+        typer.echo(line)
 
 
 @app.command(name="eval")
@@ -304,7 +242,7 @@ def evaluate_cmd(
         raise typer.Exit(2)
     cfg = _load(config)
     try:
-        wl = _workload(workload, 0 if workload is WorkloadName.locomo else 5000, data_dir, 0.0, top_k, unit_words,
+        wl = select_workload(workload, 0 if workload is WorkloadName.locomo else 5000, data_dir, 0.0, top_k, unit_words,
                        placement, 0)
     except ConfigError as exc:
         typer.echo(f"tessera eval: {exc}", err=True)
@@ -343,4 +281,13 @@ def demo(
     typer.echo(f"tessera demo: {requests} requests per run at {rates} req/s, systems prefix and tessera; "
                f"each run starts a fresh cluster from the embedded config", err=True)
     report = asyncio.run(run_bench(cfg, wl, opts))
-    _print_demo(report)
+    for line in format_demo(report):
+        typer.echo(line)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,32 +1,37 @@
-"""Cluster configuration: one TOML file, loaded into frozen dataclasses.
+"""Cluster configuration: frozen dataclasses, one per role and concern.
 
-Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`
+:mod:`tessera.config_file` loads them from one TOML file. Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`
 naming the key, the offending value and what is allowed. CLI flags may override fields
 (``dataclasses.replace``) but never invent settings of their own.
 
-This module knows nothing about processes, sockets or tensors.
+Names of swappable implementations (``composition.policy``, ``control.admission``,
+``control.routing``, ``transport.name``, ``model.engine``) are only checked for shape here;
+:func:`tessera.roles.check_registered` checks them against their registries at start-up.
+
+This module knows nothing about files, processes, sockets or tensors.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from enum import StrEnum
 
 from tessera.errors import ConfigError
 
-ROLES = ("retrieval", "kvpool", "generation")
+
+class Role(StrEnum):
+    """The three process roles of a cluster (``tessera run --role``)."""
+
+    retrieval = "retrieval"
+    kvpool = "kvpool"
+    generation = "generation"
+
+
 KV_DTYPES = ("float32", "float16", "bfloat16")
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
-ADMISSIONS = ("demand", "lru")
-ROUTINGS = ("cache_aware", "load")
 MODES = ("compose", "prefix")
 UNIT_PLACEMENTS = ("system", "user")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-DEFAULT_CONFIG = Path(__file__).with_name("tessera.toml")
 
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
@@ -48,6 +53,10 @@ def _choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, key, value, f"expected one of {', '.join(allowed)}")
 
 
+def _name(key: str, value: object) -> None:
+    _check(isinstance(value, str) and bool(value), key, value, "expected the name of a registered implementation")
+
+
 def _port(key: str, value: object) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536, key, value,
            "expected a TCP port 0..65535 (0 picks a free port)")
@@ -65,8 +74,11 @@ class ModelConfig:
     # torch intra-op threads per generation process (two nodes on two cores: 1 each)
     threads: int = 1
     device: str = "cpu"
+    # the engine adapter that runs the model (tessera.engines.registry.ENGINES)
+    engine: str = "reference"
 
     def __post_init__(self) -> None:
+        _name("model.engine", self.engine)
         _check(isinstance(self.source, str) and bool(self.source), "model.source", self.source,
                'expected "smollm2" or a path to a checkpoint directory or .gguf file')
         _choice("model.dtype", self.dtype, COMPUTE_DTYPES)
@@ -78,7 +90,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CompositionConfig:
-    # registered composition policy: epic | naive | full (see tessera.engines.composition)
+    # registered composition policy: epic | naive | full (see tessera.composition.policies)
     policy: str = "epic"
     # EPIC LegoLink: recompute the first k tokens of every unit
     recompute_tokens: int = 16
@@ -123,8 +135,10 @@ class ControlConfig:
 
     def __post_init__(self) -> None:
         _choice("control.mode", self.mode, MODES)
-        _choice("control.admission", self.admission, ADMISSIONS)
-        _choice("control.routing", self.routing, ROUTINGS)
+        # the names are checked against their registries at start-up (tessera.roles.check_registered),
+        # so a policy registered by the user is accepted
+        _name("control.admission", self.admission)
+        _name("control.routing", self.routing)
         _positive("control.window", self.window)
         _check(self.window < 1 << 24, "control.window", self.window, "expected fewer than 16777216 requests")
         _non_negative("control.w_recent", self.w_recent)
@@ -286,132 +300,3 @@ class ClusterConfig:
     @property
     def retrieval_url(self) -> str:
         return f"http://{self.retrieval.host}:{self.retrieval.port}"
-
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "composition": CompositionConfig,
-    "control": ControlConfig,
-    "retrieval": RetrievalConfig,
-    "transport": TransportConfig,
-}
-
-
-def _build(cls: type, section: str, raw: object) -> Any:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"[{section}] must be a table, got {type(raw).__name__}")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; allowed: {', '.join(known)}")
-    for key, value in raw.items():
-        default = known[key].default
-        if default is dataclasses.MISSING or default is None:
-            continue
-        # TOML ints are fine where floats are expected; anything else must match the default's type
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            continue
-        if type(value) is not type(default):
-            raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected {type(default).__name__}")
-    return cls(**raw)
-
-
-def parse_config(raw: Mapping[str, Any]) -> ClusterConfig:
-    """Build a validated :class:`ClusterConfig` from a parsed TOML mapping."""
-    top_known = {f.name for f in dataclasses.fields(ClusterConfig)}
-    unknown = sorted(set(raw) - top_known)
-    if unknown:
-        raise ConfigError(f"unknown top-level key(s): {', '.join(unknown)}; allowed: {', '.join(sorted(top_known))}")
-    kwargs: dict[str, Any] = {}
-    for key in ("block_tokens", "kv_dtype"):
-        if key in raw:
-            kwargs[key] = raw[key]
-    for section, cls in _SECTIONS.items():
-        if section in raw:
-            kwargs[section] = _build(cls, section, raw[section])
-    for section, cls in (("kvpools", KVPoolNodeConfig), ("generation", GenerationNodeConfig)):
-        nodes = raw.get(section, [])
-        if not isinstance(nodes, list):
-            raise ConfigError(f"{section} must be an array of tables ([[{section}]]), got {type(nodes).__name__}")
-        kwargs[section] = tuple(_build(cls, section, node) for node in nodes)
-    return ClusterConfig(**kwargs)
-
-
-def _overlay(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``: tables merge key by key, ``[[kvpools]]``/``[[generation]]`` entries
-    merge into the base's node of the same name (or are appended), everything else replaces."""
-    out = dict(base)
-    for key, value in top.items():
-        if key in ("kvpools", "generation") and isinstance(value, list) and isinstance(base.get(key), list):
-            nodes = [dict(n) for n in base[key]]
-            by_name = {n.get("name"): n for n in nodes}
-            for node in value:
-                if isinstance(node, Mapping) and node.get("name") in by_name:
-                    by_name[node["name"]].update(node)
-                else:
-                    nodes.append(node)
-            out[key] = nodes
-        elif isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
-            out[key] = {**base[key], **value}
-        else:
-            out[key] = value
-    return out
-
-
-def _read_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Parsed TOML of ``path`` with its ``base`` (``"default"`` or a path relative to it) applied."""
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass --config PATH or omit it for the default")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str) or not base:
-        raise ConfigError(f"{path}: base = {base!r} is invalid: expected \"default\" or a path to another config")
-    base_path = DEFAULT_CONFIG if base == "default" else (path.parent / base)
-    if base_path.resolve() in seen:
-        raise ConfigError(f"{path}: base = {base!r} makes a cycle of base configs")
-    return _overlay(_read_raw(base_path, (*seen, path.resolve())), raw)
-
-
-def load_config(path: str | Path | None = None) -> ClusterConfig:
-    """Load and validate a cluster config; ``None`` loads the embedded single-machine default.
-
-    A file with ``base = "default"`` (or ``base = "other.toml"``) lists only what differs from
-    that config; see :func:`_overlay` for how the two combine.
-    """
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    return parse_config(_read_raw(path))
-
-
-def config_to_dict(config: ClusterConfig) -> dict[str, Any]:
-    """The inverse of :func:`parse_config` (used to hand a modified config to child processes)."""
-    raw = dataclasses.asdict(config)
-    raw["kvpools"] = list(raw["kvpools"])
-    raw["generation"] = list(raw["generation"])
-    return raw
-
-
-def dump_toml(config: ClusterConfig) -> str:
-    """Render a config as TOML that :func:`load_config` reads back to an equal config."""
-
-    def fmt(value: object) -> str:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, str):
-            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return repr(value)
-
-    raw = config_to_dict(config)
-    lines = [f"{k} = {fmt(raw[k])}" for k in ("block_tokens", "kv_dtype")]
-    for section in _SECTIONS:
-        lines.append(f"\n[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in raw[section].items()]
-    for section in ("kvpools", "generation"):
-        for node in raw[section]:
-            lines.append(f"\n[[{section}]]")
-            lines += [f"{k} = {fmt(v)}" for k, v in node.items()]
-    return "\n".join(lines) + "\n"

@@ -17,7 +17,11 @@ class ConfigError(TesseraError):
 
 
 class BadRequest(TesseraError):
-    """Client input that cannot be served (HTTP 4xx); the message says what to fix."""
+    """Client input that cannot be served (HTTP 4xx); the message says what to fix.
+
+    Raised for client input only; internal peers that send a malformed message get a
+    :class:`DecodeError`, which the edges map to 400 as well.
+    """
 
     status = 400
 
@@ -26,10 +30,20 @@ class BadRequest(TesseraError):
         self.status = status
 
 
+class DecodeError(BadRequest):
+    """A message body does not decode into its typed message; names the field (HTTP 400)."""
+
+
 class Overloaded(TesseraError):
-    """A node refuses new work rather than queueing without bound (HTTP 429/503)."""
+    """A node refuses new work rather than queueing without bound (HTTP 429; retry later)."""
 
     status = 429
+
+
+class Unavailable(TesseraError):
+    """Nothing can serve the request right now: still loading, or no node alive (HTTP 503)."""
+
+    status = 503
 
 
 class IntegrityError(TesseraError):
@@ -38,10 +52,6 @@ class IntegrityError(TesseraError):
 
 class PublishRejected(IntegrityError):
     """A publish request was refused: wrong writer, stale epoch, incomplete block set."""
-
-
-class LeaseError(IntegrityError):
-    """A lease is unknown, expired, or refers to another epoch."""
 
 
 class TransferError(TesseraError):

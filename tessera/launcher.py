@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tessera.config import ClusterConfig, dump_toml
+from tessera.config import ClusterConfig
+from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
 
 

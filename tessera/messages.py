@@ -273,3 +273,52 @@ class Ack:
     version: int
     ok: bool
     reason: str = ""
+
+
+# --- control plane RPCs (route, plan, complete, memory nodes) --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RouteUnit:
+    unit_id: str
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """Step 1 of a plan: the request's units in prompt order (empty in prefix mode)."""
+
+    version: int
+    request_id: str
+    units: tuple[RouteUnit, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResponse:
+    version: int
+    request_id: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """Step 4: finalize against the chosen node's snapshot (the units it holds locally)."""
+
+    version: int
+    request_id: str
+    node: str
+    held: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteRequest:
+    """The request finished or was abandoned: its node's in-flight count drops."""
+
+    version: int
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNodeList:
+    version: int
+    nodes: tuple[MemoryNodeHello, ...]

@@ -42,5 +42,18 @@ class Registry(Generic[C]):
             raise ConfigError(f"{self.key} = {name!r} is not registered; known: {', '.join(self.names())}")
         return cls
 
+    def check(self, name: str) -> None:
+        """Raise ConfigError naming the registered names unless ``name`` is one of them.
+
+        Built-ins count without being imported, so an optional dependency (Mooncake) is
+        needed only by the process that uses it.
+        """
+        if name not in self._classes and name not in self._builtin:
+            raise ConfigError(f"{self.key} = {name!r} is not registered; known: {', '.join(self.names())}")
+
+    def unregister(self, name: str) -> None:
+        """Remove a registered implementation (tests that register their own clean up with this)."""
+        self._classes.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(set(self._classes) | set(self._builtin))

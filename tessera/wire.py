@@ -2,7 +2,7 @@
 
 Messages are frozen dataclasses. ``to_wire`` turns one into JSON-ready builtins and
 ``from_wire`` rebuilds it, checking types on the way in so that a malformed body becomes a
-:class:`~tessera.errors.BadRequest` that names the field, never a traceback deep inside a
+:class:`~tessera.errors.DecodeError` that names the field, never a traceback deep inside a
 handler. Supported field types: str, int, float, bool, enums, nested dataclasses, tuples
 (``tuple[T, ...]``), lists, dicts with str keys, and ``X | None``.
 """
@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union, cast
 
 import orjson
 
-from tessera.errors import BadRequest
+from tessera.errors import DecodeError
 
 T = TypeVar("T")
 WIRE_VERSION = 1
@@ -47,11 +47,11 @@ def to_wire(obj: Any) -> Any:
     return obj
 
 
-def _fail(path: str, expected: str, value: Any) -> BadRequest:
+def _fail(path: str, expected: str, value: Any) -> DecodeError:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return BadRequest(f"field {path or '<body>'}: expected {expected}, got {shown}")
+    return DecodeError(f"field {path or '<body>'}: expected {expected}, got {shown}")
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
@@ -63,11 +63,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return None
             raise _fail(path, "a value", value)
         non_none = [a for a in args if a is not type(None)]
-        errors: list[BadRequest] = []
+        errors: list[DecodeError] = []
         for arg in non_none:
             try:
                 return _convert(arg, value, path)
-            except BadRequest as exc:
+            except DecodeError as exc:
                 errors.append(exc)
         raise errors[0]
     if tp is Any:
@@ -120,15 +120,15 @@ def _from_dict(cls: type[T], value: Any, path: str) -> T:
         if f.name in value:
             kwargs[f.name] = _convert(hints[f.name], value[f.name], sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise BadRequest(f"field {sub} is required")
+            raise DecodeError(f"field {sub} is required")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise BadRequest(f"{path or cls.__name__}: {exc}") from None
+        raise DecodeError(f"{path or cls.__name__}: {exc}") from None
 
 
 def from_wire(cls: type[T], value: Any) -> T:
-    """JSON builtins -> dataclass, with field-level type checks (raises BadRequest)."""
+    """JSON builtins -> dataclass, with field-level type checks (raises DecodeError)."""
     return _from_dict(cls, value, "")
 
 
@@ -140,5 +140,5 @@ def decode(cls: type[T], body: bytes | str) -> T:
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+        raise DecodeError(f"body is not valid JSON: {exc}") from None
     return from_wire(cls, value)

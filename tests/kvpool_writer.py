@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import load_config
+from tessera.config_file import load_config
 from tessera.engines.base import DTYPES, UnitState
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
+from tessera.generation.pool_client import KVPoolClient
 from tessera.messages import WriteGrant
 from tessera.transport.base import SlotIO
 from tessera.transport.blocks import BlockLayout
-from tessera.transport.pool import KVPoolClient
 from tessera.wire import decode
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from support import free_port
 
-from tessera.config import ClusterConfig, load_config
+from tessera.config import ClusterConfig
+from tessera.config_file import load_config
 from tessera.launcher import LocalCluster
 from tessera.messages import PromptLayout, Segment, SegmentKind
 

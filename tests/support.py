@@ -13,7 +13,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tessera.config import ClusterConfig, dump_toml
+from tessera.config import ClusterConfig
+from tessera.config_file import dump_toml
 
 REPO = Path(__file__).resolve().parents[1]
 

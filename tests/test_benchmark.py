@@ -213,15 +213,15 @@ def test_plot_handles_per_system_rates(tmp_path: Path) -> None:
     assert all(p.stat().st_size > 0 for p in paths)
 
 
-def test_demo_summary_names_the_ttft_ratio_per_rate(capsys: pytest.CaptureFixture[str]) -> None:
-    from tessera.cli import _print_demo
+def test_demo_summary_names_the_ttft_ratio_per_rate() -> None:
+    """The demo's summary says how much lower Tessera's mean TTFT is at each rate."""
+    from tessera.benchmark.report import format_demo
 
     report = {"table": "| table |", "plots": ["results/demo/ttft_vs_rate.png"], "systems": {
         "prefix": {"runs": [{"rate": 0.5, "mean": 2.0}, {"rate": 1.0, "mean": 4.0}]},
         "tessera": {"runs": [{"rate": 0.5, "mean": 1.0}, {"rate": 1.0, "mean": 0.5}]},
     }}
-    _print_demo(report)
-    out = capsys.readouterr().out.splitlines()
+    out = format_demo(report)
     assert out[0] == "| table |"
     assert out[1] == "at 0.5 req/s: prefix caching 2.00s vs Tessera 1.00s mean TTFT -> 2.0x lower"
     assert out[2] == "at 1 req/s: prefix caching 4.00s vs Tessera 0.50s mean TTFT -> 8.0x lower"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from tessera.config import dump_toml, load_config, parse_config
+from tessera.config_file import dump_toml, load_config, parse_config
 from tessera.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ def test_dump_and_load_round_trip() -> None:
     [
         ({"block_tokens": 0, "generation": [{"name": "g"}]}, "block_tokens = 0"),
         ({"kv_dtype": "int3", "generation": [{"name": "g"}]}, "kv_dtype = 'int3'"),
-        ({"control": {"routing": "random"}, "generation": [{"name": "g"}]}, "control.routing = 'random'"),
+        ({"control": {"routing": ""}, "generation": [{"name": "g"}]}, "control.routing = ''"),
         ({"control": {"window": "64"}, "generation": [{"name": "g"}]}, "control.window = '64'"),
         ({"control": {"bogus": 1}, "generation": [{"name": "g"}]}, "unknown key(s) in [control]: bogus"),
         ({"generation": []}, "at least one [[generation]]"),
@@ -85,3 +86,42 @@ def test_a_bad_base_says_what_is_wrong(tmp_path) -> None:
     wrong.write_text("base = 3\n")
     with pytest.raises(ConfigError, match="expected \"default\" or a path"):
         load_config(wrong)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "registry_key"),
+    [("composition", "policy", "composition.policy"), ("control", "admission", "control.admission"),
+     ("control", "routing", "control.routing"), ("transport", "name", "transport.name"),
+     ("model", "engine", "model.engine")],
+)
+def test_unregistered_policy_names_are_refused_naming_the_registered_ones(section: str, key: str,
+                                                                          registry_key: str) -> None:
+    """Every policy key is checked against its registry at start-up; the error lists the known names."""
+    from tessera.roles import check_registered
+
+    config = parse_config({section: {key: "nope"}, "generation": [{"name": "g"}]})
+    with pytest.raises(ConfigError) as info:
+        check_registered(config)
+    assert f"{registry_key} = 'nope' is not registered; known:" in str(info.value)
+
+
+def test_a_routing_policy_registered_by_the_user_is_accepted() -> None:
+    """The config consults the registry instead of a whitelist, so a user's own router loads."""
+    from tessera.control.router import ROUTERS, LoadRouter
+    from tessera.roles import check_registered
+
+    ROUTERS.register("mine")(type("MyRouter", (LoadRouter,), {}))
+    try:
+        check_registered(parse_config({"control": {"routing": "mine"}, "generation": [{"name": "g"}]}))
+    finally:
+        ROUTERS.unregister("mine")
+    with pytest.raises(ConfigError):
+        check_registered(parse_config({"control": {"routing": "mine"}, "generation": [{"name": "g"}]}))
+
+
+def test_the_root_config_is_the_embedded_default() -> None:
+    """``tessera run --config tessera.toml`` from the repository root runs the default cluster."""
+    from tessera.config_file import DEFAULT_CONFIG
+
+    root = Path(__file__).resolve().parent.parent / "tessera.toml"
+    assert load_config(root) == load_config(DEFAULT_CONFIG)

@@ -10,17 +10,17 @@ import pytest
 import torch
 from engine_support import max_diff, random_layout, tiny_engine
 
-from tessera.config import CompositionConfig
-from tessera.engines.compose import compose, placements, prefill, prefill_units, tokens_to_compute
-from tessera.engines.composition import (
+from tessera.composition.layout import Ranges, placements, tokens_to_compute
+from tessera.composition.policies import (
     CompositionPolicy,
     LegoLink,
-    Ranges,
     get_policy,
     policy_from_config,
     policy_names,
     register_policy,
 )
+from tessera.config import CompositionConfig
+from tessera.engines.offline import compose, prefill, prefill_units
 from tessera.engines.reference import ReferenceEngine
 from tessera.errors import ConfigError
 from tessera.messages import PromptLayout

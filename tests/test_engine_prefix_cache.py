@@ -10,7 +10,7 @@ import torch
 from engine_support import max_diff, random_tokens, tiny_engine
 
 from tessera.engines.base import Extend
-from tessera.engines.compose import prefill
+from tessera.engines.offline import prefill
 from tessera.engines.prefix_cache import PrefixCache
 
 

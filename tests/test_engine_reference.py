@@ -9,7 +9,7 @@ import torch
 from engine_support import max_diff, random_tokens, tiny_engine
 
 from tessera.engines.base import Extend, UnitPrefill
-from tessera.engines.compose import prefill
+from tessera.engines.offline import prefill
 from tessera.engines.reference import ReferenceEngine, TorchSlots
 from tessera.errors import BadRequest
 

@@ -26,23 +26,27 @@ from kvpool_support import HANG_GUARD_S, MemoryNodeProcess, get_json, memory_nod
 from support import REPO, RoleProcess, child_env, write_config
 
 from tessera.config import ClusterConfig, ControlConfig
-from tessera.control.api import (
-    CompleteRequest,
-    MemoryNodeList,
-    PlanRequest,
-    RouteRequest,
-    RouteResponse,
-    RouteUnit,
-)
 from tessera.engines.base import ModelGeometry, UnitState
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.errors import ChecksumMismatch, PublishRejected, TransferError
-from tessera.messages import Preparation, PublishRequest, RequestPlan, UnitPlan, WriteGrant
+from tessera.generation.pool_client import KVPoolClient
+from tessera.messages import (
+    CompleteRequest,
+    MemoryNodeList,
+    PlanRequest,
+    Preparation,
+    PublishRequest,
+    RequestPlan,
+    RouteRequest,
+    RouteResponse,
+    RouteUnit,
+    UnitPlan,
+    WriteGrant,
+)
 from tessera.transport.arena import Arena
 from tessera.transport.blocks import BlockHeader, BlockLayout
-from tessera.transport.pool import KVPoolClient
 from tessera.wire import WIRE_VERSION, encode, from_wire
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tessera.serving.metrics import Registry
+from tessera.metrics import Registry
 
 
 def test_counters_gauges_and_histograms_render_as_prometheus_text() -> None:

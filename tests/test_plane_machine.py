@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tessera.errors import Overloaded, PublishRejected
+from tessera.errors import Unavailable, PublishRejected
 from tessera.messages import (
     BlockRef,
     CancelRequest,
@@ -74,7 +74,7 @@ class PlaneMachine(RuleBasedStateMachine):
         self.c.blocks.update((u, -(-n // 4)) for u, n in pairs)
         rid = self.c.rid()
         if not any(n.alive for n in self.plane.nodes.values()):
-            with pytest.raises(Overloaded):
+            with pytest.raises(Unavailable):
                 self.plane.route(rid, pairs)
             return
         node = self.plane.route(rid, pairs)

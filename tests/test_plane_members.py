@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from control_support import Cluster, hello, preps
 
-from tessera.errors import BadRequest, Overloaded, PublishRejected
+from tessera.errors import BadRequest, Unavailable, PublishRejected
 from tessera.messages import CancelRequest, LoadReport, Preparation, PublishRequest, ReleaseRequest
 from tessera.wire import WIRE_VERSION
 
@@ -86,12 +86,12 @@ def test_a_silent_generation_node_is_declared_dead_and_revived_by_its_heartbeat(
 
 
 def test_routing_with_every_generation_node_dead_is_overloaded() -> None:
-    """No live node: route raises Overloaded instead of choosing a dead one."""
+    """No live node: route raises Unavailable (503) instead of choosing a dead one."""
     c = Cluster(nodes=1, heartbeat_timeout_s=1.0)
     c.plane.load(LoadReport(WIRE_VERSION, "gen0", 0))
     c.clock.advance(2)
     c.plane.tick()
-    with pytest.raises(Overloaded, match="no generation node is alive"):
+    with pytest.raises(Unavailable, match="no generation node is alive"):
         c.plane.route("r", [])
 
 

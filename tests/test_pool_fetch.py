@@ -26,11 +26,11 @@ from kvpool_support import (
 from tessera.config import ClusterConfig
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
+from tessera.generation.pool_client import KVPoolClient
 from tessera.messages import BlockRef, ReadLease
 from tessera.transport.arena import Arena
 from tessera.transport.base import SlotIO
 from tessera.transport.blocks import BlockLayout
-from tessera.transport.pool import KVPoolClient
 
 UNIT = "unit-x"
 

@@ -7,12 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tessera.config import RetrievalConfig, load_config
-from tessera.control.embedder import Embedder
-from tessera.control.retrieval import RetrievalPool
+from tessera.config import RetrievalConfig
+from tessera.config_file import load_config
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
 from tessera.errors import BadRequest
+from tessera.retrieval.embedder import Embedder
+from tessera.retrieval.store import UnitStore
 from tessera.units import TokenCache, UnitFactory, unit_id_for
 
 PASSAGES = {
@@ -49,13 +50,13 @@ def parts() -> tuple[UnitFactory, Embedder]:
 
 
 @pytest.fixture
-def pool(parts: tuple[UnitFactory, Embedder]) -> RetrievalPool:
+def pool(parts: tuple[UnitFactory, Embedder]) -> UnitStore:
     factory, embedder = parts
-    return RetrievalPool(factory, embedder, RetrievalConfig(max_unit_tokens=64))
+    return UnitStore(factory, embedder, RetrievalConfig(max_unit_tokens=64))
 
 
 @pytest.fixture
-def docs(pool: RetrievalPool) -> dict[str, str]:
+def docs(pool: UnitStore) -> dict[str, str]:
     """Topic -> unit id of the ingested passages (scope "docs")."""
     done = pool.ingest([("docs", text, {"topic": topic}) for topic, text in PASSAGES.items()])
     return {topic: unit.unit_id for topic, (unit, _) in zip(PASSAGES, done, strict=True)}
@@ -71,7 +72,7 @@ def test_embeddings_are_unit_norm_and_paraphrases_are_closer_than_unrelated_text
     assert float(v[0] @ v[1]) > float(v[0] @ v[2]) + 0.2
 
 
-def test_a_query_retrieves_its_paraphrased_passage_first(pool: RetrievalPool, docs: dict[str, str]) -> None:
+def test_a_query_retrieves_its_paraphrased_passage_first(pool: UnitStore, docs: dict[str, str]) -> None:
     """Every paraphrase's top hit is the passage it paraphrases."""
     for topic, query in PARAPHRASES.items():
         hits = pool.retrieve("docs", query=query, top_k=3)
@@ -80,7 +81,7 @@ def test_a_query_retrieves_its_paraphrased_passage_first(pool: RetrievalPool, do
         assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
 
 
-def test_a_precomputed_embedding_retrieves_like_its_text(pool: RetrievalPool, docs: dict[str, str],
+def test_a_precomputed_embedding_retrieves_like_its_text(pool: UnitStore, docs: dict[str, str],
                                                          parts: tuple[UnitFactory, Embedder]) -> None:
     """query=text and embedding=embed(text) give the same ranking."""
     vector = parts[1].embed_one(PARAPHRASES["insulin"]).tolist()
@@ -90,7 +91,7 @@ def test_a_precomputed_embedding_retrieves_like_its_text(pool: RetrievalPool, do
 
 
 def test_units_are_identified_by_scope_tokens_and_the_serving_fingerprint(
-        pool: RetrievalPool, docs: dict[str, str]) -> None:
+        pool: UnitStore, docs: dict[str, str]) -> None:
     """The id is unit_id_for(scope, token ids, fingerprint), independent of ingest order."""
     unit = pool.get(docs["python"])
     assert unit is not None
@@ -99,7 +100,7 @@ def test_units_are_identified_by_scope_tokens_and_the_serving_fingerprint(
     assert unit.unit.n_tokens == len(unit.unit.token_ids) > 0
 
 
-def test_reingesting_a_unit_indexes_nothing_new(pool: RetrievalPool, docs: dict[str, str]) -> None:
+def test_reingesting_a_unit_indexes_nothing_new(pool: UnitStore, docs: dict[str, str]) -> None:
     """Same scope and text: same id, new=False, index size unchanged (also within one batch)."""
     before = len(pool.index)
     done = pool.ingest([("docs", PASSAGES["eiffel"], {}), ("docs", "A brand new unit.", {}),
@@ -110,7 +111,7 @@ def test_reingesting_a_unit_indexes_nothing_new(pool: RetrievalPool, docs: dict[
     assert len(pool.index) == before + 1
 
 
-def test_scopes_are_isolated(pool: RetrievalPool, docs: dict[str, str]) -> None:
+def test_scopes_are_isolated(pool: UnitStore, docs: dict[str, str]) -> None:
     """The same text in another scope is another unit, and queries never cross scopes."""
     ((other, _),) = pool.ingest([("tenant-b", PASSAGES["eiffel"], {})])
     assert other.unit_id != docs["eiffel"]
@@ -119,7 +120,7 @@ def test_scopes_are_isolated(pool: RetrievalPool, docs: dict[str, str]) -> None:
     assert other.unit_id not in {h.unit.unit_id for h in pool.retrieve("docs", query="Paris", top_k=6)}
 
 
-def test_brought_units_get_the_same_identity_without_being_indexed(pool: RetrievalPool,
+def test_brought_units_get_the_same_identity_without_being_indexed(pool: UnitStore,
                                                                    docs: dict[str, str]) -> None:
     """identify() is what requests that bring their own units use: same id, nothing indexed."""
     before = len(pool.index)
@@ -142,7 +143,7 @@ def test_brought_units_get_the_same_identity_without_being_indexed(pool: Retriev
         (lambda p: p.retrieve("docs", query="x", top_k=5000), "top_k = 5000", 400),
     ],
 )
-def test_bad_input_is_refused_with_a_message_and_indexes_nothing(pool: RetrievalPool, docs: dict[str, str],
+def test_bad_input_is_refused_with_a_message_and_indexes_nothing(pool: UnitStore, docs: dict[str, str],
                                                                   call, needle: str, status: int) -> None:
     """Bad requests raise BadRequest naming what to fix; a refused batch leaves the index as it was."""
     before = len(pool.index)
@@ -155,13 +156,13 @@ def test_bad_input_is_refused_with_a_message_and_indexes_nothing(pool: Retrieval
 def test_top_k_defaults_to_the_config(parts: tuple[UnitFactory, Embedder]) -> None:
     """top_k = 0 (or omitted) uses retrieval.top_k."""
     factory, embedder = parts
-    pool = RetrievalPool(factory, embedder, dataclasses.replace(RetrievalConfig(), top_k=2))
+    pool = UnitStore(factory, embedder, dataclasses.replace(RetrievalConfig(), top_k=2))
     pool.ingest([("s", text, {}) for text in PASSAGES.values()])
     assert len(pool.retrieve("s", query="mountain")) == 2
     assert len(pool.retrieve("s", query="mountain", top_k=0)) == 2
 
 
-def test_precomputed_unit_embeddings_are_indexed_as_given(pool: RetrievalPool,
+def test_precomputed_unit_embeddings_are_indexed_as_given(pool: UnitStore,
                                                          parts: tuple[UnitFactory, Embedder]) -> None:
     """A unit ingested with its own vector is found by that vector (here: another text's embedding)."""
     decoy = parts[1].embed_one(PASSAGES["everest"]).tolist()

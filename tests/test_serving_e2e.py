@@ -20,9 +20,10 @@ from serving_support import (
     wait_for,
 )
 
-from tessera.config import ClusterConfig, load_config
-from tessera.engines.compose import compose, prefill_units
-from tessera.engines.composition import policy_from_config
+from tessera.composition.policies import policy_from_config
+from tessera.config import ClusterConfig
+from tessera.config_file import load_config
+from tessera.engines.offline import compose, prefill_units
 from tessera.engines.reference import ReferenceEngine
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer

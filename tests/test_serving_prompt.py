@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.config import load_config
+from tessera.config_file import load_config
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint, unit_factory
 from tessera.errors import BadRequest
 from tessera.messages import SegmentKind
-from tessera.serving.prompt import SENTINEL, PromptBuilder, trace_record
-from tessera.serving.protocol import parse_chat_request
+from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.prompt import SENTINEL, PromptBuilder, trace_record
 from tessera.units import UnitFactory
 
 

@@ -21,10 +21,10 @@ import numpy as np
 from tessera.benchmark.quality import best_f1
 from tessera.benchmark.render import PromptRenderer
 from tessera.benchmark.workloads import BenchRequest, Workload
+from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.engines.base import UnitPrefill, UnitState
-from tessera.engines.compose import compose
-from tessera.engines.composition import policy_from_config
+from tessera.engines.offline import compose
 from tessera.engines.reference import ReferenceEngine
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig
-from tessera.control.embedder import Embedder
-from tessera.control.retrieval import RetrievalPool
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint, unit_factory
 from tessera.messages import PromptLayout
-from tessera.serving.prompt import PromptBuilder, trace_record
+from tessera.retrieval.embedder import Embedder
+from tessera.retrieval.prompt import PromptBuilder, trace_record
+from tessera.retrieval.store import UnitStore
 from tessera.units import ContextUnit
 
 
@@ -30,7 +30,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer or load_tokenizer(resolve(config.model))
         fingerprint = serving_fingerprint(config, resolve(config.model), self.tokenizer)
         self.factory = unit_factory(config, fingerprint, self.tokenizer)
-        self.pool = RetrievalPool(self.factory, Embedder(threads=config.retrieval.embed_threads), config.retrieval)
+        self.pool = UnitStore(self.factory, Embedder(threads=config.retrieval.embed_threads), config.retrieval)
         self.builder = PromptBuilder(self.tokenizer, self.factory.tokens)
 
     def ingest(self, workload: Workload, batch: int = 256) -> None:

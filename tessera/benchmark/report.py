@@ -192,3 +192,36 @@ def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def format_report(report: dict[str, Any]) -> list[str]:
+    """``tessera bench``'s summary: the table, the target comparison, the plots."""
+    lines = [report["table"]]
+    c = report.get("comparison") or {}
+    if c:
+        def f(x: object) -> str:
+            return "n/a" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
+
+        lines.append(f"\nunloaded mean TTFT: prefix {f(c.get('baseline_unloaded_ttft'))}s, "
+                     f"tessera {f(c.get('system_unloaded_ttft'))}s")
+        lines.append(f"rate where prefix reaches 3x its unloaded TTFT: {f(c.get('rate_baseline_at_3x_unloaded'))} "
+                     f"req/s; there prefix {f(c.get('baseline_mean_at_knee'))}s vs tessera "
+                     f"{f(c.get('system_mean_at_knee'))}s -> {f(c.get('ttft_reduction_at_knee'))}x lower (target >= 4x)")
+        lines.append(f"highest rate with mean TTFT <= 2x unloaded: prefix {f(c.get('baseline_sustained_rate'))}, "
+                     f"tessera {f(c.get('system_sustained_rate'))} req/s -> {f(c.get('sustained_rate_ratio'))}x "
+                     f"(target >= 3x)")
+    lines += [f"plot: {p}" for p in report.get("plots", [])]
+    return lines
+
+
+def format_demo(report: dict[str, Any]) -> list[str]:
+    """The table, then one line per rate: how much lower Tessera's mean TTFT is than prefix caching's."""
+    lines = [report["table"]]
+    means = {name: {r["rate"]: r["mean"] for r in rep["runs"] if "mean" in r} for name, rep in report["systems"].items()}
+    for rate, base in means.get("prefix", {}).items():
+        ours = means.get("tessera", {}).get(rate)
+        if ours:
+            lines.append(f"at {rate:g} req/s: prefix caching {base:.2f}s vs Tessera {ours:.2f}s mean TTFT "
+                         f"-> {base / ours:.1f}x lower")
+    lines += [f"plot: {p}" for p in report.get("plots", [])]
+    return lines

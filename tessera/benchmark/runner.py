@@ -73,7 +73,7 @@ class BenchOptions:
 
 def embed_workload(workload: Workload) -> dict[str, list[float]]:
     """MiniLM vectors of every corpus text and retrieval query, computed once per bench."""
-    from tessera.control.embedder import Embedder
+    from tessera.retrieval.embedder import Embedder
 
     texts = list(dict.fromkeys([u.text for u in workload.corpus] +
                                [r.retrieval["query"] for r in workload.requests if r.retrieval is not None]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +219,22 @@ def synthetic_workload(n_requests: int, *, n_units: int = 200, unit_words: int =
             placement="system",
         ))
     return Workload("synthetic", [], requests, {"units": n_units, "unit_words": unit_words})
+
+
+class WorkloadName(StrEnum):
+    rag = "rag"
+    locomo = "locomo"
+    synthetic = "synthetic"
+
+
+def select_workload(name: WorkloadName, requests: int, data_dir: Path | None, zipf: float, top_k: int | None,
+              unit_words: int, placement: str, seed: int, conversations: int = 0) -> Workload:
+    """The named workload with the CLI's defaults (``tessera bench`` and ``tessera eval``)."""
+    data = data_dir or DATA_DIR
+    if name is WorkloadName.rag:
+        return rag_workload(requests, data_dir=data, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed)
+    if name is WorkloadName.locomo:
+        return locomo_workload(requests, data_dir=data, top_k=top_k or 6, placement=placement, seed=seed,
+                                 conversations=conversations)
+    return synthetic_workload(requests, units_per_request=top_k or 5, unit_words=unit_words or 120,
+                                zipf_s=zipf, seed=seed)

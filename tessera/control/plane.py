@@ -1,6 +1,6 @@
 """The control plane: routing, two-step per-unit plans, and the shared tier's bookkeeping.
 
-Used in process by the serving layer and over HTTP by the other roles (paper Fig. 10):
+Used in process by the retrieval role's chat layer and over HTTP by the other roles (paper Fig. 10):
 
 1. ``route(request_id, units)``: pick a generation node (routing policy over in-flight
    counts and the local residency views).
@@ -28,12 +28,12 @@ from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
-from tessera.control.members import GenerationNode, HelloOutcome, MemoryNodes
+from tessera.control.membership import GenerationNode, HelloOutcome, MemoryNodes
 from tessera.control.record import NO_RECORD
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.errors import BadRequest, Overloaded
+from tessera.errors import BadRequest, Unavailable
 from tessera.messages import (
     Ack,
     CancelRequest,
@@ -129,7 +129,7 @@ class ControlPlane:
             raise BadRequest(f"request {request_id!r} is already routed; use a new request id", 409)
         live = self._live
         if not live:
-            raise Overloaded("no generation node is alive; retry when one reports in")
+            raise Unavailable("no generation node is alive; retry when one reports in")
         tokens: dict[str, int] = {}
         for u, n in units:
             if u not in tokens:
@@ -322,6 +322,21 @@ class ControlPlane:
         self.shared.forget(u for u, _ in report.reservations)
         node.local.clear()
         self._live = [n for n in self.nodes.values() if n.alive]
+
+    def report(self) -> dict[str, object]:
+        """Plan counters, shared-tier and per-node occupancy (``GET /control/stats``)."""
+        return {
+            "plans": self.stats.snapshot(),
+            "shared_entries": len(self.directory),
+            "shared_free_blocks": self.allocator.free_blocks,
+            "shared_capacity_blocks": self.allocator.capacity,
+            "shared_evictions": self.shared.evictions,
+            "nodes": {
+                n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
+                         "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}
+                for n in self.nodes.values()
+            },
+        }
 
     def check_invariants(self) -> None:
         """Every structural invariant of the plane (used by the property tests)."""

@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from tessera.config import ClusterConfig
+from tessera.errors import ConfigError
+from tessera.registry import Registry
 from tessera.units import ServingFingerprint
 
 DTYPES: dict[str, torch.dtype] = {
@@ -156,3 +159,21 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def decode_tokens(self, token_ids: Sequence[int]) -> str: ...
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig, prefix_cache_tokens: int) -> EngineAdapter:
+        """Load the configured model (``model.*``); raises ModelLoadError naming what is wrong.
+
+        Engines selectable as ``model.engine`` implement this; adapters built by hand in tests
+        need not.
+        """
+        raise ConfigError(f"engine {cls.__name__} cannot be built from tessera.toml (it has no from_config)")
+
+
+# ``model.engine`` in tessera.toml names one of these; a test or a plugin may register more.
+ENGINES: Registry[type[EngineAdapter]] = Registry("model.engine", {"reference": "tessera.engines.reference"})
+
+
+def load_engine(cfg: ClusterConfig, prefix_cache_tokens: int) -> EngineAdapter:
+    """The configured engine adapter with its model loaded."""
+    return ENGINES.get(cfg.model.engine).from_config(cfg, prefix_cache_tokens)

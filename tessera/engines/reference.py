@@ -16,7 +16,16 @@ from collections.abc import Sequence
 import torch
 
 from tessera.config import ClusterConfig
-from tessera.engines.base import DTYPES, EngineAdapter, Extend, KVSlots, ModelGeometry, UnitPrefill, UnitState
+from tessera.engines.base import (
+    DTYPES,
+    ENGINES,
+    EngineAdapter,
+    Extend,
+    KVSlots,
+    ModelGeometry,
+    UnitPrefill,
+    UnitState,
+)
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
 from tessera.engines.model import Item, Model
 from tessera.engines.prefix_cache import PrefixCache
@@ -39,6 +48,7 @@ class TorchSlots(KVSlots):
         self.freed = False
 
 
+@ENGINES.register("reference")
 class ReferenceEngine(EngineAdapter):
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False,

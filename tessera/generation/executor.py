@@ -22,9 +22,10 @@ from typing import Protocol
 
 import torch
 
+from tessera.composition.layout import Placement, leading_text_tokens, placements, tokens_to_compute
+from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import EngineAdapter, KVSlots, UnitState
-from tessera.engines.compose import Placement, place_units, placements, tokens_to_compute
-from tessera.engines.composition import CompositionPolicy, leading_text_tokens
+from tessera.engines.offline import place_units
 from tessera.engines.sampling import Sampler
 from tessera.errors import TransferError
 from tessera.generation.prefills import PrefillCoalescer

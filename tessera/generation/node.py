@@ -26,19 +26,20 @@ import orjson
 import torch
 from aiohttp import web
 
+from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig, GenerationNodeConfig
-from tessera.engines.composition import policy_from_config
-from tessera.engines.reference import ReferenceEngine
+from tessera.control.client import NodeControl
+from tessera.engines.base import load_engine
 from tessera.errors import BadRequest, TesseraError
-from tessera.generation.control_client import NodeControl
 from tessera.generation.executor import Executor, Finished, TokenEvent
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
+from tessera.http import application
 from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse, check_version
+from tessera.metrics import Registry
 from tessera.runtime import BackgroundTasks, serve
-from tessera.serving.metrics import Registry
 from tessera.wire import WIRE_VERSION, decode, encode
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,7 @@ class GenerationNode:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         torch.set_num_threads(self.config.model.threads)
         t0 = time.perf_counter()
-        self.engine = await asyncio.to_thread(
-            ReferenceEngine.from_config, self.config, prefix_cache_tokens=self.cfg.prefix_cache_tokens
-        )
+        self.engine = await asyncio.to_thread(load_engine, self.config, self.cfg.prefix_cache_tokens)
         log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
         self.control = NodeControl(self.config.retrieval_url, self.name, timeout_s=self.config.transport.timeout_s)
         self.worker = EngineWorker(self.engine)
@@ -87,8 +86,8 @@ class GenerationNode:
         self.cache = LocalUnitCache(self.cfg.local_capacity_blocks, self.config.block_tokens)
         self.pool = None
         if self.config.kvpools:
+            from tessera.generation.pool_client import KVPoolClient
             from tessera.transport.blocks import BlockLayout
-            from tessera.transport.pool import KVPoolClient
 
             layout = BlockLayout(self.engine.geometry, self.config.block_tokens)
             self.pool = KVPoolClient(self.config, layout, control=self.control)
@@ -231,18 +230,13 @@ class GenerationNode:
         return web.Response(text=self.metrics.render(), content_type="text/plain")
 
 
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except BadRequest as exc:
-        return web.json_response({"error": str(exc)}, status=exc.status)
+GENERATION_NODE = web.AppKey("generation_node", GenerationNode)
 
 
 def build_app(config: ClusterConfig, name: str) -> web.Application:
     node = GenerationNode(config, name)
-    app = web.Application(middlewares=[errors_middleware], client_max_size=64 << 20)
-    app["node"] = node
+    app = application()
+    app[GENERATION_NODE] = node
     app.cleanup_ctx.append(node.lifecycle)
     app.router.add_get("/health", node.health)
     app.router.add_post("/v1/snapshot", node.snapshot)

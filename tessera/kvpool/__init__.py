@@ -1,1 +1,2 @@
-"""The shared KV Pool: memory nodes (arena + data server) and the control-plane client."""
+"""The shared KV pool's memory node: a block arena in POSIX shm served to generation nodes.
+"""

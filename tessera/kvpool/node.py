@@ -28,10 +28,11 @@ from typing import Any
 from aiohttp import web
 
 from tessera.config import ClusterConfig, KVPoolNodeConfig
+from tessera.control.client import ControlClient
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import ControlPlaneError, TesseraError
-from tessera.kvpool.control import ControlClient
+from tessera.http import application
 from tessera.messages import MemoryNodeHello
 from tessera.runtime import BackgroundTasks, serve
 from tessera.transport.arena import Arena, segment_name
@@ -108,7 +109,7 @@ class MemoryNode:
     # --- control endpoints ---------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
 

@@ -1,6 +1,4 @@
-"""Moving unit states between generation nodes and memory nodes' block arenas.
-
-``base`` (the Transport contract and registry), ``blocks`` (slot layout, headers, checksums),
-``arena`` (POSIX shm segment), ``shm`` / ``tcp`` / ``mooncake`` (transports), ``pool`` (the
-generation node's fetch/store client).
+"""Moving unit states between generation nodes and memory nodes' block arenas: the Transport
+contract and registry, the arena, block format and headers, frames, limits, and the ``shm``,
+``tcp`` and ``mooncake`` transports.
 """

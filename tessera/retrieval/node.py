@@ -1,7 +1,7 @@
-"""Per-process state of the retrieval role: the control plane and the retrieval pool.
+"""Per-process state of the retrieval role: the control plane and the unit store.
 
 One :class:`RetrievalNode` lives on the aiohttp app (``app[RETRIEVAL_NODE]``); the HTTP
-handlers and the in-process serving layer both go through it. The control plane runs on
+handlers and the in-process chat layer both go through it. The control plane runs on
 the event loop (its calls are microseconds); tokenizing, embedding and index searches run
 on one worker thread so that control RPCs never wait behind a model forward.
 
@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tessera.config import ClusterConfig
-from tessera.control.embedder import Embedder
 from tessera.control.plane import ControlPlane
-from tessera.control.retrieval import Hit, RetrievalPool
+from tessera.retrieval.embedder import Embedder
+from tessera.retrieval.store import Hit, UnitStore
 from tessera.runtime import BackgroundTasks
 from tessera.units import ContextUnit, ServingFingerprint
 
@@ -34,7 +34,7 @@ class RetrievalNode:
     def __init__(self, config: ClusterConfig, plane: ControlPlane | None = None) -> None:
         self.config = config
         self.plane = plane or ControlPlane(config)
-        self.pool: RetrievalPool | None = None
+        self.pool: UnitStore | None = None
         self.fingerprint: ServingFingerprint | None = None
         self.tokenizer: Any = None  # tessera.engines.tokenizer.Tokenizer once started
         self.tasks = BackgroundTasks("retrieval")
@@ -56,7 +56,7 @@ class RetrievalNode:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
 
-    def _load(self) -> RetrievalPool:
+    def _load(self) -> UnitStore:
         from tessera.engines.checkpoint import resolve
         from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint, unit_factory
 
@@ -66,7 +66,7 @@ class RetrievalNode:
         factory = unit_factory(self.config, self.fingerprint, self.tokenizer)
         embedder = Embedder(threads=self.config.retrieval.embed_threads)
         log.info("retrieval ready: model %s, embedder dim %d", self.fingerprint.model, embedder.dim)
-        return RetrievalPool(factory, embedder, self.config.retrieval)
+        return UnitStore(factory, embedder, self.config.retrieval)
 
     async def _ticker(self) -> None:
         while True:
@@ -78,7 +78,7 @@ class RetrievalNode:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
-    def _pool(self) -> RetrievalPool:
+    def _pool(self) -> UnitStore:
         assert self.pool is not None, "retrieval node is not started"
         return self.pool
 
@@ -97,18 +97,9 @@ class RetrievalNode:
         pool = self._pool()
         return await self._run(lambda: [pool.identify(scope, t, f"units[{i}]") for i, t in enumerate(texts)])
 
-    def stats(self) -> dict[str, Any]:
-        plane = self.plane
-        return {
-            "plans": plane.stats.snapshot(),
-            "shared_entries": len(plane.directory),
-            "shared_free_blocks": plane.allocator.free_blocks,
-            "shared_capacity_blocks": plane.allocator.capacity,
-            "shared_evictions": plane.shared.evictions,
-            "units_indexed": 0 if self.pool is None else len(self.pool),
-            "nodes": {
-                n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
-                         "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}
-                for n in plane.nodes.values()
-            },
-        }
+    def store_stats(self) -> dict[str, Any]:
+        """The unit store's figures, added to ``/control/stats``."""
+        return {"units_indexed": 0 if self.pool is None else len(self.pool)}
+
+    def stats(self) -> dict[str, object]:
+        return {**self.plane.report(), **self.store_stats()}

@@ -18,69 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
-from tessera.engines.composition import (
-    CompositionPolicy,
-    FullRecompute,
+from tessera.composition.layout import (
+    Placement,
     Ranges,
+    check_ranges,
+    computed_ranges,
     leading_text_tokens,
-    merge_ranges,
-    text_ranges,
+    placements,
+    tokens_to_compute,
 )
+from tessera.composition.policies import CompositionPolicy, FullRecompute
+from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
 from tessera.messages import PromptLayout, Segment, SegmentKind
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Place tokens ``start..end`` of unit ``unit_id`` (whose token 0 sits at ``offset``)."""
-
-    unit_id: str
-    offset: int
-    start: int
-    end: int
-    length: int  # tokens in the whole unit (its state must have exactly this many)
-
-
-def computed_ranges(layout: PromptLayout, ranges: Ranges, prefix_len: int) -> Ranges:
-    """What the final extend computes: the policy's ranges above the prefix hit, plus the
-    last prompt position (its logits are the answer's first token)."""
-    n = layout.n_tokens
-    clipped = [(max(a, prefix_len), min(b, n)) for a, b in ranges]
-    return merge_ranges([*clipped, (n - 1, n)])
-
-
-def tokens_to_compute(layout: PromptLayout, ranges: Ranges, prefix_len: int) -> tuple[list[int], list[int]]:
-    """Token ids and positions of the final extend, in prompt order."""
-    prompt = layout.token_ids()
-    ids: list[int] = []
-    positions: list[int] = []
-    for a, b in computed_ranges(layout, ranges, prefix_len):
-        ids.extend(prompt[a:b])
-        positions.extend(range(a, b))
-    return ids, positions
-
-
-def placements(layout: PromptLayout, ranges: Ranges, prefix_len: int) -> list[Placement]:
-    """Unit spans served from their states: everything not computed and not prefix-matched."""
-    computed = computed_ranges(layout, ranges, prefix_len)
-    out = []
-    for offset, seg in layout.unit_offsets():
-        lo, hi = max(offset, prefix_len), offset + len(seg.token_ids)
-        for a, b in computed:
-            if lo < hi and a > lo:
-                out.append(Placement(seg.unit_id, offset, lo - offset, min(a, hi) - offset, hi - offset))
-            lo = max(lo, b)
-        if lo < hi:
-            out.append(Placement(seg.unit_id, offset, lo - offset, hi - offset, hi - offset))
-    return out
-
-
-def check_ranges(layout: PromptLayout, ranges: Ranges) -> None:
-    """Assert the policy contract: sorted disjoint ranges inside the prompt covering all text."""
-    assert ranges == merge_ranges(ranges), f"ranges must be sorted and disjoint: {ranges}"
-    assert all(a >= 0 and b <= layout.n_tokens for a, b in ranges), (ranges, layout.n_tokens)
-    for a, b in text_ranges(layout):
-        assert any(x <= a and b <= y for x, y in ranges), f"text {a}..{b} is not computed: {ranges}"
 
 
 def place_units(engine: EngineAdapter, slots: KVSlots, plan: Sequence[Placement],

@@ -21,46 +21,13 @@ nothing about tensors or engines.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
+from tessera.composition.layout import Ranges, merge_ranges, text_ranges
 from tessera.config import CompositionConfig
 from tessera.errors import ConfigError
-from tessera.messages import PromptLayout, SegmentKind
+from tessera.messages import PromptLayout
 from tessera.registry import Registry
-
-Ranges = tuple[tuple[int, int], ...]
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
-    """Sort, drop empties, and merge overlapping or touching ranges."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return tuple(out)
-
-
-def text_ranges(layout: PromptLayout) -> Ranges:
-    """Positions of every TEXT segment."""
-    spans, offset = [], 0
-    for seg in layout.segments:
-        if seg.kind is SegmentKind.TEXT:
-            spans.append((offset, offset + len(seg.token_ids)))
-        offset += len(seg.token_ids)
-    return merge_ranges(spans)
-
-
-def leading_text_tokens(layout: PromptLayout) -> list[int]:
-    """Token ids of the text before the first unit: the part an exact-prefix cache can serve."""
-    out: list[int] = []
-    for seg in layout.segments:
-        if seg.kind is SegmentKind.UNIT:
-            break
-        out.extend(seg.token_ids)
-    return out
 
 
 class CompositionPolicy(ABC):

@@ -23,8 +23,6 @@ import orjson
 from aiohttp import web
 
 from tessera.config import ClusterConfig
-from tessera.control.node import RetrievalNode
-from tessera.control.service import RETRIEVAL_NODE
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
@@ -37,10 +35,18 @@ from tessera.messages import (
     SamplingParams,
     SegmentKind,
 )
-from tessera.serving.metrics import Registry
-from tessera.serving.nodes import NodeClients, NodeUnavailable
-from tessera.serving.prompt import PromptBuilder, trace_record
-from tessera.serving.protocol import ChatRequest, chunk_body, completion_body, error_body, parse_chat_request
+from tessera.metrics import Registry
+from tessera.retrieval.chat_request import (
+    ChatRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    parse_chat_request,
+)
+from tessera.retrieval.generation_client import NodeClients, NodeUnavailable
+from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.prompt import PromptBuilder, trace_record
+from tessera.retrieval.routes import RETRIEVAL_NODE
 from tessera.units import ContextUnit, TokenCache
 from tessera.wire import WIRE_VERSION
 
@@ -390,7 +396,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await app[SERVING].nodes.close()
 
 
-def add_serving_routes(app: web.Application, config: ClusterConfig) -> None:
+def add_chat_routes(app: web.Application, config: ClusterConfig) -> None:
     app[SERVING] = Serving(config)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)

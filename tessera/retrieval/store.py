@@ -6,7 +6,7 @@ with MiniLM and indexed in the scope's HNSW index. Re-ingesting the same text in
 scope yields the same unit id and indexes nothing new.
 
 Requests may also bring their units directly (agent memory recalled by an external store):
-:meth:`RetrievalPool.identify` gives them the same identity without indexing them, so the
+:meth:`UnitStore.identify` gives them the same identity without indexing them, so the
 control plane tracks their demand exactly like retrieved units.
 
 Not thread-safe: the service runs every call on one worker thread. Bad input raises
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from tessera.config import RetrievalConfig
-from tessera.control.embedder import Embedder
-from tessera.control.index import UnitIndex, check_scope
 from tessera.errors import BadRequest
+from tessera.retrieval.embedder import Embedder
+from tessera.retrieval.index import UnitIndex, check_scope
 from tessera.units import ContextUnit, UnitFactory
 
 MAX_TOP_K = 1000
@@ -44,7 +44,7 @@ class Hit:
     metadata: Mapping[str, Any]
 
 
-class RetrievalPool:
+class UnitStore:
     """Units, their embeddings and the per-scope index. Verbs: ``ingest``, ``retrieve``, ``identify``."""
 
     def __init__(self, factory: UnitFactory, embedder: Embedder, config: RetrievalConfig) -> None:

@@ -1,7 +1,7 @@
 """Typed request/response bodies of the retrieval role's HTTP API.
 
-The control RPCs that other roles share (RequestPlan, PublishRequest, ResidencyReport, ...)
-live in :mod:`tessera.messages`; this module holds the ones only this service speaks.
+The control RPCs (route, plan, complete, publish, ...) live in :mod:`tessera.messages`;
+this module holds the bodies only the retrieval API speaks.
 Every body carries ``version`` (see :func:`tessera.messages.check_version`).
 """
 
@@ -9,10 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-from tessera.messages import MemoryNodeHello
-
-# --- retrieval -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,55 +64,6 @@ class RetrieveResponse:
     version: int
     scope: str
     units: tuple[RetrievedUnit, ...]
-
-
-# --- control ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RouteUnit:
-    unit_id: str
-    n_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """Step 1 of a plan: the request's units in prompt order (empty in prefix mode)."""
-
-    version: int
-    request_id: str
-    units: tuple[RouteUnit, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RouteResponse:
-    version: int
-    request_id: str
-    node: str
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRequest:
-    """Step 4: finalize against the chosen node's snapshot (the units it holds locally)."""
-
-    version: int
-    request_id: str
-    node: str
-    held: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class CompleteRequest:
-    """The request finished or was abandoned: its node's in-flight count drops."""
-
-    version: int
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryNodeList:
-    version: int
-    nodes: tuple[MemoryNodeHello, ...]
 
 
 @dataclass(frozen=True, slots=True)

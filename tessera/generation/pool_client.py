@@ -25,13 +25,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from tessera.config import ClusterConfig
+from tessera.control.client import ControlClient
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, ControlPlaneError, TransferError
-from tessera.kvpool.control import ControlClient
+from tessera.generation.pool_endpoints import EndpointBook
 from tessera.messages import BlockRef, CancelRequest, PublishRequest, ReadLease, WriteGrant
 from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
 from tessera.transport.blocks import BlockLayout
-from tessera.transport.endpoints import EndpointBook
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)

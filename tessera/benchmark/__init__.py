@@ -1,0 +1,3 @@
+"""Workloads, the open-loop load client, ``tessera bench`` / ``demo`` / ``eval`` / ``analyze``,
+and report printing.
+"""

@@ -1,0 +1,121 @@
+"""The control plane's RPCs (``/control/*``) on the retrieval role's aiohttp app.
+
+Bodies are typed dataclasses decoded with :func:`tessera.http.body`, so malformed JSON or a
+wrong type is a 400 naming the field; every error body is ``{"error": message}``.
+
+=====================  ======================================================================
+POST /control/route    step 1 of a plan: choose the generation node
+POST /control/plan     step 4: finalize the per-unit plan against the node's snapshot
+POST /control/complete the request finished (in-flight accounting)
+POST /control/publish  writer finished a shared entry (409 + reason when rejected)
+POST /control/cancel   writer gives up a reservation
+POST /control/release  reader releases read leases
+POST /control/residency  a generation node's local cache changed
+POST /control/load     a generation node's load figures (its heartbeat)
+POST /control/kvpool/hello  a memory node announces itself (its heartbeat)
+GET  /control/kvpool   the registered memory nodes' hellos
+GET  /control/stats    counters of the control plane
+=====================  ======================================================================
+
+The routes see only the :class:`ControlPlane` (``app[CONTROL_PLANE]``); the role that hosts
+them may add figures of its own to ``/control/stats`` through ``app[STATS_EXTRA]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from tessera.control.plane import ControlPlane
+from tessera.errors import BadRequest
+from tessera.http import body, reply
+from tessera.messages import (
+    Ack,
+    CancelRequest,
+    CompleteRequest,
+    LoadReport,
+    MemoryNodeHello,
+    MemoryNodeList,
+    PlanRequest,
+    PublishRequest,
+    ReleaseRequest,
+    ResidencyReport,
+    RouteRequest,
+    RouteResponse,
+)
+from tessera.wire import WIRE_VERSION
+
+CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
+StatsExtra = Callable[[], dict[str, Any]]
+STATS_EXTRA: web.AppKey[StatsExtra] = web.AppKey("control_stats_extra")
+
+routes = web.RouteTableDef()
+
+
+def _plane(request: web.Request) -> ControlPlane:
+    return request.app[CONTROL_PLANE]
+
+
+@routes.post("/control/route")
+async def route(request: web.Request) -> web.Response:
+    msg = await body(request, RouteRequest)
+    if not msg.request_id:
+        raise BadRequest("request_id is empty")
+    if any(not u.unit_id for u in msg.units):
+        raise BadRequest("units: every unit needs a non-empty unit_id")
+    node = _plane(request).route(msg.request_id, [(u.unit_id, u.n_tokens) for u in msg.units])
+    return reply(RouteResponse(WIRE_VERSION, msg.request_id, node))
+
+
+@routes.post("/control/plan")
+async def plan(request: web.Request) -> web.Response:
+    msg = await body(request, PlanRequest)
+    plane = _plane(request)
+    plane.generation_node(msg.node)  # unknown node -> 404 naming it
+    return reply(plane.finalize(msg.request_id, msg.node, msg.held))
+
+
+@routes.post("/control/complete")
+async def complete(request: web.Request) -> web.Response:
+    msg = await body(request, CompleteRequest)
+    done = _plane(request).complete(msg.request_id)
+    return reply(Ack(WIRE_VERSION, done, "" if done else f"request {msg.request_id!r} was not outstanding"))
+
+
+def _rpc(path: str, cls: type[Any], verb: str) -> None:
+    async def handler(request: web.Request) -> web.Response:
+        msg = await body(request, cls)
+        return reply(getattr(_plane(request), verb)(msg))
+
+    handler.__name__ = verb
+    routes.post(path)(handler)
+
+
+_rpc("/control/publish", PublishRequest, "publish")
+_rpc("/control/cancel", CancelRequest, "cancel")
+_rpc("/control/release", ReleaseRequest, "release")
+_rpc("/control/residency", ResidencyReport, "residency")
+_rpc("/control/load", LoadReport, "load")
+_rpc("/control/kvpool/hello", MemoryNodeHello, "hello")
+
+
+@routes.get("/control/kvpool")
+async def kvpool(request: web.Request) -> web.Response:
+    return reply(MemoryNodeList(WIRE_VERSION, tuple(_plane(request).memory_nodes())))
+
+
+@routes.get("/control/stats")
+async def stats(request: web.Request) -> web.Response:
+    out = _plane(request).report()
+    extra = request.app.get(STATS_EXTRA)
+    if extra is not None:
+        out.update(extra())
+    return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+
+def add_control_routes(app: web.Application, plane: ControlPlane) -> None:
+    app[CONTROL_PLANE] = plane
+    app.add_routes(routes)

@@ -1,0 +1,89 @@
+"""HTTP helpers shared by the three roles: JSON replies, typed bodies, one error middleware.
+
+Every role's aiohttp application uses :func:`application`, so errors have one shape on every
+port: ``{"error": message}`` with a 4xx that says what to fix (``BadRequest``, a body that
+does not decode), 409 for a refused publish, the ``Overloaded`` status for refused work, and
+a logged 500 without a traceback in the body for anything else. The OpenAI-compatible chat
+API keeps its own error shape (see :mod:`tessera.retrieval.chat`).
+
+This module knows nothing about any role's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from tessera.errors import BadRequest, Overloaded, PublishRejected, Unavailable
+from tessera.messages import Ack, check_version
+from tessera.wire import WIRE_VERSION, decode, encode
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_BODY = 64 << 20  # bytes of one request body on every role
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def reply(obj: Any, status: int = 200) -> web.Response:
+    """A typed message (or plain JSON value) as an ``application/json`` response."""
+    return web.Response(body=encode(obj), status=status, content_type="application/json")
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.Response(body=orjson.dumps({"error": message}), status=status, content_type="application/json")
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Client mistakes become 4xx with a message; nothing escapes as a bare traceback."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:  # wire.DecodeError is a BadRequest too
+        return error(exc.status, str(exc))
+    except PublishRejected as exc:
+        return reply(Ack(WIRE_VERSION, False, str(exc)), status=409)
+    except (Overloaded, Unavailable) as exc:
+        return error(exc.status, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error(exc.status, exc.reason or exc.text or "error")
+    except Exception as exc:
+        log.exception("%s %s failed", request.method, request.path)
+        return error(500, f"internal error: {type(exc).__name__}")
+
+
+async def body(request: web.Request, cls: type[T]) -> T:
+    """Decode a typed, versioned message body (400 naming the field when it does not fit)."""
+    msg = decode(cls, await request.read())
+    check_version(msg.version)  # type: ignore[attr-defined]
+    return msg
+
+
+def application(middlewares: Iterable[Any] = ()) -> web.Application:
+    """An aiohttp application with the shared error middleware and body limit."""
+    return web.Application(middlewares=[errors, *middlewares], client_max_size=MAX_BODY)
+
+
+class LazySession:
+    """One aiohttp client session, created on first use inside the running loop."""
+
+    def __init__(self, timeout: aiohttp.ClientTimeout, **kwargs: Any) -> None:
+        self.timeout = timeout
+        self._kwargs = kwargs
+        self._session: aiohttp.ClientSession | None = None
+
+    def get(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout, **self._kwargs)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
