@@ -286,7 +286,7 @@ class RouteUnit:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """Step 1 of a plan: the request's units in prompt order (empty in prefix mode)."""
+    """Step 2 (paper Fig. 10): route; the request's units in prompt order (empty in prefix mode)."""
 
     version: int
     request_id: str

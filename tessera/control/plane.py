@@ -2,16 +2,15 @@
 
 Used in process by the retrieval role's chat layer and over HTTP by the other roles (paper Fig. 10):
 
-1. ``route(request_id, units)``: pick a generation node (routing policy over in-flight
-   counts and the local residency views).
-2. The chosen node answers a snapshot: which of the units it holds (and pins).
-3. ``finalize(request_id, node, held)``: per unit, a preparation (local only if in the
-   snapshot; remote under a read lease on a READY entry's epoch; else compute) and a
-   retention from *independent* local and shared admission.
-4. ``complete(request_id)`` when the request is done (in-flight accounting).
+Steps as numbered in the paper's Fig. 10 (step 1, retrieval and identification, happens in
+the retrieval role before the plane is asked):
 
-Leases are taken for every remote unit before any retention decision of the same plan, so
-no eviction decided later in the plan can reclaim a block the plan reads.
+2. ``route(request_id, units)``: pick a generation node (routing policy over in-flight
+   counts and the local residency views) and dispatch the request to it.
+3. The chosen node answers a snapshot: which of the units it holds (and pins).
+4. ``finalize(request_id, node, held)``: the per-unit plan (:mod:`tessera.control.planner`).
+
+``complete(request_id)`` ends the request (in-flight accounting).
 
 The plane never touches payload bytes or tensors, and never waits on the network: every
 method is synchronous and cheap enough to run on the event loop.
@@ -29,7 +28,7 @@ from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
 from tessera.control.membership import GenerationNode, HelloOutcome, MemoryNodes
-from tessera.control.record import NO_RECORD
+from tessera.control.planner import Planner, RoutedRequest
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
@@ -39,40 +38,19 @@ from tessera.messages import (
     CancelRequest,
     LoadReport,
     MemoryNodeHello,
-    Preparation,
     PublishRequest,
-    ReadLease,
     ReleaseRequest,
     RequestPlan,
     ResidencyReport,
-    Retention,
-    UnitPlan,
     check_version,
 )
 from tessera.wire import WIRE_VERSION
-
-LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
-# UnitPlans without a lease or grant are equal across requests for the same unit; they are
-# immutable, so the plane interns them instead of building ten dataclasses per plan.
-_INTERNED_MAX = 1 << 16  # per kind of plan
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _bits(mask: int) -> tuple[int, ...]:
     """Indices of the set bits of a holders mask (few distinct masks recur: cached)."""
     return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
-
-
-class _Routed:
-    """A request between route and complete."""
-
-    __slots__ = ("finalized", "node", "pairs", "tokens")
-
-    def __init__(self, node: GenerationNode, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...]) -> None:
-        self.node = node
-        self.tokens = tokens  # distinct unit -> n_tokens, in first-occurrence order
-        self.pairs = pairs  # (unit, blocks), same order
-        self.finalized = False
 
 
 class ControlPlane:
@@ -113,13 +91,8 @@ class ControlPlane:
         self.router = make_router(routing or control.routing, len(self.nodes))
         self.memory = MemoryNodes({k.name for k in config.kvpools})
         self.stats = PlaneStats()
-        self._requests: dict[str, _Routed] = {}
-        # block counts of units admitted locally: a late ResidencyReport may re-add one the
-        # view had already dropped
-        self._blocks: dict[str, int] = {}
-        # interned UnitPlans by kind: held (LOCAL, NEITHER), computed and kept (COMPUTE, LOCAL),
-        # computed (COMPUTE, NEITHER); keyed by unit
-        self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
+        self._requests: dict[str, RoutedRequest] = {}
+        self.planner = Planner(self.directory, self.shared, self.stats)
 
     # --- the request path ----------------------------------------------------------------
 
@@ -140,7 +113,7 @@ class ControlPlane:
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
         node.inflight += 1
-        self._requests[request_id] = _Routed(node, tokens, pairs)
+        self._requests[request_id] = RoutedRequest(node, tokens, pairs)
         return node.name
 
     def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
@@ -158,64 +131,10 @@ class ControlPlane:
         return out
 
     def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
-        """Step 4: the per-unit plan against the node's snapshot ``held`` and shared residency."""
+        """Step 4: the per-unit plan against the node's snapshot ``held`` (see :class:`Planner`)."""
         r = self._routed(request_id, node)
         r.finalized = True
-        gen = r.node
-        local = gen.local
-        tokens = r.tokens
-        pairs = r.pairs
-        ids = tuple(tokens)
-        held_set = held if isinstance(held, (set, frozenset)) else set(held)
-        local.reconcile(pairs, held_set, self._requests)
-        local.policy.observe(ids)
-        shared = self.shared
-        shared.observe(ids)
-        directory = self.directory
-        # preparation first: every lease exists before any eviction of this plan is decided
-        leases: list[ReadLease | None] = [None if u in held_set else directory.lease(u, node) for u, _ in pairs]
-        plans: list[UnitPlan] = []
-        evict: list[str] = []
-        held_plans, kept_plans, computed_plans = self._interned
-        shared_records = shared.policy.records
-        hits = kept_local = kept_shared = 0
-        for (u, b), lease in zip(pairs, leases, strict=True):
-            n = tokens[u]
-            if u in held_set:
-                prep = LOCAL
-                keep_local = False
-                hits += 1
-            else:
-                prep = COMPUTE if lease is None else REMOTE
-                # None also for a unit the view already holds (planned by another request)
-                victims = local.admit(u, b, request_id, tokens)
-                keep_local = victims is not None
-                if keep_local:
-                    kept_local += 1
-                    self._blocks[u] = b
-                    if victims:
-                        evict += victims
-            if lease is None:
-                # the shared policy's residents mirror the directory's entries (pending or ready)
-                grant = None if shared_records.get(u, NO_RECORD).blocks else shared.admit(u, n, b, node)
-                if grant is None:
-                    interned = held_plans if prep is LOCAL else kept_plans if keep_local else computed_plans
-                    plan = interned.get(u)
-                    if plan is None or plan.n_tokens != n:
-                        plan = interned[u] = UnitPlan(
-                            u, n, prep, Retention.LOCAL if keep_local else Retention.NEITHER)
-                    plans.append(plan)
-                    continue
-                kept_shared += 1
-            else:
-                grant = None
-            plans.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
-        for interned in self._interned:
-            if len(interned) > _INTERNED_MAX:
-                interned.clear()
-        self.stats.count_plan(len(plans), hits, len(leases) - leases.count(None), kept_local,
-                              kept_shared, len(evict))
-        return RequestPlan(WIRE_VERSION, request_id, node, tuple(plans), tuple(evict))
+        return self.planner.plan(request_id, r, held, self._requests.keys())
 
     def complete(self, request_id: str) -> bool:
         """The request finished (or was abandoned); False if it was not outstanding."""
@@ -225,7 +144,7 @@ class ControlPlane:
         r.node.inflight -= 1
         return True
 
-    def _routed(self, request_id: str, node: str) -> _Routed:
+    def _routed(self, request_id: str, node: str) -> RoutedRequest:
         r = self._requests.get(request_id)
         if r is None:
             raise BadRequest(f"request {request_id!r} is not routed (call route first) or already completed", 404)
@@ -264,7 +183,7 @@ class ControlPlane:
         node = self.generation_node(msg.node)
         self._heard(node)
         node.local.drop(msg.evicted)
-        node.local.confirm(msg.inserted, self._blocks)
+        node.local.confirm(msg.inserted, self.planner.admitted_blocks)
         return Ack(WIRE_VERSION, True)
 
     def load(self, msg: LoadReport) -> Ack:

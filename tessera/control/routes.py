@@ -4,7 +4,7 @@ Bodies are typed dataclasses decoded with :func:`tessera.http.body`, so malforme
 wrong type is a 400 naming the field; every error body is ``{"error": message}``.
 
 =====================  ======================================================================
-POST /control/route    step 1 of a plan: choose the generation node
+POST /control/route    step 2: choose the generation node (paper Fig. 10)
 POST /control/plan     step 4: finalize the per-unit plan against the node's snapshot
 POST /control/complete the request finished (in-flight accounting)
 POST /control/publish  writer finished a shared entry (409 + reason when rejected)

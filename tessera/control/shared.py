@@ -33,6 +33,10 @@ class SharedTier:
     def observe(self, unit_ids: tuple[str, ...]) -> None:
         self.policy.observe(unit_ids)
 
+    def resident(self, unit_id: str) -> bool:
+        """The shared tier has an entry (pending or ready) for the unit."""
+        return self.policy.records.get(unit_id, NO_RECORD).blocks > 0
+
     def admit(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
         """Reserve a PENDING entry for ``writer`` if the unit passes shared admission.
 

@@ -1,0 +1,193 @@
+"""One chat request's journey through the cluster: units, layout, route, plan, execute.
+
+:class:`ChatCall` retrieves (or identifies the caller's) units, renders the layout, checks
+it against the model's context, asks the control plane to route and finalize a plan, and
+relays the chosen generation node's events. :func:`events` turns those into text deltas,
+applying stop strings; the streaming and non-streaming replies are built from them in
+:mod:`tessera.retrieval.chat_stream`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tessera.errors import BadRequest, TesseraError
+from tessera.messages import (
+    CancelRequest,
+    ExecuteRequest,
+    PromptLayout,
+    ReleaseRequest,
+    RequestPlan,
+    SamplingParams,
+    SegmentKind,
+)
+from tessera.retrieval.chat_request import ChatRequest
+from tessera.retrieval.generation_client import NodeUnavailable
+from tessera.retrieval.node import RetrievalNode
+from tessera.units import ContextUnit
+from tessera.wire import WIRE_VERSION
+
+if TYPE_CHECKING:
+    from tessera.retrieval.chat import Serving
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    finish_reason: str = "stop"
+    stats: dict[str, int] = field(default_factory=dict)
+    first_token_at: float | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextUnit]:
+    if chat.retrieval is not None:
+        r = chat.retrieval
+        if r.embedding is not None:
+            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k)
+        else:
+            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
+        return [h.unit for h in hits]
+    if chat.units:
+        by_scope: dict[str, list[int]] = {}
+        for i, u in enumerate(chat.units):
+            by_scope.setdefault(u.scope, []).append(i)
+        out: list[ContextUnit | None] = [None] * len(chat.units)
+        for scope, idx in by_scope.items():
+            for i, unit in zip(idx, await node.identify(scope, [chat.units[i].text for i in idx]), strict=True):
+                out[i] = unit
+        return [u for u in out if u is not None]
+    return []
+
+
+def usage(layout: PromptLayout, stats: dict[str, int], node: str) -> dict[str, Any]:
+    cached = stats.get("prefix_cached_tokens", 0) + stats.get("local_tokens", 0) + stats.get("remote_tokens", 0)
+    completion = stats.get("completion_tokens", 0)
+    return {
+        "prompt_tokens": layout.n_tokens,
+        "completion_tokens": completion,
+        "total_tokens": layout.n_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "tessera": {**stats, "node": node},
+    }
+
+
+class ChatCall:
+    """One chat request's journey through the cluster."""
+
+    def __init__(self, serving: Serving, node: RetrievalNode, chat: ChatRequest) -> None:
+        self.serving = serving
+        self.node = node
+        self.chat = chat
+        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.target = ""
+        self.plan: RequestPlan | None = None
+        self.started = time.perf_counter()
+
+    async def prepare(self) -> PromptLayout:
+        units = await request_units(self.node, self.chat)
+        layout = self.serving.builder_for(self.node).build(self.chat.messages, units, self.chat.placement)
+        limit = self.serving.max_context
+        if layout.n_tokens + self.chat.max_tokens > limit:
+            raise BadRequest(
+                f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {self.chat.max_tokens}, "
+                f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
+        return layout
+
+    async def run(self, layout: PromptLayout) -> AsyncIterator[dict[str, Any]]:
+        """Route, plan and execute; yields the node's events."""
+        plane = self.node.plane
+        compose = self.node.config.control.mode == "compose"
+        refs: dict[str, int] = {}
+        if compose:
+            for seg in layout.segments:
+                if seg.kind is SegmentKind.UNIT:
+                    refs.setdefault(seg.unit_id, len(seg.token_ids))
+        self.target = plane.route(self.request_id, list(refs.items()))
+        try:
+            snap = await self.serving.nodes.snapshot(self.target, self.request_id, list(refs))
+            self.plan = plane.finalize(self.request_id, self.target, snap.held)
+            sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
+                                      (), self.chat.ignore_eos, self.chat.top_logprobs)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
+            delivered = False
+            try:
+                async for event in self.serving.nodes.execute(self.target, msg):
+                    delivered = True
+                    yield event
+            except NodeUnavailable:
+                if not delivered:
+                    self._return_grants()
+                raise
+        finally:
+            plane.complete(self.request_id)
+
+    def _return_grants(self) -> None:
+        """The node never got the plan: give its leases and reservations back at once."""
+        if self.plan is None:
+            return
+        plane = self.node.plane
+        leases = tuple(u.lease.lease_id for u in self.plan.units if u.lease is not None)
+        if leases:
+            plane.release(ReleaseRequest(WIRE_VERSION, leases))
+        for u in self.plan.units:
+            if u.grant is not None:
+                plane.cancel(CancelRequest(WIRE_VERSION, u.grant.unit_id, u.grant.epoch, u.grant.writer, 0.0))
+
+
+def _token_entry(node: RetrievalNode, token_id: int, logprob: float) -> dict[str, Any]:
+    text = node.tokenizer.decode([token_id]) if node.tokenizer is not None else ""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token_id}
+
+
+def _logprob_entry(node: RetrievalNode, event: dict[str, Any]) -> dict[str, Any]:
+    entry = _token_entry(node, int(event["token"]), float(event["logprob"]))
+    entry["top_logprobs"] = [_token_entry(node, int(t), float(lp)) for t, lp in event.get("top") or []]
+    return entry
+
+
+def _stop_at(text: str, stops: tuple[str, ...]) -> int:
+    cut = [text.find(s) for s in stops if s and s in text]
+    return min(cut) if cut else -1
+
+
+async def events(serving: Serving, call: ChatCall, layout: PromptLayout) -> AsyncIterator[tuple[str, Outcome]]:
+    """Yield (text delta, outcome so far); handles stop strings and node errors."""
+    outcome = Outcome()
+    stops = call.chat.stop
+    async for event in call.run(layout):
+        if "error" in event:
+            raise TesseraError(f"generation node {call.target} failed: {event['error']}")
+        if event.get("done"):
+            outcome.finish_reason = event["finish_reason"]
+            outcome.stats = event["stats"]
+            break
+        if outcome.first_token_at is None:
+            outcome.first_token_at = time.perf_counter()
+            serving.m_ttft.observe(outcome.first_token_at - call.started)
+        delta = event["text"]
+        if "logprob" in event:
+            outcome.logprobs.append(_logprob_entry(call.node, event))
+        if stops:
+            cut = _stop_at(outcome.text + delta, stops)
+            if cut >= 0:
+                delta = (outcome.text + delta)[:cut][len(outcome.text):]
+                outcome.text += delta
+                outcome.finish_reason = "stop"
+                yield delta, outcome
+                await serving.nodes.abort(call.target, call.request_id)
+                return
+        outcome.text += delta
+        yield delta, outcome
+    serving.record(outcome)
+
+
+async def collect(serving: Serving, call: ChatCall, layout: PromptLayout) -> Outcome:
+    last = Outcome()
+    async for _delta, outcome in events(serving, call, layout):
+        last = outcome
+    return last
