@@ -132,6 +132,15 @@ class ControlConfig:
     write_timeout_s: float = 30.0
     # memory nodes and generation nodes are declared dead after this long without a heartbeat
     heartbeat_timeout_s: float = 10.0
+    # a routed request whose completion never arrives (its caller died) is expired after this
+    request_ttl_s: float = 900.0
+    # deadlines toward generation nodes: connecting, the first token (snapshot included),
+    # and the gap between two tokens; on expiry the node is told to abort
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 60.0
+    idle_timeout_s: float = 30.0
+    # nodes one request may be tried on before anything was streamed (unreachable, 429, timeout)
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         _choice("control.mode", self.mode, MODES)
@@ -146,7 +155,9 @@ class ControlConfig:
         _non_negative("control.theta", self.theta)
         _check(isinstance(self.admit_first, bool), "control.admit_first", self.admit_first,
                "expected true or false")
-        for key in ("lease_ttl_s", "write_timeout_s", "heartbeat_timeout_s"):
+        _positive("control.max_attempts", self.max_attempts)
+        for key in ("lease_ttl_s", "write_timeout_s", "heartbeat_timeout_s", "request_ttl_s", "connect_timeout_s",
+                    "first_token_timeout_s", "idle_timeout_s"):
             value = getattr(self, key)
             _check(isinstance(value, (int, float)) and value > 0, f"control.{key}", value,
                    "expected a number of seconds > 0")

@@ -244,6 +244,8 @@ class ResidencyReport:
     node: str
     inserted: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+    # victims the plan allowed it to evict that it kept (evicting fewer was enough)
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from tessera.config import ClusterConfig, ControlConfig, GenerationNodeConfig, KVPoolNodeConfig
 from tessera.control.plane import ControlPlane
 from tessera.messages import (
+    LoadReport,
     MemoryNodeHello,
     Preparation,
     PublishRequest,
@@ -49,7 +50,8 @@ def hello(name: str = "kv0", capacity: int = 16, boot: str = "boot-1") -> Memory
 class Cluster:
     """A control plane plus generation nodes that do exactly what their plans say."""
 
-    def __init__(self, config: ClusterConfig | None = None, *, join_memory: bool = True, **kw: object) -> None:
+    def __init__(self, config: ClusterConfig | None = None, *, join_memory: bool = True, join_generation: bool = True,
+                 **kw: object) -> None:
         self.config = config or cluster_config(**kw)  # type: ignore[arg-type]
         self.clock = Clock()
         self.plane = ControlPlane(self.config, clock=self.clock)
@@ -59,6 +61,13 @@ class Cluster:
         if join_memory:
             for pool in self.config.kvpools:
                 self.plane.hello(hello(pool.name, pool.capacity_blocks))
+        if join_generation:
+            self.heartbeat()
+
+    def heartbeat(self, *names: str) -> None:
+        """Generation nodes report in (all by default): only a node heard from is routable."""
+        for name in names or [n.name for n in self.config.generation]:
+            self.plane.load(LoadReport(WIRE_VERSION, name, 0))
 
     def rid(self) -> str:
         self._ids += 1

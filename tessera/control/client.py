@@ -131,10 +131,10 @@ class NodeControl(ControlClient):
         self._to_release: list[str] = []
         self._flush: asyncio.Task[None] | None = None
 
-    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None:
-        if not inserted and not evicted:
+    async def residency(self, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str] = ()) -> None:
+        if not inserted and not evicted and not kept:
             return
-        msg = ResidencyReport(WIRE_VERSION, self.node, tuple(inserted), tuple(evicted))
+        msg = ResidencyReport(WIRE_VERSION, self.node, tuple(inserted), tuple(evicted), tuple(kept))
         try:
             await self._ack("/control/residency", msg)
         except ControlPlaneError as exc:

@@ -6,7 +6,8 @@ the node's cache *after* the plans issued so far, and is corrected by three sour
 
 * the node's snapshot at plan time (units of the request it holds, which it pins),
 * its :class:`~tessera.messages.ResidencyReport` (insertions it made, units it dropped or
-  declined to insert), delivered in the order the node made the changes,
+  declined to insert, and victims it was allowed to drop but *kept* because evicting fewer
+  was enough), delivered in the order the node made the changes,
 * liveness: a node declared dead is assumed to come back empty.
 
 Two kinds of in-flight change are tracked so the corrections are not misread:
@@ -31,7 +32,7 @@ from tessera.control.record import NO_RECORD
 class LocalTier:
     """One generation node's local cache as admission and routing see it."""
 
-    __slots__ = ("bit", "capacity", "evicting", "holders", "name", "planned", "policy")
+    __slots__ = ("bit", "capacity", "evicting", "holders", "name", "planned", "policy", "victim_blocks")
 
     def __init__(self, name: str, capacity_blocks: int, policy: AdmissionPolicy, *,
                  bit: int = 1, holders: dict[str, int] | None = None) -> None:
@@ -40,6 +41,7 @@ class LocalTier:
         self.policy = policy
         self.planned: dict[str, str] = {}  # unit -> request whose plan admitted it (uninserted)
         self.evicting: dict[str, int] = {}  # unit -> evictions asked of the node, not yet reported
+        self.victim_blocks: dict[str, int] = {}  # blocks of each evicting unit: a kept victim comes back
         # routing index shared by every node's view: unit -> bitmask of nodes holding it, so
         # one lookup per unit ranks all nodes
         self.bit = bit
@@ -75,7 +77,9 @@ class LocalTier:
         if victims is None:
             return None
         evicting = self.evicting
+        records = policy.records
         for v in victims:
+            self.victim_blocks[v] = records[v].blocks
             self._discard(v)
             evicting[v] = evicting.get(v, 0) + 1
         self._add(unit_id, n_blocks)
@@ -116,18 +120,43 @@ class LocalTier:
 
     def drop(self, unit_ids: Iterable[str]) -> None:
         """The node evicted these units, or declined to insert them (ResidencyReport.evicted)."""
-        evicting = self.evicting
         for u in unit_ids:
-            pending = evicting.get(u)
-            if pending:
-                # the node carried out an eviction a plan asked for; the view already had it
-                if pending == 1:
-                    del evicting[u]
-                else:
-                    evicting[u] = pending - 1
-                continue
+            if self._settle(u):
+                continue  # the node carried out an eviction a plan asked for; the view already had it
             self.planned.pop(u, None)
             self._discard(u)
+
+    def keep(self, unit_ids: Iterable[str]) -> None:
+        """The node was allowed to evict these units but kept them (ResidencyReport.kept).
+
+        Regression: the node evicts only as many victims as the insertion needs, so the view
+        that dropped every victim believed in free space the node did not have; every later
+        admission was declined and the kept units were never re-learned (the cache froze).
+        """
+        for u in unit_ids:
+            blocks = self.victim_blocks.get(u, 0)
+            if self._settle(u) and u not in self.policy and blocks:
+                self._add(u, blocks)
+
+    def _settle(self, unit_id: str) -> bool:
+        """One outstanding eviction of ``unit_id`` was answered; False if none was outstanding."""
+        pending = self.evicting.get(unit_id)
+        if not pending:
+            return False
+        if pending == 1:
+            del self.evicting[unit_id]
+            if unit_id not in self.evicting:
+                self.victim_blocks.pop(unit_id, None)
+        else:
+            self.evicting[unit_id] = pending - 1
+        return True
+
+    def abandon(self, request_ids: Container[str]) -> None:
+        """These requests expired without completing: units only their plans admitted never came."""
+        for u, by in list(self.planned.items()):
+            if by in request_ids:
+                del self.planned[u]
+                self._discard(u)
 
     def clear(self) -> None:
         """The node is gone; if it comes back, it comes back empty."""
@@ -135,6 +164,7 @@ class LocalTier:
             self._discard(u)
         self.planned.clear()
         self.evicting.clear()
+        self.victim_blocks.clear()
 
     # --- internals -----------------------------------------------------------------------
 
@@ -158,4 +188,5 @@ class LocalTier:
         for u in resident:
             assert self.holders.get(u, 0) & self.bit, f"routing index lost {u} on {self.name}"
         assert all(n > 0 for n in self.evicting.values()), self.evicting
+        assert set(self.victim_blocks) <= set(self.evicting), "victim blocks kept for a settled eviction"
         self.policy.check_invariants()

@@ -1,8 +1,10 @@
 """Cluster membership as the control plane sees it: generation nodes and memory nodes.
 
-Generation nodes are declared in the config; each starts *alive by assumption* (it may not
-have reported yet) and is declared dead only after it was heard from and then stayed
-silent past ``control.heartbeat_timeout_s``. Its ``LoadReport`` is the heartbeat.
+Generation nodes are declared in the config; each becomes routable only once it was heard
+(its first ``LoadReport``, the heartbeat, or a residency report), and is declared dead when
+it stays silent past ``control.heartbeat_timeout_s`` or at once when the serving layer
+could not reach it (``ControlPlane.suspect``). A node never heard is never routed to: after
+a retrieval-role restart, a node that died meanwhile must not attract traffic.
 
 Memory nodes exist for the control plane only once they said hello; the hello is repeated
 as a heartbeat. A hello with a new ``boot_id`` from a known node means the node restarted
@@ -30,8 +32,8 @@ class GenerationNode:
     index: int  # position in the config: round-robin order
     local: LocalTier
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
-    alive: bool = True
-    last_seen: float | None = None  # None: never heard from, alive by assumption
+    alive: bool = False  # routable: heard from, and not silent or unreachable since
+    last_seen: float | None = None  # None: never heard from
     reported_inflight: int = 0  # the node's own figures from its last LoadReport
     queued_tokens: int = 0
 

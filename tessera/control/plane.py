@@ -10,7 +10,9 @@ the retrieval role before the plane is asked):
 3. The chosen node answers a snapshot: which of the units it holds (and pins).
 4. ``finalize(request_id, node, held)``: the per-unit plan (:mod:`tessera.control.planner`).
 
-``complete(request_id)`` ends the request (in-flight accounting).
+``complete(request_id)`` ends the request (in-flight accounting). A request never completed
+(its caller died) expires after ``control.request_ttl_s``; ``suspect(node)`` takes a node
+that could not be reached out of routing until it is heard again.
 
 The plane never touches payload bytes or tensors, and never waits on the network: every
 method is synchronous and cheap enough to run on the event loop.
@@ -70,6 +72,7 @@ class ControlPlane:
         self.block_tokens = config.block_tokens
         self.clock = clock
         self.heartbeat_timeout_s = control.heartbeat_timeout_s
+        self.request_ttl_s = control.request_ttl_s
         self.allocator = BlockAllocator()
         self.directory = Directory(
             self.allocator,
@@ -87,22 +90,27 @@ class ControlPlane:
                                                         bit=1 << i, holders=self._holders))
             for i, g in enumerate(config.generation)
         }
-        self._live = list(self.nodes.values())
+        self._live: list[GenerationNode] = []  # heard from and not declared dead since
         self.router = make_router(routing or control.routing, len(self.nodes))
         self.memory = MemoryNodes({k.name for k in config.kvpools})
         self.stats = PlaneStats()
+        self.expired_requests = 0  # routed, never completed, forgotten after request_ttl_s
         self._requests: dict[str, RoutedRequest] = {}
         self.planner = Planner(self.directory, self.shared, self.stats)
 
     # --- the request path ----------------------------------------------------------------
 
-    def route(self, request_id: str, units: Sequence[tuple[str, int]]) -> str:
-        """Step 1: choose the generation node for a request's (unit_id, n_tokens) list."""
+    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = ()) -> str:
+        """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
+
+        ``exclude``: nodes this request already tried (a retry goes elsewhere).
+        """
         if request_id in self._requests:
             raise BadRequest(f"request {request_id!r} is already routed; use a new request id", 409)
-        live = self._live
+        live = [n for n in self._live if n.name not in exclude] if exclude else self._live
         if not live:
-            raise Unavailable("no generation node is alive; retry when one reports in")
+            tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
+            raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
         tokens: dict[str, int] = {}
         for u, n in units:
             if u not in tokens:
@@ -113,7 +121,7 @@ class ControlPlane:
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
         node.inflight += 1
-        self._requests[request_id] = RoutedRequest(node, tokens, pairs)
+        self._requests[request_id] = RoutedRequest(node, tokens, pairs, self.clock())
         return node.name
 
     def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
@@ -143,6 +151,16 @@ class ControlPlane:
             return False
         r.node.inflight -= 1
         return True
+
+    def suspect(self, name: str) -> None:
+        """The serving layer could not reach the node (connect, snapshot, execute, deadline).
+
+        It leaves routing at once, like a node whose heartbeats stopped; its next heartbeat
+        brings it back (with its local view re-learned from snapshots).
+        """
+        node = self.generation_node(name)
+        if node.alive:
+            self._declare_dead(node)
 
     def _routed(self, request_id: str, node: str) -> RoutedRequest:
         r = self._requests.get(request_id)
@@ -183,6 +201,7 @@ class ControlPlane:
         node = self.generation_node(msg.node)
         self._heard(node)
         node.local.drop(msg.evicted)
+        node.local.keep(msg.kept)
         node.local.confirm(msg.inserted, self.planner.admitted_blocks)
         return Ack(WIRE_VERSION, True)
 
@@ -234,6 +253,27 @@ class ControlPlane:
         for node in self.nodes.values():
             if node.alive and node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s:
                 self._declare_dead(node)
+        self._expire_requests(now)
+
+    def _expire_requests(self, now: float) -> None:
+        """Forget requests routed longer than ``request_ttl_s`` ago and never completed.
+
+        Their caller died between route and complete: they would pin the node's in-flight
+        count (and the units their plans admitted) forever. Their leases and reservations
+        expire in the directory on their own TTLs.
+        """
+        expired: set[str] = set()
+        for request_id, r in self._requests.items():  # in route order: stop at the first young one
+            if now - r.routed_at <= self.request_ttl_s:
+                break
+            expired.add(request_id)
+        if not expired:
+            return
+        for request_id in expired:
+            self.complete(request_id)
+        for node in self.nodes.values():
+            node.local.abandon(expired)
+        self.expired_requests += len(expired)
 
     def _declare_dead(self, node: GenerationNode) -> None:
         node.alive = False
@@ -250,6 +290,7 @@ class ControlPlane:
             "shared_free_blocks": self.allocator.free_blocks,
             "shared_capacity_blocks": self.allocator.capacity,
             "shared_evictions": self.shared.evictions,
+            "expired_requests": self.expired_requests,
             "nodes": {
                 n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
                          "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}

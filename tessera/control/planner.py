@@ -35,10 +35,12 @@ _INTERNED_MAX = 1 << 16  # per kind of plan
 class RoutedRequest:
     """A request between route and complete."""
 
-    __slots__ = ("finalized", "node", "pairs", "tokens")
+    __slots__ = ("finalized", "node", "pairs", "routed_at", "tokens")
 
-    def __init__(self, node: GenerationNode, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...]) -> None:
+    def __init__(self, node: GenerationNode, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...],
+                 routed_at: float = 0.0) -> None:
         self.node = node
+        self.routed_at = routed_at  # clock of the plane at route: a request never completed expires
         self.tokens = tokens  # distinct unit -> n_tokens, in first-occurrence order
         self.pairs = pairs  # (unit, blocks), same order
         self.finalized = False

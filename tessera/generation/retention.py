@@ -33,7 +33,7 @@ class SharedWriter(Protocol):
 
 
 class ResidencyReporter(Protocol):
-    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None: ...
+    async def residency(self, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str] = ()) -> None: ...
     async def give_up(self, grant: WriteGrant) -> None: ...
 
 
@@ -95,12 +95,17 @@ class Retainer:
 
     def _insert_local(self, unit_id: str, state: UnitState, evict: Sequence[str]) -> None:
         # a plain dict update on the event loop: cheap, and it keeps the cache single-threaded
-        inserted, evicted = self.cache.insert(unit_id, state, evict)
+        inserted, _ = self.cache.insert(unit_id, state, evict)
         if inserted:
             self.local_inserts += 1
-        # a declined insert is reported as "not held" so the control plane's view stays true
+        # every victim the plan named is answered: gone, or kept (the cache evicts only as many
+        # as it needs, and the control plane dropped them all when it planned); a declined
+        # insert is reported as "not held", so the plane's view stays true
+        victims = [v for v in dict.fromkeys(evict) if v != unit_id]
+        kept = [v for v in victims if v in self.cache]
+        gone = [v for v in victims if v not in self.cache]
         self.tasks.spawn(
-            self.control.residency([unit_id] if inserted else [], evicted if inserted else [unit_id]),
+            self.control.residency([unit_id] if inserted else [], gone if inserted else [*gone, unit_id], kept),
             name="residency",
         )
 

@@ -1,0 +1,152 @@
+"""The control plane under failures: who is routable, and every piece of request state expires."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from control_support import B, Cluster
+
+from tessera.engines.base import UnitState
+from tessera.errors import Unavailable
+from tessera.generation.retention import Retainer
+from tessera.generation.unit_cache import LocalUnitCache
+from tessera.messages import ReleaseRequest, ResidencyReport
+from tessera.wire import WIRE_VERSION
+
+# --- membership --------------------------------------------------------------------------
+
+
+def test_a_generation_node_never_heard_from_is_not_routed() -> None:
+    """Regression: a node never heard (e.g. dead across a retrieval restart) counted as alive forever."""
+    c = Cluster(nodes=2, join_generation=False, routing="load")
+    with pytest.raises(Unavailable, match="no generation node is alive"):
+        c.plane.route("r0", [])
+    c.heartbeat("gen1")
+    assert {c.plane.route(f"r{i}", []) for i in range(1, 5)} == {"gen1"}
+    c.plane.check_invariants()
+
+
+def test_a_suspected_node_leaves_routing_at_once_and_returns_with_its_heartbeat() -> None:
+    """A failed connect/snapshot/execute takes the node out before its heartbeat times out."""
+    c = Cluster(nodes=2, routing="cache_aware")
+    c.plane.suspect("gen0")
+    assert not c.plane.nodes["gen0"].alive
+    assert {c.plane.route(f"r{i}", []) for i in range(4)} == {"gen1"}
+    c.heartbeat("gen0")
+    assert c.plane.nodes["gen0"].alive
+    assert "gen0" in {c.plane.route(f"s{i}", []) for i in range(4)}
+    c.plane.check_invariants()
+
+
+def test_a_retry_is_routed_away_from_the_nodes_it_already_tried() -> None:
+    """route(exclude=...) never picks a tried node, and is Unavailable when none is left."""
+    c = Cluster(nodes=2, routing="cache_aware")
+    c.serve([("a", 8)])
+    first = c.plane.route("r", [("a", 8)])  # locality pulls it to the node holding a
+    c.plane.complete("r")
+    assert c.plane.route("r", [("a", 8)], exclude={first}) != first
+    c.plane.complete("r")
+    with pytest.raises(Unavailable, match="tried: gen0, gen1"):
+        c.plane.route("r", [("a", 8)], exclude={"gen0", "gen1"})
+
+
+# --- expiry ------------------------------------------------------------------------------
+
+
+def test_requests_never_completed_expire_with_their_plans_state() -> None:
+    """Regression: 20,000 routes without complete pinned a node at in-flight 10,000 forever."""
+    c = Cluster(nodes=2, local_blocks=8, shared_blocks=16, admission="lru", request_ttl_s=60.0,
+                lease_ttl_s=30.0, write_timeout_s=30.0, heartbeat_timeout_s=1000.0)
+    c.serve([("held", 8)])  # shared entry READY: later plans lease it
+    c.serve([("held", 8)])
+    plans = [c.plan([("held", 8), (f"u{i}", 8)]) for i in range(200)]  # callers die: no execute, no complete
+    assert sum(n.inflight for n in c.plane.nodes.values()) == 200
+    assert any(u.lease is not None for p in plans for u in p.units)
+    assert any(u.grant is not None for p in plans for u in p.units)
+    assert any(n.local.planned for n in c.plane.nodes.values())
+    c.clock.advance(61)
+    c.plane.tick()
+    for node in c.plane.nodes.values():
+        assert node.inflight == 0 and not node.local.planned, node.name
+        assert node.local.used_blocks == sum(c.blocks[u] for u in c.caches[node.name])  # what the node holds
+    assert c.plane.report()["expired_requests"] == 200
+    # leases and reservations of the dead callers expired on their own TTLs: blocks are free again
+    leases = tuple(u.lease.lease_id for p in plans for u in p.units if u.lease is not None)
+    ack = c.plane.release(ReleaseRequest(WIRE_VERSION, leases))
+    assert "already released or expired" in ack.reason
+    assert all(c.plane.directory.get(u.unit_id) is None for p in plans for u in p.units if u.grant)
+    c.clock.advance(11)  # reclaim grace: a writer that lost its grant may still be writing
+    c.plane.tick()
+    assert c.plane.allocator.free_blocks == c.plane.allocator.capacity - c.blocks["held"]
+    c.plane.check_invariants()
+    assert {c.plane.route(f"new{i}", []) for i in range(4)} == {"gen0", "gen1"}
+
+
+def test_a_young_request_survives_the_expiry_of_older_ones() -> None:
+    """Only requests older than request_ttl_s expire; a live one keeps its in-flight slot."""
+    c = Cluster(nodes=1, request_ttl_s=60.0, heartbeat_timeout_s=1000.0)
+    c.plan([("a", 4)], "old")
+    c.clock.advance(50)
+    c.plan([("b", 4)], "young")
+    c.clock.advance(20)
+    c.plane.tick()
+    assert c.plane.nodes["gen0"].inflight == 1
+    assert not c.plane.complete("old") and c.plane.complete("young")
+
+
+# --- the local view against the real node cache -------------------------------------------
+
+
+class _PlaneReporter:
+    """The node's control client, delivering residency reports straight to the plane."""
+
+    def __init__(self, c: Cluster, node: str) -> None:
+        self.c = c
+        self.node = node
+
+    async def residency(self, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str] = ()) -> None:
+        self.c.plane.residency(ResidencyReport(WIRE_VERSION, self.node, tuple(inserted), tuple(evicted), tuple(kept)))
+
+    async def give_up(self, grant: object) -> None:
+        raise AssertionError("no shared tier in this test")
+
+
+def _state(n_tokens: int) -> UnitState:
+    t = torch.zeros(1, n_tokens, 1, 2)
+    return UnitState(t, t.clone())
+
+
+async def test_the_local_view_follows_the_real_node_cache_after_an_admission_race() -> None:
+    """Regression: the plane dropped every victim, the node evicted only what it needed; the cache froze."""
+    c = Cluster(nodes=1, kvpools=0, local_blocks=4, admission="lru")
+    cache = LocalUnitCache(4, B, pin_memory=False)
+    retainer = Retainer(cache, None, _PlaneReporter(c, "gen0"), staging_bytes=1 << 20, outstanding=2)
+    view = c.plane.nodes["gen0"].local
+
+    def plan(rid: str, unit: str):  # type: ignore[no-untyped-def]
+        node = c.plane.route(rid, [(unit, B)])
+        return c.plane.finalize(rid, node, cache.held(rid, [unit]))
+
+    async def execute(p) -> None:  # type: ignore[no-untyped-def]
+        for u in p.units:
+            if u.retention.local:
+                retainer.retain(u.unit_id, _state(u.n_tokens), True, None, p.local_evict, 0.0)
+        cache.unpin_request(p.request_id)
+        await retainer.drain(5.0)
+        c.plane.complete(p.request_id)
+
+    for unit in ("a", "b", "c"):
+        await execute(plan(f"warm-{unit}", unit))
+    first = plan("r1", "d")  # fills the view's last block
+    second = plan("r2", "e")  # the view is full: a is its victim
+    assert first.local_evict == () and second.local_evict == ("a",)
+    await execute(second)  # the node still has a free block: it inserts e and keeps a
+    await execute(first)  # now the node is full: d is declined
+    assert set(view.policy.resident) == set(cache.unit_ids()) == {"a", "b", "c", "e"}
+    for i in range(4):  # new units keep being admitted (they were all declined while frozen)
+        await execute(plan(f"n{i}", f"new{i}"))
+        assert f"new{i}" in cache
+        assert set(view.policy.resident) == set(cache.unit_ids())
+    c.plane.check_invariants()
