@@ -73,7 +73,6 @@ def up(
 ) -> None:
     """Start every role of the config on this machine (retrieval, kvpool, generation) and wait for Ctrl-C."""
     import signal
-    import time
 
     from tessera.launcher import ClusterError, LocalCluster
 
@@ -95,15 +94,8 @@ def up(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        while not stop:
-            dead = [c for c in cluster.children if c.proc.poll() is not None]
-            if dead:
-                c = dead[0]
-                typer.echo(f"tessera up: {c.role} {c.node} exited with code {c.proc.returncode}; stopping.\n"
-                           f"{c.tail()}", err=True)
-                cluster.stop()
-                raise typer.Exit(1)
-            time.sleep(0.5)
+        # a role that exits is started again (with backoff); only Ctrl-C/SIGTERM stops the cluster
+        cluster.supervise(lambda: stop)
     finally:
         typer.echo("stopping tessera (draining in-flight requests)...", err=True)
         cluster.stop()

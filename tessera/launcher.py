@@ -4,11 +4,17 @@ Order matters: the retrieval node (the control plane) first, then the memory nod
 register with it, then the generation nodes, which find the memory nodes through it. Each
 child gets the same effective config file. Shutdown is the reverse order with SIGTERM (each
 role drains), then SIGKILL for anything that does not stop in time.
+
+``supervise`` keeps the cluster up: a role that exits unexpectedly is started again with
+exponential backoff while the others keep serving. Children die with the launcher (Linux
+``PR_SET_PDEATHSIG``): a killed launcher leaves no orphan roles holding the ports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -24,6 +31,10 @@ from typing import IO
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubles while a role keeps dying young
+STABLE_AFTER_S = 30.0  # a role that ran this long before exiting starts again at the first delay
 
 
 @dataclass
@@ -34,6 +45,8 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes]
     log_file: IO[bytes] = field(repr=False)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -45,6 +58,15 @@ class Child:
 
 class ClusterError(RuntimeError):
     pass
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the launcher exits, however it exits."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the launcher died before prctl took effect
+            os._exit(1)
 
 
 class LocalCluster:
@@ -73,8 +95,9 @@ class LocalCluster:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONUNBUFFERED"] = "1"
         log_path = self.log_dir / f"{role}-{node}.log"
-        log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log_file = open(log_path, "ab")  # noqa: SIM115 - lives as long as the child; a restart appends
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         child = Child(role, node, f"http://{host}:{port}", log_path, proc, log_file)
         self.children.append(child)
         return child
@@ -100,6 +123,20 @@ class LocalCluster:
             if pending:
                 time.sleep(0.2)
 
+    def _wait_heard(self, names: list[str], timeout: float) -> None:
+        """Until the control plane heard every generation node (only those are routed to)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError, urllib.error.URLError, ValueError), \
+                    urllib.request.urlopen(self.config.retrieval_url + "/control/stats", timeout=1.0) as resp:
+                nodes = json.loads(resp.read()).get("nodes", {})
+                if all(nodes.get(name, {}).get("alive") for name in names):
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the control plane has not heard from {', '.join(names)} after {timeout:.0f}s; "
+                                   f"logs in {self.log_dir}")
+            time.sleep(0.1)
+
     def start(self, timeout: float = 180.0) -> None:
         cfg = self.config
         # convert the checkpoint once here, not concurrently in every child
@@ -109,12 +146,55 @@ class LocalCluster:
             self._wait([self._spawn("retrieval", "main", cfg.retrieval.host, cfg.retrieval.port)], timeout)
             self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)
             self._wait([self._spawn("generation", n.name, n.host, n.port) for n in cfg.generation], timeout)
+            self._wait_heard([n.name for n in cfg.generation], timeout)
         except BaseException:
             self.stop()
             raise
 
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is None]
+
+    def _endpoint(self, role: str, node: str) -> tuple[str, int]:
+        if role == "retrieval":
+            return self.config.retrieval.host, self.config.retrieval.port
+        n = self.config.kvpool_node(node) if role == "kvpool" else self.config.generation_node(node)
+        return n.host, n.port
+
+    def restart(self, child: Child, wait_timeout: float | None = None) -> Child:
+        """Start ``child``'s role again in place of the old process (killed first if still running)."""
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+        child.log_file.close()
+        self.children.remove(child)
+        new = self._spawn(child.role, child.node, *self._endpoint(child.role, child.node))
+        new.restarts = child.restarts + 1
+        if wait_timeout is not None:
+            self._wait([new], wait_timeout)
+        return new
+
+    def supervise(self, stopping: Callable[[], bool], poll_s: float = 0.2) -> None:
+        """Until ``stopping()``: start again every role that exited, with exponential backoff."""
+        due: dict[int, float] = {}  # id(child) -> when to start it again
+        delay: dict[tuple[str, str], float] = {}
+        while not stopping():
+            now = time.monotonic()
+            for child in list(self.children):
+                if child.proc.poll() is None:
+                    continue
+                key = (child.role, child.node)
+                if id(child) not in due:
+                    first, cap = RESTART_BACKOFF_S
+                    lived = now - child.started_at
+                    wait = first if lived >= STABLE_AFTER_S else min(cap, delay.get(key, first / 2) * 2)
+                    delay[key] = wait
+                    due[id(child)] = now + wait
+                    self._say(f"  {child.role} {child.node} exited with code {child.proc.returncode} after "
+                              f"{lived:.0f}s; starting it again in {wait:.1f}s (log {child.log_path})")
+                elif now >= due[id(child)]:
+                    del due[id(child)]
+                    self.restart(child)
+            time.sleep(poll_s)
 
     def stop(self, timeout: float = 20.0) -> None:
         for child in reversed(self.children):

@@ -70,13 +70,25 @@ class ContextUnit:
         return len(self.token_ids)
 
 
-class TokenCache:
-    """LRU cache of unit text -> token ids, so recurring units are tokenized once."""
+def _entry_bytes(text: str, ids: tuple[int, ...]) -> int:
+    """Approximate memory of one cache entry: the text, the tuple and its int objects."""
+    return 100 + len(text) + 36 * len(ids)
 
-    def __init__(self, encode: Callable[[str], list[int]], capacity: int = 65536) -> None:
-        assert capacity > 0, capacity
+
+class TokenCache:
+    """LRU cache of unit text -> token ids, so recurring units are tokenized once.
+
+    Bounded in entries and in (approximate) bytes: a text larger than an eighth of the byte
+    budget is tokenized but not kept (a 20 MB chat body once stayed here for good).
+    """
+
+    def __init__(self, encode: Callable[[str], list[int]], capacity: int = 65536,
+                 capacity_bytes: int = 256 << 20) -> None:
+        assert capacity > 0 and capacity_bytes > 0, (capacity, capacity_bytes)
         self._encode = encode
         self._capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -92,9 +104,14 @@ class TokenCache:
             return found
         self.misses += 1
         ids = tuple(self._encode(text))
+        size = _entry_bytes(text, ids)
+        if size > self.capacity_bytes // 8:
+            return ids
         self._entries[text] = ids
-        if len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
+        self.nbytes += size
+        while len(self._entries) > self._capacity or self.nbytes > self.capacity_bytes:
+            old_text, old_ids = self._entries.popitem(last=False)
+            self.nbytes -= _entry_bytes(old_text, old_ids)
         return ids
 
 

@@ -165,3 +165,18 @@ async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(s
     status, stats = await call(service, "GET", "/control/stats")
     assert stats["plans"]["plans"] == 3 and stats["shared_entries"] == 1
     assert stats["nodes"][third.node]["inflight"] == 1
+
+
+async def test_deeply_nested_metadata_is_refused_at_ingest_and_retrieval_keeps_working(service: str) -> None:
+    """Regression: metadata nested 255+ levels was stored, and every later /v1/retrieve that hit it was a 500."""
+    deep: Any = "leaf"
+    for _ in range(260):
+        deep = {"k": deep}
+    unit = {"scope": "deep", "text": "The lighthouse keeper writes every passing ship in a blue notebook.",
+            "metadata": deep}
+    status, out = await call(service, "POST", "/v1/units", {"version": V, "units": [unit]})
+    assert status == 400 and "nested more than" in out["error"]
+    status, out = await call(service, "POST", "/v1/units", {"version": V, "units": [{**unit, "metadata": {"a": 1}}]})
+    assert status == 200
+    status, hits = await call(service, "POST", "/v1/retrieve", {"version": V, "scope": "deep", "query": "ships"})
+    assert status == 200 and hits["units"][0]["metadata"] == {"a": 1}

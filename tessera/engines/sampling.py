@@ -14,6 +14,10 @@ import torch
 from tessera.errors import BadRequest
 from tessera.messages import SamplingParams
 
+# below this temperature sampling is greedy: logits / t overflow to inf (NaN probabilities)
+# long before t reaches 0, and the distribution is one-hot anyway
+GREEDY_BELOW = 1e-5
+
 
 def check_params(params: SamplingParams) -> None:
     """Reject parameters that cannot be served, saying what to fix (HTTP 400)."""
@@ -43,7 +47,7 @@ class Sampler:
 
     @property
     def is_greedy(self) -> bool:
-        return self.params.temperature == 0
+        return self.params.temperature < GREEDY_BELOW
 
     def pick(self, logits: torch.Tensor) -> int:
         """Choose the next token from ``[vocab]`` logits."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -68,6 +68,9 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    # on the first token only: the prompt's preparation figures, so a reply the caller cuts
+    # short (stop string) still has its usage
+    stats: RequestStats | None = None
 
 
 @dataclass
@@ -101,7 +104,7 @@ class Executor:
         self.policy = policy
         self.mode = mode
 
-    async def run(self, req: ExecuteRequest) -> AsyncIterator[TokenEvent | Finished]:
+    async def run(self, req: ExecuteRequest) -> AsyncGenerator[TokenEvent | Finished, None]:
         received_at = time.monotonic()
         layout, sp = req.layout, req.sampling
         sampler = Sampler(sp, self.engine.eos_token_ids)
@@ -120,7 +123,7 @@ class Executor:
                 if not stop:
                     generated.append(token)
                     decoded = self.engine.decode_tokens(generated)
-                    event = TokenEvent(token, decoded[len(text):])
+                    event = TokenEvent(token, decoded[len(text):], stats=stats if len(generated) == 1 else None)
                     if sp.top_logprobs >= 0:
                         event.logprob, event.top = _logprobs(logits, token, sp.top_logprobs)
                     yield event

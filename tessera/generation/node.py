@@ -43,7 +43,6 @@ from tessera.runtime import BackgroundTasks, serve
 from tessera.wire import WIRE_VERSION, decode, encode
 
 log = logging.getLogger(__name__)
-PIN_TIMEOUT_S = 30.0  # a snapshot's pins are dropped if its execute never arrives
 HEARTBEAT_S = 1.0
 
 
@@ -56,6 +55,10 @@ class GenerationNode:
         self.inflight: set[str] = set()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._pin_timers: dict[str, asyncio.TimerHandle] = {}
+        # a snapshot's pins (and its admission) are dropped if its execute never arrives: the
+        # retrieval role gives up on a node after its first-token deadline anyway
+        control = config.control
+        self.pin_timeout_s = control.connect_timeout_s + control.first_token_timeout_s
         self.background = BackgroundTasks(f"generation {name}")
         self.metrics = Registry()
         self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome")
@@ -137,7 +140,7 @@ class GenerationNode:
         self._admit(msg.request_id)
         held = self.cache.held(msg.request_id, msg.unit_ids)
         loop = asyncio.get_running_loop()
-        self._pin_timers[msg.request_id] = loop.call_later(PIN_TIMEOUT_S, self._expire_pins, msg.request_id)
+        self._pin_timers[msg.request_id] = loop.call_later(self.pin_timeout_s, self._expire_pins, msg.request_id)
         resp = SnapshotResponse(WIRE_VERSION, msg.request_id, self.name, tuple(held), len(self.inflight))
         return web.Response(body=encode(resp), content_type="application/json")
 
@@ -163,23 +166,20 @@ class GenerationNode:
         self._tasks[msg.request_id] = current
         outcome = "error"
         try:
-            async for event in self.executor.run(msg):
-                if isinstance(event, TokenEvent):
-                    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
-                    if event.logprob is not None:
-                        line["logprob"] = event.logprob
-                        line["top"] = event.top
-                    await resp.write(orjson.dumps(line) + b"\n")
-                else:
-                    assert isinstance(event, Finished)
-                    self._count(event)
-                    outcome = "ok"
-                    await resp.write(orjson.dumps(
-                        {"done": True, "finish_reason": event.finish_reason, "stats": event.stats.as_dict()}
-                    ) + b"\n")
+            async with contextlib.aclosing(self.executor.run(msg)) as run:
+                async for event in run:
+                    if isinstance(event, Finished):
+                        self._count(event)
+                        outcome = "ok"
+                    await resp.write(orjson.dumps(_event_line(event)) + b"\n")
         except asyncio.CancelledError:
             outcome = "aborted"
             raise
+        except ConnectionError:
+            # the caller went away (client disconnect, deadline, stop string): not a failure
+            outcome = "cancelled"
+            log.info("%s: request %s: the caller closed the stream", self.name, msg.request_id)
+            return resp
         except Exception as exc:
             log.exception("%s: request %s failed", self.name, msg.request_id)
             with contextlib.suppress(ConnectionError, RuntimeError):
@@ -228,6 +228,19 @@ class GenerationNode:
         ):
             self.g_state[name].set(value)
         return web.Response(text=self.metrics.render(), content_type="text/plain")
+
+
+def _event_line(event: TokenEvent | Finished) -> dict[str, Any]:
+    """One NDJSON line of the execute stream."""
+    if isinstance(event, Finished):
+        return {"done": True, "finish_reason": event.finish_reason, "stats": event.stats.as_dict()}
+    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
+    if event.logprob is not None:
+        line["logprob"] = event.logprob
+        line["top"] = event.top
+    if event.stats is not None:
+        line["stats"] = event.stats.as_dict()
+    return line
 
 
 GENERATION_NODE = web.AppKey("generation_node", GenerationNode)

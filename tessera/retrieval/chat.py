@@ -15,7 +15,9 @@ the call itself in ``chat_call``, the streaming reply in ``chat_stream``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
 
 import orjson
 from aiohttp import web
@@ -25,7 +27,7 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.metrics import Registry
-from tessera.retrieval.chat_call import ChatCall, Outcome, collect, usage
+from tessera.retrieval.chat_call import ChatCall, ClientGone, Outcome, collect, usage
 from tessera.retrieval.chat_request import (
     completion_body,
     error_body,
@@ -33,6 +35,7 @@ from tessera.retrieval.chat_request import (
 )
 from tessera.retrieval.chat_stream import stream_reply
 from tessera.retrieval.generation_client import NodeClients, NodeUnavailable
+from tessera.retrieval.limits import check_body_size
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt import PromptBuilder, trace_record
 from tessera.retrieval.routes import RETRIEVAL_NODE
@@ -40,6 +43,7 @@ from tessera.units import TokenCache
 
 SERVING: web.AppKey[Serving]
 TIERS = ("prefix", "local", "remote", "computed")
+DISCONNECT_POLL_S = 0.25  # how often a waiting chat call checks that its client is still there
 
 
 class Serving:
@@ -95,11 +99,47 @@ def _json_error(message: str, status: int) -> web.Response:
     return web.Response(body=orjson.dumps(error_body(message, status)), status=status, content_type="application/json")
 
 
+async def _until_disconnect(request: web.Request, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Run ``work``; cancel it (aborting the generation behind it) if the client goes away.
+
+    aiohttp does not cancel a handler whose client disconnected, so a client that gave up
+    would otherwise keep a generation node busy until ``max_tokens``.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ClientGone
+    finally:
+        task.cancel()
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    serving = request.app[SERVING]
+    try:
+        return await _until_disconnect(request, _chat_completions(request))
+    except ClientGone:
+        # counted apart from 200: the reply never reached the client
+        serving.m_requests.inc(labels={"status": "cancelled"})
+        return web.Response(status=499)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
     node = request.app[RETRIEVAL_NODE]
     if not node.ready:
         return _json_error("the cluster is still starting (tokenizer and embedder loading); retry shortly", 503)
+    try:
+        check_body_size(request.content_length)
+    except BadRequest as exc:
+        return _json_error(str(exc), exc.status)
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:

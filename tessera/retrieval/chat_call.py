@@ -2,20 +2,25 @@
 
 :class:`ChatCall` retrieves (or identifies the caller's) units, renders the layout, checks
 it against the model's context, asks the control plane to route and finalize a plan, and
-relays the chosen generation node's events. :func:`events` turns those into text deltas,
-applying stop strings; the streaming and non-streaming replies are built from them in
+relays the chosen generation node's events. A node that cannot be reached, misses a
+deadline or answers 429 before the first token is left for another one (at most
+``control.max_attempts`` nodes; the failed attempt's leases and grants go back at once and
+its route is completed). :func:`events` turns the events into text deltas, applying stop
+strings; the streaming and non-streaming replies are built from them in
 :mod:`tessera.retrieval.chat_stream`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tessera.errors import BadRequest, TesseraError
+from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.messages import (
     CancelRequest,
     ExecuteRequest,
@@ -27,12 +32,19 @@ from tessera.messages import (
 )
 from tessera.retrieval.chat_request import ChatRequest
 from tessera.retrieval.generation_client import NodeUnavailable
+from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
 from tessera.units import ContextUnit
 from tessera.wire import WIRE_VERSION
 
 if TYPE_CHECKING:
     from tessera.retrieval.chat import Serving
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the reply was complete (counted as cancelled)."""
 
 
 @dataclass
@@ -42,6 +54,7 @@ class Outcome:
     stats: dict[str, int] = field(default_factory=dict)
     first_token_at: float | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0  # token events received (the usage of a reply cut short by a stop string)
 
 
 async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextUnit]:
@@ -89,41 +102,80 @@ class ChatCall:
         self.started = time.perf_counter()
 
     async def prepare(self) -> PromptLayout:
-        units = await request_units(self.node, self.chat)
-        layout = self.serving.builder_for(self.node).build(self.chat.messages, units, self.chat.placement)
+        builder = self.serving.builder_for(self.node)
         limit = self.serving.max_context
+        texts = [m["content"] for m in self.chat.messages]
+        # bounded work: a prompt that cannot fit is refused before anything is tokenized
+        check_prompt_chars([*texts, *(u.text for u in self.chat.units)], limit)
+        units = await request_units(self.node, self.chat)
+        check_prompt_chars([*texts, *(u.text for u in units)], limit)
+        # tokenizing runs on the retrieval worker thread, never on the event loop
+        layout = await self.node.in_worker(builder.build, self.chat.messages, units, self.chat.placement)
         if layout.n_tokens + self.chat.max_tokens > limit:
             raise BadRequest(
                 f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {self.chat.max_tokens}, "
                 f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
         return layout
 
-    async def run(self, layout: PromptLayout) -> AsyncIterator[dict[str, Any]]:
-        """Route, plan and execute; yields the node's events."""
-        plane = self.node.plane
-        compose = self.node.config.control.mode == "compose"
+    async def run(self, layout: PromptLayout) -> AsyncGenerator[dict[str, Any], None]:
+        """Route, plan and execute, on another node while nothing was streamed; yields the node's events."""
         refs: dict[str, int] = {}
-        if compose:
+        if self.node.config.control.mode == "compose":
             for seg in layout.segments:
                 if seg.kind is SegmentKind.UNIT:
                     refs.setdefault(seg.unit_id, len(seg.token_ids))
-        self.target = plane.route(self.request_id, list(refs.items()))
+        tried: set[str] = set()
+        attempts = self.node.config.control.max_attempts
+        for attempt in range(1, attempts + 1):
+            self.target = self.node.plane.route(self.request_id, list(refs.items()), tried)
+            delivered = False
+            try:
+                async with contextlib.aclosing(self._attempt(layout, refs)) as node_events:
+                    async for event in node_events:
+                        delivered = True
+                        yield event
+                return
+            except (NodeUnavailable, Overloaded) as exc:
+                if delivered or attempt == attempts:
+                    raise
+                tried.add(self.target)
+                log.info("request %s: %s; trying another node (attempt %d of %d)",
+                         self.request_id, exc, attempt + 1, attempts)
+
+    async def _attempt(self, layout: PromptLayout, refs: Mapping[str, int]) -> AsyncGenerator[dict[str, Any], None]:
+        """One routed attempt: snapshot, plan, execute. Always completes the route; aborts an unfinished run."""
+        plane, nodes, target = self.node.plane, self.serving.nodes, self.target
+        self.plan = None
+        finished = False
         try:
-            snap = await self.serving.nodes.snapshot(self.target, self.request_id, list(refs))
-            self.plan = plane.finalize(self.request_id, self.target, snap.held)
+            try:
+                snap = await nodes.snapshot(target, self.request_id, list(refs))
+            except NodeUnavailable:
+                plane.suspect(target)
+                raise
+            self.plan = plane.finalize(self.request_id, target, snap.held)
             sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
                                       (), self.chat.ignore_eos, self.chat.top_logprobs)
             msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
             delivered = False
             try:
-                async for event in self.serving.nodes.execute(self.target, msg):
-                    delivered = True
-                    yield event
-            except NodeUnavailable:
+                async with contextlib.aclosing(nodes.execute(target, msg)) as node_events:
+                    async for event in node_events:
+                        delivered = True
+                        finished = bool(event.get("done")) or "error" in event
+                        yield event
+                finished = True
+            except (NodeUnavailable, Overloaded) as exc:
+                if isinstance(exc, NodeUnavailable):
+                    plane.suspect(target)
                 if not delivered:
                     self._return_grants()
                 raise
         finally:
+            if self.plan is not None and not finished:
+                # deadline, broken stream, stop string or a client that went away: the node
+                # may still be working on it (or hold its pins); tell it to stop
+                nodes.abort_later(target, self.request_id)
             plane.complete(self.request_id)
 
     def _return_grants(self) -> None:
@@ -159,30 +211,38 @@ async def events(serving: Serving, call: ChatCall, layout: PromptLayout) -> Asyn
     """Yield (text delta, outcome so far); handles stop strings and node errors."""
     outcome = Outcome()
     stops = call.chat.stop
-    async for event in call.run(layout):
-        if "error" in event:
-            raise TesseraError(f"generation node {call.target} failed: {event['error']}")
-        if event.get("done"):
-            outcome.finish_reason = event["finish_reason"]
-            outcome.stats = event["stats"]
-            break
-        if outcome.first_token_at is None:
-            outcome.first_token_at = time.perf_counter()
-            serving.m_ttft.observe(outcome.first_token_at - call.started)
-        delta = event["text"]
-        if "logprob" in event:
-            outcome.logprobs.append(_logprob_entry(call.node, event))
-        if stops:
-            cut = _stop_at(outcome.text + delta, stops)
-            if cut >= 0:
-                delta = (outcome.text + delta)[:cut][len(outcome.text):]
-                outcome.text += delta
-                outcome.finish_reason = "stop"
-                yield delta, outcome
-                await serving.nodes.abort(call.target, call.request_id)
-                return
-        outcome.text += delta
-        yield delta, outcome
+    # closing the run at once (a stop string, a client gone) aborts the node's work now, not
+    # whenever the garbage collector finalizes the generator
+    async with contextlib.aclosing(call.run(layout)) as node_events:
+        async for event in node_events:
+            if "error" in event:
+                raise TesseraError(f"generation node {call.target} failed: {event['error']}")
+            if event.get("done"):
+                outcome.finish_reason = event["finish_reason"]
+                outcome.stats = event["stats"]
+                break
+            if outcome.first_token_at is None:
+                outcome.first_token_at = time.perf_counter()
+                serving.m_ttft.observe(outcome.first_token_at - call.started)
+            if "stats" in event:  # the first token carries the prompt's preparation figures
+                outcome.stats = dict(event["stats"])
+            outcome.tokens += 1
+            delta = event["text"]
+            if "logprob" in event:
+                outcome.logprobs.append(_logprob_entry(call.node, event))
+            if stops:
+                cut = _stop_at(outcome.text + delta, stops)
+                if cut >= 0:
+                    delta = (outcome.text + delta)[:cut][len(outcome.text):]
+                    outcome.text += delta
+                    outcome.finish_reason = "stop"
+                    # the node never sends its final figures: the tokens it sent are the completion
+                    outcome.stats = {**outcome.stats, "completion_tokens": outcome.tokens}
+                    serving.record(outcome)
+                    yield delta, outcome
+                    return
+            outcome.text += delta
+            yield delta, outcome
     serving.record(outcome)
 
 

@@ -6,6 +6,7 @@ JSON body; an error after it ends the stream with an error event.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.messages import PromptLayout
-from tessera.retrieval.chat_call import ChatCall, Outcome, events, usage
+from tessera.retrieval.chat_call import ChatCall, ClientGone, Outcome, events, usage
 from tessera.retrieval.chat_request import chunk_body, error_body
 
 if TYPE_CHECKING:
@@ -55,6 +56,11 @@ async def stream_reply(request: web.Request, serving: Serving, call: ChatCall, l
             usage_chunk["choices"] = []
             await send(usage_chunk)
         await resp.write(b"data: [DONE]\n\n")
+    except (ConnectionError, asyncio.CancelledError) as exc:
+        status = ""  # the client went away mid-stream: counted as cancelled by the caller, not as 200
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise ClientGone from None
     except (BadRequest, Overloaded, TesseraError) as exc:
         if not resp.prepared:
             raise
@@ -62,7 +68,8 @@ async def stream_reply(request: web.Request, serving: Serving, call: ChatCall, l
         with contextlib.suppress(ConnectionError, RuntimeError):
             await send(error_body(str(exc), 503))
     finally:
-        serving.m_requests.inc(labels={"status": status})
+        if status:
+            serving.m_requests.inc(labels={"status": status})
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write_eof()
     return resp

@@ -1,8 +1,17 @@
-"""The retrieval role's client of the generation nodes (snapshot, execute, abort)."""
+"""The retrieval role's client of the generation nodes (snapshot, execute, abort).
+
+Every call toward a node is bounded (``[control]`` deadlines): connecting, the snapshot and
+the first token of a reply together (``first_token_timeout_s``), and the gap between two
+tokens (``idle_timeout_s``). A node that misses a deadline, refuses the connection or breaks
+a stream raises :class:`NodeUnavailable`; the caller decides about retries and tells the
+node to abort (:meth:`NodeClients.abort_later`), since a wedged node may still be working.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import aiohttp
@@ -11,19 +20,29 @@ import orjson
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse
+from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION, encode, from_wire
+
+log = logging.getLogger(__name__)
 
 
 class NodeUnavailable(TesseraError):
-    """A generation node could not be reached or failed mid-request (HTTP 503 to the client)."""
+    """A generation node could not be reached, missed a deadline or failed mid-request (HTTP 503)."""
 
 
 class NodeClients:
-    def __init__(self, config: ClusterConfig, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, config: ClusterConfig) -> None:
+        control = config.control
         self.urls = {n.name: f"http://{n.host}:{n.port}" for n in config.generation}
-        # no total timeout: a long generation is fine; connecting and the first byte are bounded
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+        self.connect_timeout_s = control.connect_timeout_s
+        self.first_token_timeout_s = control.first_token_timeout_s
+        self.idle_timeout_s = control.idle_timeout_s
+        # no total timeout: a long generation is fine; connecting, the first token and every
+        # gap between tokens are bounded per call below
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=control.connect_timeout_s,
+                                             sock_connect=control.connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self.aborts = BackgroundTasks("aborts")
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -31,6 +50,7 @@ class NodeClients:
         return self._session
 
     async def close(self) -> None:
+        await self.aborts.drain(timeout=self.connect_timeout_s)
         if self._session is not None:
             await self._session.close()
 
@@ -45,31 +65,52 @@ class NodeClients:
     async def snapshot(self, node: str, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
         msg = SnapshotRequest(WIRE_VERSION, request_id, tuple(unit_ids))
         try:
-            async with self._http().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
-                                         headers={"Content-Type": "application/json"}) as resp:
+            async with asyncio.timeout(self.first_token_timeout_s), \
+                    self._http().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
+                                      headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 return from_wire(SnapshotResponse, orjson.loads(await resp.read()))
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError:
+            raise NodeUnavailable(f"generation node {node} did not answer the snapshot within "
+                                  f"{self.first_token_timeout_s:g}s (control.first_token_timeout_s)") from None
+        except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
 
-    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncIterator[dict[str, Any]]:
+    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncGenerator[dict[str, Any], None]:
         """Yield the node's NDJSON events; the last one has ``done`` (or ``error``)."""
+        wait, what = self.first_token_timeout_s, "its first token"
         try:
-            async with self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
-                                         headers={"Content-Type": "application/json"}) as resp:
+            resp = await asyncio.wait_for(
+                self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
+                                  headers={"Content-Type": "application/json"}), wait)
+            try:
                 if resp.status != 200:
                     raise await self._error(node, resp)
-                async for line in resp.content:
+                while True:
+                    line = await asyncio.wait_for(resp.content.readline(), wait)
+                    if not line:
+                        return
                     if line.strip():
+                        wait, what = self.idle_timeout_s, "its next token"
                         yield orjson.loads(line)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            finally:
+                resp.close()  # an unfinished stream closes the connection: the node sees it
+        except TimeoutError:
+            raise NodeUnavailable(f"generation node {node} did not send {what} within {wait:g}s "
+                                  "(control.first_token_timeout_s / idle_timeout_s)") from None
+        except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
 
     async def abort(self, node: str, request_id: str) -> None:
         try:
-            async with self._http().post(self.urls[node] + "/v1/abort",
-                                         data=orjson.dumps({"request_id": request_id})) as resp:
+            async with asyncio.timeout(self.connect_timeout_s), \
+                    self._http().post(self.urls[node] + "/v1/abort",
+                                      data=orjson.dumps({"request_id": request_id})) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
-            pass  # the node is gone; nothing left to abort
+            pass  # the node is gone or wedged; its own pin timeout frees what it holds
+
+    def abort_later(self, node: str, request_id: str) -> None:
+        """Tell the node to stop a request, without waiting (the caller may be unwinding)."""
+        self.aborts.spawn(self.abort(node, request_id), name=f"abort-{request_id[-8:]}")

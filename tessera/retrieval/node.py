@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
 from tessera.retrieval.embedder import Embedder
+from tessera.retrieval.limits import INGEST_CHUNK_UNITS
 from tessera.retrieval.store import Hit, UnitStore
 from tessera.runtime import BackgroundTasks
 from tessera.units import ContextUnit, ServingFingerprint
@@ -86,7 +87,18 @@ class RetrievalNode:
 
     async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
                      embeddings: Sequence[Sequence[float] | None] | None = None) -> list[tuple[ContextUnit, bool]]:
-        return await self._run(self._pool().ingest, items, embeddings)
+        # in bounded chunks, one worker job each: a big ingest never holds the worker (and so
+        # every chat request's retrieval and tokenizing) for longer than one chunk
+        out: list[tuple[ContextUnit, bool]] = []
+        step = INGEST_CHUNK_UNITS
+        for at in range(0, len(items), step):
+            chunk = None if embeddings is None else embeddings[at:at + step]
+            out += await self._run(self._pool().ingest, items[at:at + step], chunk)
+        return out
+
+    async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work (tokenizing a prompt) on the worker thread, off the event loop."""
+        return await self._run(fn, *args)
 
     async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
                        top_k: int | None = None) -> list[Hit]:

@@ -14,6 +14,7 @@ from aiohttp import web
 from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
 from tessera.retrieval import api
+from tessera.retrieval.limits import check_metadata
 from tessera.retrieval.node import RetrievalNode
 from tessera.wire import WIRE_VERSION
 
@@ -47,6 +48,8 @@ async def ingest(request: web.Request) -> web.Response:
         raise BadRequest("units is empty; send at least one {scope, text} unit")
     if len(msg.units) > MAX_INGEST:
         raise BadRequest(f"{len(msg.units)} units in one call; send at most {MAX_INGEST} per call", 413)
+    for i, u in enumerate(msg.units):
+        check_metadata(f"units[{i}]", u.metadata)
     done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units],
                                        [u.embedding for u in msg.units])
     return reply(api.IngestResponse(WIRE_VERSION, tuple(

@@ -33,8 +33,11 @@ ARENA_HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sII32sQQ")
 
 
+SEGMENT_PREFIX = "tessera-"
+
+
 def segment_name(node: str, boot_id: str) -> str:
-    return f"tessera-{node}-{boot_id[:12]}"
+    return f"{SEGMENT_PREFIX}{node}-{boot_id[:12]}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -78,7 +81,9 @@ class Arena:
         size = ARENA_HEADER_BYTES + slot_bytes * capacity
         if not SHM_DIR.is_dir():
             raise ConfigError(f"{SHM_DIR} does not exist: the kvpool arena needs POSIX shared memory (Linux)")
-        sweep_stale(name.rsplit("-", 1)[0] + "-")
+        # every dead node's segment, not only this node's: a memory node killed for good (or
+        # renamed) would otherwise keep its arena in /dev/shm until a node of its name starts
+        sweep_stale(SEGMENT_PREFIX)
         st = os.statvfs(SHM_DIR)
         free = st.f_bavail * st.f_frsize
         if size > free:
