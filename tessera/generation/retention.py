@@ -5,14 +5,16 @@ authorize keeping it: in the local cache, in the shared KV Pool, both or neither
 happen here, in background tasks, after the request already has what it needs:
 
 * local insertion evicts only the plan's victims and is reported to the control plane;
-* shared writeback is bounded (staging bytes and writes outstanding); the KV Pool client
-  writes every reserved block and only then asks to publish, and cancels with a settle time
-  on failure. A failed retention only loses a future reuse; it never fails the request.
+* shared writeback is bounded (staging bytes and writes outstanding), and the budget is
+  taken *before* a state is held: a grant that does not fit is given back at once (its
+  reservation cancelled) instead of queueing a task that keeps the whole state alive. The
+  KV Pool client writes every reserved block and only then asks to publish, and cancels
+  with a settle time on failure. A failed or skipped retention only loses a future reuse;
+  it never fails the request.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Protocol
@@ -37,27 +39,6 @@ class ResidencyReporter(Protocol):
     async def give_up(self, grant: WriteGrant) -> None: ...
 
 
-class _ByteBudget:
-    """Counting semaphore over bytes (staging memory held by writes in flight)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> None:
-        n = min(n, self.capacity)  # one oversized state may use the whole budget alone
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.used + n <= self.capacity)
-            self.used += n
-
-    async def release(self, n: int) -> None:
-        n = min(n, self.capacity)
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
 class Retainer:
     def __init__(
         self,
@@ -71,8 +52,11 @@ class Retainer:
         self.cache = cache
         self.writer = writer
         self.control = control
-        self._staging = _ByteBudget(staging_bytes)
-        self._outstanding = asyncio.Semaphore(outstanding)
+        self.staging_bytes = staging_bytes
+        self.outstanding = outstanding
+        self.staged = 0  # bytes of states held by writebacks in flight
+        self.writing = 0  # writebacks in flight
+        self.skipped = 0  # grants given back because the budget was spent
         self.tasks = BackgroundTasks("retention")
         self.published = 0
         self.write_failures = 0
@@ -88,10 +72,23 @@ class Retainer:
         if local:
             self._insert_local(unit_id, state, evict)
         if grant is not None:
-            if self.writer is None:
+            nbytes = state.nbytes()
+            if self.writer is None or not self._reserve(nbytes):
+                self.skipped += self.writer is not None
                 self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
             else:
-                self.tasks.spawn(self._write_shared(grant, state, received_at), name=f"writeback-{unit_id[:8]}")
+                self.tasks.spawn(self._write_shared(grant, state, received_at, nbytes),
+                                 name=f"writeback-{unit_id[:8]}")
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Take the writeback budget for one state now, or refuse (one oversized state may go alone)."""
+        if self.writing >= self.outstanding:
+            return False
+        if self.writing and self.staged + nbytes > self.staging_bytes:
+            return False
+        self.writing += 1
+        self.staged += nbytes
+        return True
 
     def _insert_local(self, unit_id: str, state: UnitState, evict: Sequence[str]) -> None:
         # a plain dict update on the event loop: cheap, and it keeps the cache single-threaded
@@ -109,20 +106,19 @@ class Retainer:
             name="residency",
         )
 
-    async def _write_shared(self, grant: WriteGrant, state: UnitState, received: float) -> None:
+    async def _write_shared(self, grant: WriteGrant, state: UnitState, received: float, nbytes: int) -> None:
+        """One writeback whose budget :meth:`_reserve` already took; gives it back when done."""
         assert self.writer is not None
-        nbytes = state.nbytes()
-        async with self._outstanding:
-            await self._staging.acquire(nbytes)
-            try:
-                await self.writer.store(grant, state, received_at=received)
-            except (TesseraError, OSError, TimeoutError) as exc:
-                # the writer already cancelled the reservation (with settle time) or it expires
-                self.write_failures += 1
-                log.warning("writeback of unit %s epoch %d failed: %s", grant.unit_id, grant.epoch, exc)
-                return
-            finally:
-                await self._staging.release(nbytes)
+        try:
+            await self.writer.store(grant, state, received_at=received)
+        except (TesseraError, OSError, TimeoutError) as exc:
+            # the writer already cancelled the reservation (with settle time) or it expires
+            self.write_failures += 1
+            log.warning("writeback of unit %s epoch %d failed: %s", grant.unit_id, grant.epoch, exc)
+            return
+        finally:
+            self.writing -= 1
+            self.staged -= nbytes
         self.published += 1
         self.bytes_written += nbytes
 
