@@ -237,6 +237,17 @@ class ReleaseRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class InvalidateRequest:
+    """A reader found a shared entry corrupt (checksum mismatch): it must not be leased again."""
+
+    version: int
+    unit_id: str
+    epoch: int
+    reader: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ResidencyReport:
     """A generation node's local cache changed (insertions it made, evictions, declines)."""
 

@@ -12,7 +12,7 @@ from tessera.engines.base import UnitState
 from tessera.errors import Unavailable
 from tessera.generation.retention import Retainer
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import ReleaseRequest, ResidencyReport
+from tessera.messages import InvalidateRequest, Preparation, ReleaseRequest, ResidencyReport
 from tessera.wire import WIRE_VERSION
 
 # --- membership --------------------------------------------------------------------------
@@ -149,4 +149,33 @@ async def test_the_local_view_follows_the_real_node_cache_after_an_admission_rac
         await execute(plan(f"n{i}", f"new{i}"))
         assert f"new{i}" in cache
         assert set(view.policy.resident) == set(cache.unit_ids())
+    c.plane.check_invariants()
+
+
+# --- corrupt shared entries ----------------------------------------------------------------
+
+
+def test_a_corrupt_shared_entry_is_never_leased_again_and_its_blocks_wait_for_its_leases() -> None:
+    """Regression: after a checksum failure the entry stayed READY and every later request leased it again."""
+    c = Cluster(nodes=1, local_blocks=0, shared_blocks=16, lease_ttl_s=30.0, heartbeat_timeout_s=1000.0)
+    c.serve([("a", 8)])
+    c.serve([("a", 8)])
+    reading = c.plan([("a", 8)])
+    lease = reading.units[0].lease
+    assert lease is not None
+    free = c.plane.allocator.free_blocks
+    ack = c.plane.invalidate(InvalidateRequest(WIRE_VERSION, "a", lease.epoch, "gen0", "crc32 mismatch"))
+    assert ack.ok and c.plane.directory.get("a") is None
+    again = c.plan([("a", 8)])
+    assert again.units[0].preparation is Preparation.COMPUTE and again.units[0].lease is None
+    c.execute(again)  # recomputed, and written back under a new epoch
+    assert not c.plane.invalidate(InvalidateRequest(WIRE_VERSION, "a", lease.epoch, "gen0", "again")).ok
+    # the old blocks stay out of the free list while the old lease may still be read from
+    assert c.plane.allocator.free_blocks <= free
+    c.clock.advance(29)
+    c.plane.tick()
+    assert c.plane.directory.quarantined_blocks >= len(lease.blocks)
+    c.clock.advance(30 + 11)
+    c.plane.tick()
+    assert c.plane.directory.quarantined_blocks == 0
     c.plane.check_invariants()

@@ -100,6 +100,39 @@ async def test_a_flipped_byte_in_a_stored_block_fails_the_fetch(pool: KVPoolClie
         await pool.fetch(lease_for(blocks), 8, release=False)
 
 
+class _RecordingControl:
+    """The control client of a reader, recording what it reports."""
+
+    def __init__(self) -> None:
+        self.invalidated: list[tuple[str, int, str]] = []
+
+    async def invalidate(self, unit_id: str, epoch: int, reader: str, reason: str) -> None:
+        self.invalidated.append((unit_id, epoch, reader))
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: Cluster) -> None:
+    """Regression: on a checksum failure the reader only forgot endpoints; the entry stayed leasable."""
+    control = _RecordingControl()
+    pool = KVPoolClient(two_nodes.config, tiny_layout(), control=control, reader="gen3")  # type: ignore[arg-type]
+    try:
+        state = random_state(8, seed=4)
+        blocks = spread(2, first=20)
+        await put(pool, blocks, state, epoch=7)
+        arena = Arena.attach((await pool.endpoints.get("kv0")).shm_name)
+        try:
+            arena.slot(blocks[0].index)[200] ^= 0x01
+        finally:
+            arena.close()
+        with pytest.raises(ChecksumMismatch):
+            await pool.fetch(lease_for(blocks, epoch=7), 8, release=False)
+        assert control.invalidated == [(UNIT, 7, "gen3")]
+    finally:
+        await pool.close()
+
+
 @pytest.mark.parametrize(("epoch", "n_tokens"), [(6, 8), (5, 7)])
 async def test_a_lease_that_does_not_describe_the_blocks_fails_the_fetch(
     pool: KVPoolClient, epoch: int, n_tokens: int

@@ -26,6 +26,7 @@ from tessera.errors import ControlPlaneError, PublishRejected
 from tessera.messages import (
     Ack,
     CancelRequest,
+    InvalidateRequest,
     LoadReport,
     MemoryNodeHello,
     PublishRequest,
@@ -102,6 +103,13 @@ class ControlClient:
 
     async def release(self, lease_ids: tuple[str, ...]) -> None:
         await self._ack("/control/release", ReleaseRequest(WIRE_VERSION, lease_ids))
+
+    async def invalidate(self, unit_id: str, epoch: int, reader: str, reason: str) -> None:
+        """Report a shared entry that failed its checksum; best effort (it is recomputed anyway)."""
+        try:
+            await self._ack("/control/invalidate", InvalidateRequest(WIRE_VERSION, unit_id, epoch, reader, reason))
+        except ControlPlaneError as exc:
+            log.warning("could not report corrupt unit %s epoch %d: %s", unit_id, epoch, exc)
 
     async def hello(self, msg: MemoryNodeHello) -> Ack:
         return await self._ack("/control/kvpool/hello", msg)

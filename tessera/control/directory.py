@@ -12,6 +12,9 @@ An entry is PENDING from reservation until its writer publishes, then READY. Rul
   flight from a stale writer cannot land in a block that was handed to someone else. A
   reservation dropped *before* its deadline (writer declared dead, a memory node of the unit
   died) is quarantined until deadline + grace: its writer may not know and keep writing.
+* An entry a reader found corrupt is dropped at once (:meth:`invalidate`): it is never
+  leased again, and its blocks are quarantined until its outstanding leases have expired
+  (+ grace), so no reader still copying can see them reused.
 * A memory node that dies or restarts empty takes its entries with it (:meth:`drop_node`).
   When it (re)joins (:meth:`add_node`), its slots stay fenced until no write under a grant of
   its lost incarnation can land anymore, so such a write never hits a newly reserved slot.
@@ -189,6 +192,22 @@ class Directory:
         entry = self._entries.get(lease.unit_id)
         if entry is not None and entry.epoch == lease.epoch:
             entry.leases.pop(lease_id, None)
+        return True
+
+    def invalidate(self, unit_id: str, epoch: int) -> bool:
+        """A reader found the entry corrupt: drop it now, its blocks after its leases drain.
+
+        False if the unit has no READY entry at ``epoch`` (already dropped or rewritten).
+        """
+        entry = self._entries.get(unit_id)
+        if entry is None or entry.state is not EntryState.READY or entry.epoch != epoch:
+            return False
+        del self._entries[unit_id]
+        now = self.clock()
+        drained = max((lease.expires_at for lease in entry.leases.values()), default=now)
+        for lease_id in entry.leases:
+            self._leases.pop(lease_id, None)
+        self._quarantine_blocks(entry.blocks, max(now, drained) + self.reclaim_grace_s)
         return True
 
     # --- reclamation ---------------------------------------------------------------------

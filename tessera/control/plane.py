@@ -38,6 +38,7 @@ from tessera.errors import BadRequest, Unavailable
 from tessera.messages import (
     Ack,
     CancelRequest,
+    InvalidateRequest,
     LoadReport,
     MemoryNodeHello,
     PublishRequest,
@@ -95,6 +96,7 @@ class ControlPlane:
         self.memory = MemoryNodes({k.name for k in config.kvpools})
         self.stats = PlaneStats()
         self.expired_requests = 0  # routed, never completed, forgotten after request_ttl_s
+        self.invalidated = 0  # shared entries a reader found corrupt
         self._requests: dict[str, RoutedRequest] = {}
         self.planner = Planner(self.directory, self.shared, self.stats)
 
@@ -196,6 +198,16 @@ class ControlPlane:
         unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
         return Ack(WIRE_VERSION, True, f"already released or expired: {', '.join(unknown)}" if unknown else "")
 
+    def invalidate(self, msg: InvalidateRequest) -> Ack:
+        """A reader's checksum failed on a shared entry: never lease it again, quarantine its blocks."""
+        check_version(msg.version)
+        if self.directory.invalidate(msg.unit_id, msg.epoch):
+            self.shared.forget((msg.unit_id,))
+            self.invalidated += 1
+            return Ack(WIRE_VERSION, True)
+        return Ack(WIRE_VERSION, False, f"unit {msg.unit_id}: no ready entry at epoch {msg.epoch} "
+                   "(already dropped or rewritten)")
+
     def residency(self, msg: ResidencyReport) -> Ack:
         check_version(msg.version)
         node = self.generation_node(msg.node)
@@ -291,6 +303,7 @@ class ControlPlane:
             "shared_capacity_blocks": self.allocator.capacity,
             "shared_evictions": self.shared.evictions,
             "expired_requests": self.expired_requests,
+            "invalidated_entries": self.invalidated,
             "nodes": {
                 n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
                          "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}

@@ -36,6 +36,7 @@ from tessera.messages import (
     Ack,
     CancelRequest,
     CompleteRequest,
+    InvalidateRequest,
     LoadReport,
     MemoryNodeHello,
     MemoryNodeList,
@@ -97,6 +98,7 @@ def _rpc(path: str, cls: type[Any], verb: str) -> None:
 _rpc("/control/publish", PublishRequest, "publish")
 _rpc("/control/cancel", CancelRequest, "cancel")
 _rpc("/control/release", ReleaseRequest, "release")
+_rpc("/control/invalidate", InvalidateRequest, "invalidate")
 _rpc("/control/residency", ResidencyReport, "residency")
 _rpc("/control/load", LoadReport, "load")
 _rpc("/control/kvpool/hello", MemoryNodeHello, "hello")

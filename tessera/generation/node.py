@@ -93,7 +93,7 @@ class GenerationNode:
             from tessera.transport.blocks import BlockLayout
 
             layout = BlockLayout(self.engine.geometry, self.config.block_tokens)
-            self.pool = KVPoolClient(self.config, layout, control=self.control)
+            self.pool = KVPoolClient(self.config, layout, control=self.control, reader=self.name)
         self.retainer = Retainer(
             self.cache, self.pool, self.control,
             staging_bytes=self.config.transport.writeback_staging_bytes,

@@ -51,8 +51,10 @@ class KVPoolClient:
         transport: Transport | None = None,
         control: ControlClient | None = None,
         endpoints: EndpointBook | None = None,
+        reader: str = "",
     ) -> None:
         self.layout = layout
+        self.reader = reader
         self.transport = transport or create_transport(config.transport)
         self.control = control or ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
         self.endpoints = endpoints or EndpointBook.from_config(config)
@@ -93,9 +95,11 @@ class KVPoolClient:
             try:
                 return await self._maybe_offload(
                     len(whole), lambda: self.layout.decode(views, lease.unit_id, lease.epoch, n_tokens))
-            except ChecksumMismatch:
+            except ChecksumMismatch as exc:
                 for node in {ref.node for ref in lease.blocks}:  # a restarted node shows up as this
                     self.endpoints.forget(node)
+                # corrupt (or overwritten) in the pool: every later reader would fail the same way
+                await self.control.invalidate(lease.unit_id, lease.epoch, self.reader, str(exc)[:200])
                 raise
         finally:
             if release:
