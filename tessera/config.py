@@ -141,6 +141,9 @@ class ControlConfig:
     idle_timeout_s: float = 30.0
     # nodes one request may be tried on before anything was streamed (unreachable, 429, timeout)
     max_attempts: int = 3
+    # overload control: refuse (429 + Retry-After) a request whose expected queueing on every
+    # node (queued tokens / measured throughput, from heartbeats) exceeds this; 0 = off
+    max_queue_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         _choice("control.mode", self.mode, MODES)
@@ -156,6 +159,7 @@ class ControlConfig:
         _check(isinstance(self.admit_first, bool), "control.admit_first", self.admit_first,
                "expected true or false")
         _positive("control.max_attempts", self.max_attempts)
+        _non_negative("control.max_queue_wait_s", self.max_queue_wait_s)
         for key in ("lease_ttl_s", "write_timeout_s", "heartbeat_timeout_s", "request_ttl_s", "connect_timeout_s",
                     "first_token_timeout_s", "idle_timeout_s"):
             value = getattr(self, key)

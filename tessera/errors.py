@@ -39,6 +39,10 @@ class Overloaded(TesseraError):
 
     status = 429
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # sent as Retry-After when known
+
 
 class Unavailable(TesseraError):
     """Nothing can serve the request right now: still loading, or no node alive (HTTP 503)."""

@@ -9,10 +9,10 @@ import torch
 from control_support import B, Cluster
 
 from tessera.engines.base import UnitState
-from tessera.errors import Unavailable
+from tessera.errors import Overloaded, Unavailable
 from tessera.generation.retention import Retainer
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import InvalidateRequest, Preparation, ReleaseRequest, ResidencyReport
+from tessera.messages import InvalidateRequest, LoadReport, Preparation, ReleaseRequest, ResidencyReport
 from tessera.wire import WIRE_VERSION
 
 # --- membership --------------------------------------------------------------------------
@@ -179,3 +179,28 @@ def test_a_corrupt_shared_entry_is_never_leased_again_and_its_blocks_wait_for_it
     c.plane.tick()
     assert c.plane.directory.quarantined_blocks == 0
     c.plane.check_invariants()
+
+
+# --- overload control --------------------------------------------------------------------
+
+
+def test_a_request_that_would_queue_too_long_everywhere_is_refused_with_a_retry_time() -> None:
+    """Regression: at 3x saturation accepted requests queued 25 s; now refused at once beyond max_queue_wait_s."""
+    c = Cluster(nodes=2, max_queue_wait_s=10.0, heartbeat_timeout_s=1000.0)
+    c.plane.load(LoadReport(WIRE_VERSION, "gen0", 5, queued_tokens=3000, tokens_per_s=100.0))  # 30 s of work
+    c.plane.load(LoadReport(WIRE_VERSION, "gen1", 1, queued_tokens=200, tokens_per_s=100.0))  # 2 s
+    assert {c.plane.route(f"r{i}", [], prompt_tokens=300) for i in range(2)} == {"gen1"}  # 2 s, 5 s, 8 s
+    assert c.plane.route("r2", [], prompt_tokens=300) == "gen1"
+    with pytest.raises(Overloaded, match="max_queue_wait_s") as refused:
+        c.plane.route("r3", [], prompt_tokens=300)  # gen1 is at 11 s now, gen0 at 30 s
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1.0
+    assert c.plane.report()["refused_overload"] == 1
+    c.plane.load(LoadReport(WIRE_VERSION, "gen1", 1, queued_tokens=0, tokens_per_s=100.0))  # it caught up
+    assert c.plane.route("r4", [], prompt_tokens=300) == "gen1"
+
+
+def test_without_a_measured_throughput_nothing_is_refused() -> None:
+    """A node that has not measured its speed yet (just started) is never the reason for a 429."""
+    c = Cluster(nodes=1, max_queue_wait_s=1.0)
+    c.plane.load(LoadReport(WIRE_VERSION, "gen0", 0, queued_tokens=10**6))
+    assert c.plane.route("r", [], prompt_tokens=10**6) == "gen0"

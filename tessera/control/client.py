@@ -148,8 +148,8 @@ class NodeControl(ControlClient):
         except ControlPlaneError as exc:
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
-    async def load(self, inflight: int, queued_tokens: int) -> None:
-        await self._ack("/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens))
+    async def load(self, inflight: int, queued_tokens: int, tokens_per_s: float = 0.0) -> None:
+        await self._ack("/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, tokens_per_s))
 
     async def give_up(self, grant: WriteGrant) -> None:
         try:

@@ -36,6 +36,14 @@ class GenerationNode:
     last_seen: float | None = None  # None: never heard from
     reported_inflight: int = 0  # the node's own figures from its last LoadReport
     queued_tokens: int = 0
+    tokens_per_s: float = 0.0
+    routed_tokens: int = 0  # prompt tokens routed here since its last LoadReport
+
+    def expected_wait_s(self) -> float:
+        """Queueing a new request would see here: queued work over measured throughput (0 if unknown)."""
+        if self.tokens_per_s <= 0:
+            return 0.0
+        return (self.queued_tokens + self.routed_tokens) / self.tokens_per_s
 
 
 class HelloOutcome(enum.Enum):

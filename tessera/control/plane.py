@@ -34,7 +34,7 @@ from tessera.control.planner import Planner, RoutedRequest
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.errors import BadRequest, Unavailable
+from tessera.errors import BadRequest, Overloaded, Unavailable
 from tessera.messages import (
     Ack,
     CancelRequest,
@@ -74,6 +74,7 @@ class ControlPlane:
         self.clock = clock
         self.heartbeat_timeout_s = control.heartbeat_timeout_s
         self.request_ttl_s = control.request_ttl_s
+        self.max_queue_wait_s = control.max_queue_wait_s
         self.allocator = BlockAllocator()
         self.directory = Directory(
             self.allocator,
@@ -97,15 +98,19 @@ class ControlPlane:
         self.stats = PlaneStats()
         self.expired_requests = 0  # routed, never completed, forgotten after request_ttl_s
         self.invalidated = 0  # shared entries a reader found corrupt
+        self.refused_overload = 0  # requests refused because every node's queue was too long
         self._requests: dict[str, RoutedRequest] = {}
         self.planner = Planner(self.directory, self.shared, self.stats)
 
     # --- the request path ----------------------------------------------------------------
 
-    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = ()) -> str:
+    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
+              prompt_tokens: int = 0) -> str:
         """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
 
         ``exclude``: nodes this request already tried (a retry goes elsewhere).
+        ``prompt_tokens``: the prompt's size, counted as queued work until the node's next report.
+        Raises Overloaded (429) when every node's expected queueing exceeds ``max_queue_wait_s``.
         """
         if request_id in self._requests:
             raise BadRequest(f"request {request_id!r} is already routed; use a new request id", 409)
@@ -113,6 +118,8 @@ class ControlPlane:
         if not live:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
+        if self.max_queue_wait_s > 0:
+            live = self._within_queue_bound(live)
         tokens: dict[str, int] = {}
         for u, n in units:
             if u not in tokens:
@@ -123,8 +130,26 @@ class ControlPlane:
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
         node.inflight += 1
+        node.routed_tokens += prompt_tokens
         self._requests[request_id] = RoutedRequest(node, tokens, pairs, self.clock())
         return node.name
+
+    def _within_queue_bound(self, live: list[GenerationNode]) -> list[GenerationNode]:
+        """The nodes where a new request would queue at most ``max_queue_wait_s``.
+
+        Refusing at once keeps the accepted requests' time to first token bounded; queueing
+        everything only makes every request late.
+        """
+        bound = self.max_queue_wait_s
+        waits = [n.expected_wait_s() for n in live]
+        ok = [n for n, w in zip(live, waits, strict=True) if w <= bound]
+        if not ok:
+            shortest = min(waits)
+            self.refused_overload += 1
+            raise Overloaded(f"every generation node is busy: a new request would queue {shortest:.1f}s or more "
+                             f"(control.max_queue_wait_s = {bound:g}); retry later",
+                             retry_after_s=max(1.0, shortest - bound))
+        return ok
 
     def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
         """Blocks of these units each node's local view holds, indexed by node index."""
@@ -224,6 +249,8 @@ class ControlPlane:
         self._heard(node)
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
+        node.tokens_per_s = msg.tokens_per_s
+        node.routed_tokens = 0  # the node's queue now includes what was routed before the report
         return Ack(WIRE_VERSION, True)
 
     def generation_node(self, name: str) -> GenerationNode:
@@ -304,6 +331,7 @@ class ControlPlane:
             "shared_evictions": self.shared.evictions,
             "expired_requests": self.expired_requests,
             "invalidated_entries": self.invalidated,
+            "refused_overload": self.refused_overload,
             "nodes": {
                 n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
                          "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}

@@ -120,7 +120,7 @@ class GenerationNode:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+                await self.control.load(len(self.inflight), self.scheduler.queued_tokens, self.scheduler.tokens_per_s)
             except TesseraError as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
             await asyncio.sleep(HEARTBEAT_S)

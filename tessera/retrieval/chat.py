@@ -173,7 +173,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         return _json_error(str(exc), exc.status)
     except Overloaded as exc:
         serving.m_requests.inc(labels={"status": "429"})
-        return _json_error(str(exc), 429)
+        refused = _json_error(str(exc), 429)
+        if exc.retry_after_s is not None:
+            refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return refused
     except (NodeUnavailable, TesseraError) as exc:
         serving.m_requests.inc(labels={"status": "503"})
         return _json_error(str(exc), 503)

@@ -127,7 +127,7 @@ class ChatCall:
         tried: set[str] = set()
         attempts = self.node.config.control.max_attempts
         for attempt in range(1, attempts + 1):
-            self.target = self.node.plane.route(self.request_id, list(refs.items()), tried)
+            self.target = self.node.plane.route(self.request_id, list(refs.items()), tried, layout.n_tokens)
             delivered = False
             try:
                 async with contextlib.aclosing(self._attempt(layout, refs)) as node_events:
