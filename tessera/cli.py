@@ -277,6 +277,28 @@ def demo(
         typer.echo(line)
 
 
+@app.command()
+def chaos(
+    config: ConfigOpt = None,
+    duration: Annotated[float, typer.Option(help="Seconds of Poisson load (faults stop with it).")] = 120.0,
+    rate: Annotated[float, typer.Option(help="Requests per second.")] = 2.0,
+    fault_every: Annotated[float, typer.Option(help="Seconds between two injected faults.")] = 8.0,
+    max_tokens: Annotated[int, typer.Option(help="Greedy output tokens per request.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, requests and faults.")] = 0,
+    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Where each role's log goes.")] = None,
+) -> None:
+    """Faults under load, as real processes: kill -9 / SIGSTOP nodes, corrupt a block, restart retrieval; verify every reply."""
+    from tessera.benchmark.chaos import ChaosOptions, ChaosRun
+
+    cfg = _load(config)
+    opts = ChaosOptions(duration_s=duration, rate=rate, fault_every_s=fault_every, max_tokens=max_tokens, seed=seed)
+    typer.echo(f"tessera chaos: {duration:.0f}s at {rate} req/s, a fault every {fault_every:.0f}s", err=True)
+    report = ChaosRun(cfg, opts, log_dir).run()
+    typer.echo(report.render())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -162,8 +162,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             return await stream_reply(request, serving, call, layout, trace)
         outcome = await collect(serving, call, layout)
         serving.m_requests.inc(labels={"status": "200"})
+        stats = outcome.stats if outcome.first_token_at is None else \
+            {**outcome.stats, "ttft_ms": round((outcome.first_token_at - call.started) * 1000)}
         payload = completion_body(call.request_id, chat.model, outcome.text, outcome.finish_reason,
-                                  usage(layout, outcome.stats, call.target),
+                                  usage(layout, stats, call.target),
                                   outcome.logprobs if chat.top_logprobs >= 0 else None)
         if trace is not None:
             payload["tessera_layout"] = trace

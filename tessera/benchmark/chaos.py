@@ -1,0 +1,350 @@
+"""A chaos run against a whole cluster of real processes (``tessera chaos``).
+
+While Poisson load runs for a bounded time, faults are injected in a shuffled cycle (each
+kind once per cycle): ``kill -9`` of a generation node or of a memory node (started again
+right after), ``SIGSTOP`` of a generation node for longer than the first-token deadline,
+a flipped byte in a stored block of a memory node's shared-memory arena, and a restart of
+the retrieval role.
+
+The verifier checks every reply:
+
+* 200: exactly the tokens the offline composition (:mod:`tessera.engines.offline`, same
+  engine and config, in this process) gives for the layout the reply returned (greedy);
+* 429 or 503 with a JSON error (nothing was streamed to the client: requests are not
+  streamed);
+* a lost connection only while the retrieval role itself is down (nothing can answer then);
+* nothing else, and no reply later than the deadlines allow.
+
+Afterwards every role is up again, the cluster must serve normally, and the roles' total
+RSS must stay within ``rss_growth`` of what it was after warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tessera.config import ClusterConfig
+from tessera.launcher import Child, LocalCluster
+from tessera.messages import PromptLayout, Segment, SegmentKind
+
+FAULTS = ("kill_generation", "kill_memory", "stop_generation", "corrupt_block", "restart_retrieval")
+TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "observatory", "mill")
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    duration_s: float = 30.0  # how long load runs (faults stop with it)
+    rate: float = 2.0  # Poisson arrivals per second
+    fault_every_s: float = 5.0  # time between two faults
+    max_tokens: int = 8
+    units: int = 12  # distinct context units the requests draw from
+    seed: int = 0
+    rss_growth: float = 1.5  # RSS after / RSS after warm-up must stay below this
+    rss_slack_mb: float = 300.0  # ... plus this (allocator noise of fresh processes)
+
+
+@dataclass
+class Reply:
+    status: int  # HTTP status; 0 = the connection was lost
+    sent_at: float
+    latency_s: float
+    body: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class ChaosReport:
+    requests: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    rss_warm_mb: float = 0.0
+    rss_after_mb: float = 0.0
+    recovered: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.recovered and not self.violations
+
+    def percentile(self, q: float) -> float:
+        if not self.ttft_ms:
+            return float("nan")
+        return statistics.quantiles(self.ttft_ms, n=100, method="inclusive")[int(q) - 1] \
+            if len(self.ttft_ms) > 1 else self.ttft_ms[0]
+
+    def render(self) -> str:
+        lines = [
+            f"requests: {self.requests}",
+            "faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())),
+            "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
+            f"TTFT of verified replies (server): p50 {self.percentile(50):.0f} ms, p99 {self.percentile(99):.0f} ms",
+            f"RSS of all roles: {self.rss_warm_mb:.0f} MB after warm-up, {self.rss_after_mb:.0f} MB after the run",
+            f"served normally afterwards: {'yes' if self.recovered else 'NO'}",
+            f"violations: {len(self.violations)}",
+        ]
+        lines += [f"  - {v}" for v in self.violations[:20]]
+        return "\n".join(lines)
+
+
+def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
+    """The PromptLayout a reply's ``tessera_layout`` describes (unit ids are local names)."""
+    tokens = trace["tokens"]
+    segments: list[Segment] = []
+    at = 0
+    for start, end in trace["units"]:
+        if start > at:
+            segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:start])))
+        segments.append(Segment(SegmentKind.UNIT, tuple(tokens[start:end]), f"u{start}-{end}"))
+        at = end
+    if at < len(tokens):
+        segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:])))
+    return PromptLayout(tuple(segments))
+
+
+class Oracle:
+    """Offline greedy composition with the served engine and config (loaded once, in this process)."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        from tessera.composition.policies import policy_from_config
+        from tessera.engines.reference import ReferenceEngine
+
+        self.engine = ReferenceEngine.from_config(config)
+        self.policy = policy_from_config(config.composition)
+
+    def tokens(self, trace: dict[str, Any], n: int) -> list[int]:
+        from tessera.engines.offline import compose, prefill_units
+
+        layout = layout_from_trace(trace)
+        states = prefill_units(self.engine, layout)
+        comp = compose(self.engine, layout, self.policy, states, max_new_tokens=n, stop_ids=self.engine.eos_token_ids)
+        return list(comp.generated)
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class ChaosRun:
+    def __init__(self, config: ClusterConfig, options: ChaosOptions, log_dir: Path | None = None) -> None:
+        self.config = config
+        self.options = options
+        self.cluster = LocalCluster(config, log_dir=log_dir, quiet=True)
+        self.rng = random.Random(options.seed)
+        self.report = ChaosReport()
+        self.retrieval_down: list[tuple[float, float]] = []  # (from, to) in run time
+        self.t0 = 0.0
+        control = config.control
+        # the longest a reply may take: every attempt's first-token deadline, then every token
+        self.deadline_s = (control.connect_timeout_s + control.first_token_timeout_s) * control.max_attempts \
+            + control.idle_timeout_s * options.max_tokens + 10.0
+        self.units = [f"Record {i}: the {TOPICS[i % len(TOPICS)]} ledger notes {i * 7} visitors and "
+                      f"{i * 3 + 1} deliveries in week {i}. " * 2 for i in range(options.units)]
+
+    # --- the run -------------------------------------------------------------------------
+
+    def run(self) -> ChaosReport:
+        oracle = Oracle(self.config)
+        self.cluster.start(timeout=300)
+        try:
+            asyncio.run(self._warm_up())
+            self.report.rss_warm_mb = self._rss()
+            replies = asyncio.run(self._drive())
+            self._recover()
+            final = asyncio.run(self._final_check())
+            self.report.rss_after_mb = self._rss()
+        finally:
+            self.cluster.stop()
+        self._verify(replies, oracle, final)
+        return self.report
+
+    def _rss(self) -> float:
+        return sum(_rss_mb(c.proc.pid) for c in self.cluster.alive())
+
+    def _body(self, i: int) -> dict[str, Any]:
+        picks = self.rng.sample(self.units, k=min(3, len(self.units)))
+        return {"model": "tessera", "messages": [{"role": "system", "content": "Answer briefly."},
+                                                 {"role": "user", "content": f"Question {i}: what do they say?"}],
+                "context_units": picks, "max_tokens": self.options.max_tokens, "temperature": 0,
+                "return_layout": True, "logprobs": True, "top_logprobs": 0}
+
+    async def _send(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> Reply:
+        sent = time.monotonic() - self.t0
+        start = time.perf_counter()
+        try:
+            async with session.post(self.config.retrieval_url + "/v1/chat/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=self.deadline_s)) as resp:
+                try:
+                    payload = await resp.json(content_type=None)
+                except ValueError:
+                    payload = {}
+                return Reply(resp.status, sent, time.perf_counter() - start,
+                             payload if isinstance(payload, dict) else {})
+        except TimeoutError:
+            return Reply(-1, sent, time.perf_counter() - start, error="no reply within the deadlines")
+        except aiohttp.ClientError as exc:
+            return Reply(0, sent, time.perf_counter() - start, error=repr(exc))
+
+    async def _warm_up(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            for i in range(4):
+                reply = await self._send(session, self._body(-i))
+                if reply.status != 200:
+                    raise RuntimeError(f"warm-up request failed: {reply.status} {reply.body or reply.error}")
+
+    async def _drive(self) -> list[Reply]:
+        self.t0 = time.monotonic()
+        opts = self.options
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            faults = asyncio.create_task(self._faults())
+            pending: list[asyncio.Task[Reply]] = []
+            at, i = 0.0, 0
+            while True:
+                at += self.rng.expovariate(opts.rate)
+                if at >= opts.duration_s:
+                    break
+                await asyncio.sleep(max(0.0, at - (time.monotonic() - self.t0)))
+                pending.append(asyncio.create_task(self._send(session, self._body(i))))
+                i += 1
+            await faults
+            return list(await asyncio.gather(*pending))
+
+    # --- faults --------------------------------------------------------------------------
+
+    async def _faults(self) -> None:
+        cycle: list[str] = []
+        at = self.options.fault_every_s / 2
+        while at < self.options.duration_s - self.options.fault_every_s / 2:
+            await asyncio.sleep(max(0.0, at - (time.monotonic() - self.t0)))
+            if not cycle:
+                cycle = list(FAULTS)
+                self.rng.shuffle(cycle)
+            kind = cycle.pop()
+            await getattr(self, "_" + kind)()
+            self.report.faults[kind] += 1
+            at += self.options.fault_every_s
+
+    def _pick(self, role: str) -> Child:
+        return self.rng.choice([c for c in self.cluster.children if c.role == role])
+
+    async def _kill_and_restart(self, child: Child, down_s: float) -> None:
+        os.kill(child.proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(child.proc.wait)
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(self.cluster.restart, child)
+
+    async def _kill_generation(self) -> None:
+        await self._kill_and_restart(self._pick("generation"), down_s=1.0)
+
+    async def _kill_memory(self) -> None:
+        await self._kill_and_restart(self._pick("kvpool"), down_s=1.0)
+
+    async def _stop_generation(self) -> None:
+        child = self._pick("generation")
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(self.config.control.first_token_timeout_s + 1.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.proc.pid, signal.SIGCONT)
+
+    async def _corrupt_block(self) -> None:
+        """Flip one byte in one of the first slots of a memory node's arena (where blocks go first)."""
+        from tessera.transport.arena import SHM_DIR, Arena
+
+        node = self._pick("kvpool").node
+        segments = sorted(SHM_DIR.glob(f"tessera-{node}-*"), key=lambda p: p.stat().st_mtime)
+        if not segments:
+            return
+        arena = Arena.attach(segments[-1].name)
+        try:
+            slot = arena.slot(self.rng.randrange(min(8, arena.capacity)))
+            slot[self.rng.randrange(64, len(slot))] ^= 0x40
+        finally:
+            arena.close()
+
+    async def _restart_retrieval(self) -> None:
+        child = self._pick("retrieval")
+        down = time.monotonic() - self.t0
+        os.kill(child.proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(child.proc.wait)
+        new = await asyncio.to_thread(self.cluster.restart, child, 120.0)
+        await asyncio.to_thread(self.cluster._wait_heard, [g.name for g in self.config.generation], 60.0)
+        self.retrieval_down.append((down, time.monotonic() - self.t0))
+        assert new.proc.poll() is None
+
+    # --- afterwards ----------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        for child in list(self.cluster.children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.proc.pid, signal.SIGCONT)
+            if child.proc.poll() is not None:
+                self.cluster.restart(child, wait_timeout=120)
+        for child in self.cluster.children:
+            self.cluster._wait([child], 120)
+        self.cluster._wait_heard([g.name for g in self.config.generation], 60)
+
+    async def _final_check(self) -> list[Reply]:
+        async with aiohttp.ClientSession() as session:
+            return [await self._send(session, self._body(10_000 + i)) for i in range(4)]
+
+    def _verify(self, replies: list[Reply], oracle: Oracle, final: list[Reply]) -> None:
+        r = self.report
+        r.requests = len(replies)
+        for reply in replies:
+            kind = self._check(reply, oracle)
+            r.outcomes[kind] += 1
+        r.recovered = all(self._check(reply, oracle) == "200 verified" for reply in final)
+        if not r.recovered:
+            r.violations.append("after the run: " + ", ".join(str(f.status) for f in final))
+        growth_ok = r.rss_after_mb <= r.rss_warm_mb * self.options.rss_growth + self.options.rss_slack_mb
+        if not growth_ok:
+            r.violations.append(f"RSS grew from {r.rss_warm_mb:.0f} MB to {r.rss_after_mb:.0f} MB")
+
+    def _check(self, reply: Reply, oracle: Oracle) -> str:
+        violations = self.report.violations
+        if reply.status == 200:
+            try:
+                served = [e["token_id"] for e in reply.body["choices"][0]["logprobs"]["content"]]
+                expected = oracle.tokens(reply.body["tessera_layout"], len(served))
+            except (KeyError, IndexError, TypeError) as exc:
+                violations.append(f"200 without tokens or layout at t={reply.sent_at:.1f}s: {exc!r}")
+                return "200 malformed"
+            if served != expected[: len(served)] or not served:
+                violations.append(f"wrong tokens at t={reply.sent_at:.1f}s: served {served}, offline {expected}")
+                return "200 wrong tokens"
+            ttft = reply.body.get("usage", {}).get("tessera", {}).get("ttft_ms")
+            if ttft is not None:
+                self.report.ttft_ms.append(float(ttft))
+            return "200 verified"
+        if reply.status in (429, 503) and isinstance(reply.body.get("error"), dict):
+            return f"{reply.status} refused"
+        if reply.status == 0 and self._during_retrieval_restart(reply):
+            return "lost with the retrieval role"
+        if reply.status == -1:
+            violations.append(f"hang: no reply within {self.deadline_s:.0f}s (sent at t={reply.sent_at:.1f}s)")
+            return "hang"
+        violations.append(f"status {reply.status} at t={reply.sent_at:.1f}s: {reply.body or reply.error}")
+        return f"{reply.status} unexpected"
+
+    def _during_retrieval_restart(self, reply: Reply) -> bool:
+        end = reply.sent_at + reply.latency_s
+        return any(reply.sent_at <= to and end >= down - 0.5 for down, to in self.retrieval_down)

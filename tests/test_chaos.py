@@ -1,0 +1,33 @@
+"""The chaos run: faults of every kind under load, every reply verified (real processes, tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from serving_support import cluster_config
+
+from tessera.benchmark.chaos import FAULTS, ChaosOptions, ChaosRun
+from tessera.engines.tiny import write_tiny_checkpoint
+
+
+def _run(tmp_path: Path, options: ChaosOptions) -> None:
+    model = write_tiny_checkpoint(tmp_path / "llama", "llama", seed=7)
+    cfg = cluster_config(str(model), nodes=2, kv_blocks=256, connect_timeout_s=1.0, first_token_timeout_s=3.0,
+                         idle_timeout_s=3.0, heartbeat_timeout_s=4.0)
+    report = ChaosRun(cfg, options, tmp_path / "logs").run()
+    print(report.render())
+    assert report.ok, report.render()
+    assert set(report.faults) == set(FAULTS)
+    assert report.outcomes["200 verified"] > 0
+
+
+def test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly(tmp_path: Path) -> None:
+    """Every fault kind once (~30 s of load): 200 with the offline tokens, or a clean 429/503; then normal."""
+    _run(tmp_path, ChaosOptions(duration_s=30.0, rate=2.0, fault_every_s=5.5, max_tokens=6, seed=1))
+
+
+@pytest.mark.slow
+def test_a_long_chaos_run(tmp_path: Path) -> None:
+    """Several cycles of every fault under steady load (the README's figures come from `tessera chaos`)."""
+    _run(tmp_path, ChaosOptions(duration_s=240.0, rate=3.0, fault_every_s=6.0, max_tokens=8, seed=2))
