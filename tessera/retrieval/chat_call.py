@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tessera.errors import BadRequest, Overloaded, TesseraError
+from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
 from tessera.messages import (
     CancelRequest,
     ExecuteRequest,
@@ -125,9 +125,15 @@ class ChatCall:
                 if seg.kind is SegmentKind.UNIT:
                     refs.setdefault(seg.unit_id, len(seg.token_ids))
         tried: set[str] = set()
+        failed: NodeUnavailable | Overloaded | None = None
         attempts = self.node.config.control.max_attempts
         for attempt in range(1, attempts + 1):
-            self.target = self.node.plane.route(self.request_id, list(refs.items()), tried, layout.n_tokens)
+            try:
+                self.target = self.node.plane.route(self.request_id, list(refs.items()), tried, layout.n_tokens)
+            except Unavailable:
+                if isinstance(failed, Overloaded):
+                    raise failed from None  # every node that could serve is full: 429, not 503
+                raise
             delivered = False
             try:
                 async with contextlib.aclosing(self._attempt(layout, refs)) as node_events:
@@ -138,6 +144,7 @@ class ChatCall:
             except (NodeUnavailable, Overloaded) as exc:
                 if delivered or attempt == attempts:
                     raise
+                failed = exc
                 tried.add(self.target)
                 log.info("request %s: %s; trying another node (attempt %d of %d)",
                          self.request_id, exc, attempt + 1, attempts)
