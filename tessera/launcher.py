@@ -61,7 +61,11 @@ class ClusterError(RuntimeError):
 
 
 def _die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGTERM when the launcher exits, however it exits."""
+    """``preexec_fn``: the child gets SIGTERM when the launcher exits, however it exits.
+
+    NOTE: Linux ties this to the *thread* that forked the child, so roles are spawned from
+    the launcher's main thread (never from a worker thread that may exit first).
+    """
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

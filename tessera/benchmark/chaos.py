@@ -250,7 +250,8 @@ class ChaosRun:
         os.kill(child.proc.pid, signal.SIGKILL)
         await asyncio.to_thread(child.proc.wait)
         await asyncio.sleep(down_s)
-        await asyncio.to_thread(self.cluster.restart, child)
+        # spawned from this (the main) thread: a child dies with the thread that started it
+        self.cluster.restart(child)
 
     async def _kill_generation(self) -> None:
         await self._kill_and_restart(self._pick("generation"), down_s=1.0)
@@ -285,7 +286,8 @@ class ChaosRun:
         down = time.monotonic() - self.t0
         os.kill(child.proc.pid, signal.SIGKILL)
         await asyncio.to_thread(child.proc.wait)
-        new = await asyncio.to_thread(self.cluster.restart, child, 120.0)
+        new = self.cluster.restart(child)
+        await asyncio.to_thread(self.cluster._wait, [new], 120.0)
         await asyncio.to_thread(self.cluster._wait_heard, [g.name for g in self.config.generation], 60.0)
         self.retrieval_down.append((down, time.monotonic() - self.t0))
         assert new.proc.poll() is None

@@ -114,18 +114,18 @@ class ControlPlane:
         """
         if request_id in self._requests:
             raise BadRequest(f"request {request_id!r} is already routed; use a new request id", 409)
-        live = [n for n in self._live if n.name not in exclude] if exclude else self._live
-        if not live:
-            tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
-            raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
-        if self.max_queue_wait_s > 0:
-            live = self._within_queue_bound(live)
         tokens: dict[str, int] = {}
         for u, n in units:
             if u not in tokens:
                 if n <= 0:
                     raise BadRequest(f"unit {u}: n_tokens must be > 0, got {n}")
                 tokens[u] = n
+        live = [n for n in self._live if n.name not in exclude] if exclude else self._live
+        if not live:
+            tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
+            raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
+        if self.max_queue_wait_s > 0:
+            live = self._within_queue_bound(live)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
