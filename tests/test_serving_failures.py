@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,11 +157,13 @@ def test_a_client_that_disconnects_is_counted_cancelled_and_its_generation_is_ab
             assert sock.recv(64).startswith(b"HTTP/1.1 200")  # the first token is out
         else:
             wait_for(lambda: any(_node_health(cfg, i)["inflight"] for i in range(2)), what="generation to start")
+            time.sleep(0.5)  # well into decoding (1,900 tokens take several seconds)
     wait_for(lambda: _metric(url, "tessera_requests_total", status="cancelled") == cancelled + 1,
              what="the request to be counted as cancelled")
+    wait_for(lambda: sum(_metric(f"http://127.0.0.1:{g.port}", "tessera_node_requests_total", outcome=o)
+                         for g in cfg.generation for o in ("aborted", "cancelled")) == aborted + 1,
+             what="the node to count the request as aborted")
     wait_for(lambda: all(_node_health(cfg, i)["inflight"] == 0 for i in range(2)), what="generation to stop")
-    assert sum(_metric(f"http://127.0.0.1:{g.port}", "tessera_node_requests_total", outcome=o)
-               for g in cfg.generation for o in ("aborted", "cancelled")) == aborted + 1
     assert _metric(url, "tessera_requests_total", status="200") == ok
     _no_tracebacks(c)
 
