@@ -80,15 +80,18 @@ class NodeClients:
     async def execute(self, node: str, msg: ExecuteRequest) -> AsyncGenerator[dict[str, Any], None]:
         """Yield the node's NDJSON events; the last one has ``done`` (or ``error``)."""
         wait, what = self.first_token_timeout_s, "its first token"
+        # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+        # that arrives as its awaitable completes, and a client's disconnect would be lost
         try:
-            resp = await asyncio.wait_for(
-                self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
-                                  headers={"Content-Type": "application/json"}), wait)
+            async with asyncio.timeout(wait):
+                resp = await self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
+                                               headers={"Content-Type": "application/json"})
             try:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 while True:
-                    line = await asyncio.wait_for(resp.content.readline(), wait)
+                    async with asyncio.timeout(wait):
+                        line = await resp.content.readline()
                     if not line:
                         return
                     if line.strip():
