@@ -55,7 +55,7 @@ class AdmissionPolicy(ABC):
         return {r.unit_id: r.blocks for r in self.records.values() if r.blocks}
 
     def __contains__(self, unit_id: object) -> bool:
-        return self.records.get(unit_id, NO_RECORD).blocks > 0  # type: ignore[call-overload]
+        return isinstance(unit_id, str) and self.records.get(unit_id, NO_RECORD).blocks > 0
 
     def __len__(self) -> int:
         return self._n_resident

@@ -69,7 +69,8 @@ def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     def w(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) / cols ** 0.5
+        out: torch.Tensor = torch.randn(rows, cols, generator=g) / cols ** 0.5
+        return out
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g)

@@ -113,7 +113,8 @@ class _Reader:
         self._where: dict[str, Any] = {}
         for f in files:
             handle = safe_open(str(f), framework="pt", device="cpu")
-            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+            # safe_open handles are not iterable, and their stubs leave keys() untyped
+            for name in handle.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118
                 self._where[name] = handle
 
     def has(self, name: str) -> bool:

@@ -54,7 +54,7 @@ class Embedder:
             from transformers import AutoModel, AutoTokenizer
             from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
             self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
             self._model: Any = AutoModel.from_pretrained(str(path)).eval()
         except Exception as exc:
