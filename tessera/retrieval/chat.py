@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
@@ -69,6 +70,7 @@ class Serving:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.nodes = NodeClients(config)
+        self.policy = policy_from_config(config.composition)
         self.builder: PromptBuilder | None = None
         self.max_context = 0
         self.capacity = sum(n.max_inflight for n in config.generation)
@@ -163,6 +165,9 @@ class ChatCall:
     async def prepare(self) -> PromptLayout:
         units = await _units(self.node, self.chat)
         layout = self.serving.builder_for(self.node).build(self.chat.messages, units, self.chat.placement)
+        if self.node.config.control.mode == "compose":
+            # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
+            layout = self.serving.policy.inline(layout)
         limit = self.serving.max_context
         if layout.n_tokens + self.chat.max_tokens > limit:
             raise BadRequest(
