@@ -178,6 +178,8 @@ def bench(
                                                "finished (steady state, no cold-start backlog).")] = True,
     saturation: Annotated[float, typer.Option(help="Skip a system's higher rates once its mean TTFT exceeds this × "
                                               "its unloaded TTFT (0: run every rate).")] = 10.0,
+    fidelity: Annotated[int, typer.Option(help="Score N of the measured requests offline against full prefill "
+                                          "(tessera verify's metrics) and report them next to TTFT (0: skip).")] = 0,
     config: ConfigOpt = None,
 ) -> None:
     """Open-loop Poisson load against fresh local clusters; prints and plots TTFT per system and rate."""
@@ -220,6 +222,14 @@ def bench(
     report = asyncio.run(run_bench(cfg, wl, opts))
     for line in format_report(report):
         typer.echo(line)
+    if fidelity > 0:
+        import json
+
+        from tessera.benchmark.verify import format_fidelity, measured_fidelity
+
+        report["fidelity"] = measured_fidelity(cfg, wl, fidelity, warmup, seed=seed)
+        (out / "bench.json").write_text(json.dumps(report, indent=1))
+        typer.echo(format_fidelity(report["fidelity"]))
 
 
 @app.command(name="eval")
@@ -292,6 +302,8 @@ def verify(
     conversations: Annotated[int, typer.Option(help="locomo: the first N conversations (0: all).")] = 0,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the workload and the sample.")] = 0,
+    frontier: Annotated[bool, typer.Option("--frontier", help="Also time each setting's composed prefill offline "
+                                           "and plot the speed-fidelity frontier next to --out.")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Fidelity of composed prefill vs full prefill (KL, greedy agreement, top-1, 95% CIs) per setting."""
@@ -335,7 +347,7 @@ def verify(
         raise typer.Exit(2) from None
     chosen_prompts = vf.sample(pool, samples, seed)
     scores = vf.verify(engine, engine.tokenizer, cfg, chosen_prompts, settings, answer_tokens=answer_tokens,
-                       kl_positions=kl_positions, progress=True)
+                       kl_positions=kl_positions, progress=True, timed=frontier)
     rows = vf.summarize(scores)
     source = str(prompts) if prompts is not None else workload.value
     typer.echo(f"{source}: {len(chosen_prompts)} prompts, reference = full prefill of the plain prompt, "
@@ -363,6 +375,11 @@ def verify(
             report["calibrated"] = best.as_dict()
             typer.echo(f"calibration: {best.setting.label} ({best.cost:.1f} recomputed unit tokens per prompt, "
                        f"KL {best.kl}, agreement {best.prefix}); overlay written to {overlay}")
+    if frontier:
+        path = vf.plot_frontier(rows, out.with_suffix(".frontier.png"),
+                                f"{source}: speed vs fidelity ({len(chosen_prompts)} prompts)")
+        report["frontier_plot"] = str(path)
+        typer.echo(f"plot: {path}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     typer.echo(f"wrote {out}")

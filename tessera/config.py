@@ -136,7 +136,8 @@ class ControlConfig:
     w_lifetime: float = 0.5
     # admission threshold theta
     theta: float = 2.0
-    # whether a unit may be admitted at its very first retrieval
+    # whether a unit at its very first retrieval may evict residents; into free space every
+    # unit is admitted at first sight whatever this says
     admit_first: bool = False
     # read leases expire if their holder does not release them in time (holder died)
     lease_ttl_s: float = 30.0

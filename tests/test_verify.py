@@ -86,3 +86,25 @@ def test_calibration_picks_the_cheapest_passing_setting_and_its_overlay_loads(ti
                            "--overlay", str(overlay))
     assert code == 0 and report["calibrated"]["cost"] == 0  # type: ignore[index]
     assert load_config(overlay).composition.policy == "naive"  # every setting passes: reuse everything
+
+
+def test_frontier_times_each_setting_and_plots_it(tiny_config_file: Path, tmp_path: Path) -> None:
+    """--frontier adds a composed-prefill time per setting and writes the frontier plot."""
+    code, report, output = _run(tiny_config_file, tmp_path, "--policies", "naive,full", "--leads", "none",
+                                "--frontier")
+    assert code == 0, output
+    rows = report["rows"]
+    assert isinstance(rows, list) and all(r["prefill_s"] > 0 for r in rows)
+    assert Path(str(report["frontier_plot"])).is_file()
+
+
+def test_bench_fidelity_scores_the_configured_setting_on_measured_requests(tiny_config_file: Path) -> None:
+    """``bench --fidelity N`` scores N requests from the measured part with the configured setting."""
+    from tessera.benchmark.verify import format_fidelity, measured_fidelity
+
+    cfg = load_config(tiny_config_file)
+    wl = synthetic_workload(8, n_units=6, unit_words=12, units_per_request=2)
+    fid = measured_fidelity(cfg, wl, 3, 0.5, answer_tokens=3, kl_positions=2)
+    assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 +lead"
+    assert 0.0 <= fid["prefix"]["mean"] <= 1.0 and fid["kl"]["mean"] >= 0.0
+    assert "measured requests" in format_fidelity(fid)

@@ -26,6 +26,7 @@ import json
 import math
 import random
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +179,7 @@ class Scores:
     exact: list[float] = field(default_factory=list)
     top1: list[float] = field(default_factory=list)
     cost: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # composed prefill wall time (``timed`` only)
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -206,8 +208,12 @@ def _cost(computed: Sequence[tuple[int, int]], text_tokens: int) -> float:
 
 def verify(engine: EngineAdapter, tokenizer: Tokenizer, config: ClusterConfig, prompts: Sequence[Prompt],
            settings: Sequence[Setting], *, answer_tokens: int = 16, kl_positions: int = 8,
-           progress: bool = False) -> dict[Setting, Scores]:
-    """Score every setting on every prompt against full prefill of the plain prompt."""
+           progress: bool = False, timed: bool = False) -> dict[Setting, Scores]:
+    """Score every setting on every prompt against full prefill of the plain prompt.
+
+    ``timed``: also time each setting's composed prefill alone (placement + final extend, unit
+    states ready: the warm serving path without transfers), for the speed–fidelity frontier.
+    """
     assert answer_tokens > 0 and kl_positions > 0, (answer_tokens, kl_positions)
     layouts = Layouts(engine, tokenizer)
     policies = {s: policy_from_config(s.composition(config.composition)) for s in settings}
@@ -233,6 +239,10 @@ def verify(engine: EngineAdapter, tokenizer: Tokenizer, config: ClusterConfig, p
             sc.exact.append(exact)
             sc.top1.append(top1)
             sc.cost.append(_cost(comp.computed, text_tokens))
+            if timed:
+                t0 = time.perf_counter()
+                compose(engine, layout, policy, states[s.unit_lead], use_prefix_cache=False)
+                sc.seconds.append(time.perf_counter() - t0)
         if progress:
             print(f"\r[verify] {i + 1}/{len(prompts)} prompts", end="", file=sys.stderr, flush=True)
     if progress:
@@ -269,9 +279,11 @@ class Row:
     exact: Interval
     top1: Interval
     cost: float  # mean unit tokens recomputed per prompt
+    seconds: float = math.nan  # mean composed prefill time (``timed`` runs)
 
     def as_dict(self) -> dict[str, Any]:
         return {"setting": self.setting.label, "composition": dataclasses.asdict(self.setting), "cost": self.cost,
+                "prefill_s": self.seconds,
                 **{k: dataclasses.asdict(getattr(self, k)) for k in ("kl", "prefix", "exact", "top1")}}
 
     def meets(self, max_kl: float | None, min_agreement: float | None) -> bool:
@@ -281,7 +293,8 @@ class Row:
 
 def summarize(scores: dict[Setting, Scores]) -> list[Row]:
     return [Row(s, bootstrap(v.kl), bootstrap(v.prefix), bootstrap(v.exact), bootstrap(v.top1),
-                float(np.mean(v.cost)) if v.cost else math.nan) for s, v in scores.items()]
+                float(np.mean(v.cost)) if v.cost else math.nan,
+                float(np.mean(v.seconds)) if v.seconds else math.nan) for s, v in scores.items()]
 
 
 def cheapest(rows: Sequence[Row], max_kl: float | None, min_agreement: float | None) -> Row | None:
@@ -291,12 +304,74 @@ def cheapest(rows: Sequence[Row], max_kl: float | None, min_agreement: float | N
 
 
 def format_rows(rows: Sequence[Row], marked: Setting | None = None) -> list[str]:
-    lines = ["| setting | recomputed unit tokens | mean KL [95% CI] | greedy prefix agreement | exact answer | "
-             "first-token top-1 |", "|---|---|---|---|---|---|"]
+    timed = any(not math.isnan(r.seconds) for r in rows)
+    lines = ["| setting | recomputed unit tokens |" + (" composed prefill (s) |" if timed else "") +
+             " mean KL [95% CI] | greedy prefix agreement | exact answer | first-token top-1 |",
+             "|---|---|" + ("---|" if timed else "") + "---|---|---|---|"]
     for r in rows:
         name = r.setting.label + (" (configured)" if r.setting == marked else "")
-        lines.append(f"| {name} | {r.cost:.1f} | {r.kl} | {r.prefix} | {r.exact} | {r.top1} |")
+        secs = f" {r.seconds:.3f} |" if timed else ""
+        lines.append(f"| {name} | {r.cost:.1f} |{secs} {r.kl} | {r.prefix} | {r.exact} | {r.top1} |")
     return lines
+
+
+def plot_frontier(rows: Sequence[Row], path: Path, title: str) -> Path:
+    """Speed–fidelity frontier: composed prefill time against mean KL and greedy agreement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, ylabel in ((axes[0], "kl", "mean KL vs full prefill"),
+                            (axes[1], "prefix", "greedy agreement (share before first difference)")):
+        for lead, marker in (("", "o"), ("lead", "s")):
+            pts = [r for r in rows if bool(r.setting.unit_lead) == bool(lead)]
+            if not pts:
+                continue
+            xs = [r.seconds for r in pts]
+            ys = [getattr(r, key).mean for r in pts]
+            errs = [[getattr(r, key).mean - getattr(r, key).lo for r in pts],
+                    [getattr(r, key).hi - getattr(r, key).mean for r in pts]]
+            ax.errorbar(xs, ys, yerr=errs, fmt=marker, capsize=3, label="with unit lead" if lead else "plain units")
+            for r, x, y in zip(pts, xs, ys, strict=True):
+                ax.annotate(r.setting.label.replace(" +lead", ""), (x, y), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        ax.set_xlabel("composed prefill per request (s, offline, unit states ready)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def measured_fidelity(config: ClusterConfig, workload: Workload, n: int, warmup_frac: float, *, seed: int = 0,
+                      answer_tokens: int = 16, kl_positions: int = 8) -> dict[str, Any]:
+    """``tessera bench --fidelity N``: the configured composition scored on N measured requests."""
+    from tessera.engines.reference import ReferenceEngine
+
+    split = int(len(workload.requests) * warmup_frac)
+    measured = Workload(workload.name, workload.corpus, workload.requests[split:], workload.notes)
+    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
+    prompts = sample(prompts_from_workload(config, measured, engine.tokenizer), n, seed)
+    setting = Setting.of(config.composition)
+    (row,) = summarize(verify(engine, engine.tokenizer, config, prompts, [setting], answer_tokens=answer_tokens,
+                              kl_positions=kl_positions, progress=True))
+    return {"prompts": len(prompts), "answer_tokens": answer_tokens, "kl_positions": kl_positions, **row.as_dict()}
+
+
+def format_fidelity(fid: dict[str, Any]) -> str:
+    def iv(key: str) -> str:
+        v = fid[key]
+        return f"{v['mean']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]"
+
+    return (f"fidelity of the composed requests ({fid['setting']}) vs full prefill on {fid['prompts']} measured "
+            f"requests: mean KL {iv('kl')}, greedy agreement {iv('prefix')}, exact {iv('exact')}, "
+            f"first-token top-1 {iv('top1')}")
 
 
 def overlay_toml(setting: Setting, base: str = "default") -> str:
