@@ -291,7 +291,8 @@ def verify(
     min_agreement: Annotated[float | None, typer.Option(help="Fail (exit 1) if the configured setting's greedy "
                                                         "prefix agreement is below.")] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Pick the cheapest setting (fewest recomputed "
-                                            "unit tokens) meeting --target-kl/--target-agreement; write an overlay.")] = False,
+                                            "unit tokens) meeting --target-kl/--target-agreement (default: the "
+                                            "configured setting's own KL and agreement); write an overlay.")] = False,
     target_kl: Annotated[float | None, typer.Option(help="Calibration target: mean KL at most this.")] = None,
     target_agreement: Annotated[float | None, typer.Option(help="Calibration target: greedy prefix agreement at least this.")] = None,
     overlay: Annotated[Path, typer.Option(help="Where --calibrate writes its config overlay.")] = Path("results/verify/calibrated.toml"),
@@ -314,9 +315,6 @@ def verify(
     from tessera.engines.reference import ReferenceEngine
 
     cfg = _load(config)
-    if calibrate and target_kl is None and target_agreement is None:
-        typer.echo("tessera verify: --calibrate needs --target-kl and/or --target-agreement", err=True)
-        raise typer.Exit(2)
     lead_of = {"none": "", "lead": cfg.composition.unit_lead or vf.LEAD}
     lead_names = [x.strip() for x in leads.split(",") if x.strip()]
     if not lead_names or any(x not in lead_of for x in lead_names) or answer_tokens < 1 or kl_positions < 1:
@@ -364,6 +362,8 @@ def verify(
                    f"{mine.prefix.mean:.3f} (limits: max KL {max_kl}, min agreement {min_agreement})", err=True)
         code = 1
     if calibrate:
+        if target_kl is None and target_agreement is None:  # no worse than what the config serves today
+            target_kl, target_agreement = mine.kl.mean, mine.prefix.mean
         best = vf.cheapest(rows, target_kl, target_agreement)
         if best is None:
             typer.echo(f"calibration: no setting meets KL <= {target_kl} and agreement >= {target_agreement}; "

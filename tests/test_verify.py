@@ -108,3 +108,15 @@ def test_bench_fidelity_scores_the_configured_setting_on_measured_requests(tiny_
     assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 +lead"
     assert 0.0 <= fid["prefix"]["mean"] <= 1.0 and fid["kl"]["mean"] >= 0.0
     assert "measured requests" in format_fidelity(fid)
+
+
+def test_calibration_without_targets_matches_the_configured_setting(tiny_config_file: Path, tmp_path: Path) -> None:
+    """No target given: the chosen setting is no worse than the configured one on KL and agreement."""
+    overlay = tmp_path / "cal.toml"
+    code, report, output = _run(tiny_config_file, tmp_path, "--ks", "4,16", "--calibrate", "--overlay", str(overlay))
+    assert code == 0, output
+    rows = {r["setting"]: r for r in report["rows"]}  # type: ignore[union-attr]
+    mine, chosen = rows[report["configured"]], report["calibrated"]
+    assert isinstance(chosen, dict)
+    assert chosen["kl"]["mean"] <= mine["kl"]["mean"] and chosen["prefix"]["mean"] >= mine["prefix"]["mean"]
+    assert chosen["cost"] <= mine["cost"]
