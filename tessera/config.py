@@ -94,6 +94,12 @@ class CompositionConfig:
     policy: str = "epic"
     # EPIC LegoLink: recompute the first k tokens of every unit
     recompute_tokens: int = 16
+    # length-aware LegoLink: a unit of n tokens recomputes min(k, ceil(recompute_fraction * n))
+    # leading tokens, so short records are not mostly recomputed (1.0: the first k, any length)
+    recompute_fraction: float = 1.0
+    # a unit whose recomputed share reaches this is plain text for the request: not prefilled,
+    # planned or retained (1.0: only units recomputed whole)
+    inline_share: float = 0.75
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
     # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
@@ -104,6 +110,12 @@ class CompositionConfig:
         _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,
                "expected a registered policy name such as epic, naive or full")
         _non_negative("composition.recompute_tokens", self.recompute_tokens)
+        _check(isinstance(self.recompute_fraction, (int, float)) and not isinstance(self.recompute_fraction, bool)
+               and 0.0 <= self.recompute_fraction <= 1.0, "composition.recompute_fraction", self.recompute_fraction,
+               "expected a share of the unit's tokens in [0, 1]")
+        _check(isinstance(self.inline_share, (int, float)) and not isinstance(self.inline_share, bool)
+               and 0.0 < self.inline_share <= 1.0, "composition.inline_share", self.inline_share,
+               "expected a share in (0, 1] (1.0: inline only units recomputed whole)")
         _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
         _check(isinstance(self.unit_lead, str) and len(self.unit_lead) <= 64, "composition.unit_lead",
                self.unit_lead, "expected a short string (\"\" for none)")
@@ -124,7 +136,8 @@ class ControlConfig:
     w_lifetime: float = 0.5
     # admission threshold theta
     theta: float = 2.0
-    # whether a unit may be admitted at its very first retrieval
+    # whether a unit at its very first retrieval may evict residents; into free space every
+    # unit is admitted at first sight whatever this says
     admit_first: bool = False
     # read leases expire if their holder does not release them in time (holder died)
     lease_ttl_s: float = 30.0

@@ -64,14 +64,12 @@ class LocalTier:
         policy = self.policy
         if policy.records.get(unit_id, NO_RECORD).blocks or n_blocks > self.capacity:
             return None  # resident already (or planned by another request), or never fits
-        if not policy.wants(unit_id):
-            return None
         planned = self.planned
 
         def safe(v: str) -> bool:
             return v not in pinned and v not in planned
 
-        victims = policy.victims(unit_id, n_blocks, self.capacity - policy.used_blocks, safe)
+        victims = policy.decide(unit_id, n_blocks, self.capacity - policy.used_blocks, safe)
         if victims is None:
             return None
         evicting = self.evicting

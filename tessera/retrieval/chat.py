@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 
+from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
@@ -48,6 +49,7 @@ class Serving:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.nodes = NodeClients(config)
+        self.policy = policy_from_config(config.composition)
         self.builder: PromptBuilder | None = None
         self.max_context = 0
         self.capacity = sum(n.max_inflight for n in config.generation)

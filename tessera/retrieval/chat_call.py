@@ -91,6 +91,9 @@ class ChatCall:
     async def prepare(self) -> PromptLayout:
         units = await request_units(self.node, self.chat)
         layout = self.serving.builder_for(self.node).build(self.chat.messages, units, self.chat.placement)
+        if self.node.config.control.mode == "compose":
+            # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
+            layout = self.serving.policy.inline(layout)
         limit = self.serving.max_context
         if layout.n_tokens + self.chat.max_tokens > limit:
             raise BadRequest(
