@@ -27,6 +27,7 @@ from tessera.engines.base import (
     UnitState,
 )
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
+from tessera.engines.device import check_state, to_device
 from tessera.engines.model import Item, Model
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
@@ -101,6 +102,9 @@ class ReferenceEngine(EngineAdapter):
             raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {s.n_slots} slots")
         if n == 0:
             return
+        # the adapter boundary: a state from the cache, the pool or a prefill must fit this engine
+        check_state(state, self.geometry, self.kv_dtype, s.keys.device)
+        state = to_device(state, s.keys.device)
         self.model.rope.ensure(offset + n)
         positions = torch.arange(offset, offset + n, device=s.keys.device)
         rope_place(state.keys, positions, self.model.rope.cos, self.model.rope.sin, s.keys)
