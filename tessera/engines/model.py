@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.engines.rope import RopeTable
-from tessera.engines.weights import LayerWeights, ModelSpec, Weights, load_weights
+from tessera.engines.weights import LayerWeights, ModelSpec, Weights, checkpoint_weights
 from tessera.kernels.rope import rotate_into
 
 
@@ -71,7 +71,7 @@ class Model:
     @classmethod
     def load(cls, path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
              max_positions: int = 0) -> Model:
-        return cls(spec, load_weights(path, spec, dtype, device), dtype, device, max_positions)
+        return cls(spec, checkpoint_weights(path, spec, dtype, device), dtype, device, max_positions)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
