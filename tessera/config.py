@@ -77,6 +77,11 @@ class ModelConfig:
     device: str = "cpu"
     # the engine adapter that runs the model (tessera.engines.registry.ENGINES)
     engine: str = "reference"
+    # engine = "paged" only: tokens per KV page, pool size in tokens (0 = 90% of free CUDA
+    # memory, or 4x max_context on CPU), CUDA graphs for batched decode (CUDA only)
+    page_tokens: int = 16
+    kv_pool_tokens: int = 0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _name("model.engine", self.engine)
@@ -85,6 +90,8 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, COMPUTE_DTYPES)
         _non_negative("model.max_context", self.max_context)
         _positive("model.threads", self.threads)
+        _positive("model.page_tokens", self.page_tokens)
+        _non_negative("model.kv_pool_tokens", self.kv_pool_tokens)
         _check(self.device == "cpu" or self.device.startswith("cuda"), "model.device", self.device,
                'expected "cpu" or "cuda[:N]"')
 

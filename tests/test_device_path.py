@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from device_support import DictReader, execute_request, run_request, running_executor
-from engine_support import random_layout, tiny_engine
+from engine_support import ENGINE_NAMES, random_layout, tiny_engine
 
 from tessera.composition.policies import get_policy
-from tessera.engines.base import UnitState
+from tessera.engines.base import EngineAdapter, UnitState
 from tessera.engines.device import check_state, host_copy, to_device, to_host
 from tessera.engines.offline import compose, prefill_units
-from tessera.engines.reference import ReferenceEngine
 from tessera.errors import PlacementError
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import Preparation
@@ -20,9 +19,13 @@ from tessera.messages import Preparation
 PARTS = [("text", 6), ("unit", 24), ("text", 2), ("unit", 18), ("text", 5)]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> ReferenceEngine:
-    return tiny_engine(tmp_path_factory.mktemp("tiny"), "llama", kv_dtype="float16")
+@pytest.fixture(scope="module", params=ENGINE_NAMES)
+def engine(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> EngineAdapter:
+    return tiny_engine(tmp_path_factory.mktemp("tiny"), "llama", kv_dtype="float16", engine=request.param)
+
+
+def _kv_dtype(engine: EngineAdapter) -> torch.dtype:
+    return {"float16": torch.float16, "float32": torch.float32}[engine.geometry.kv_dtype]
 
 
 def _bad_dtype(state: UnitState) -> UnitState:
@@ -33,20 +36,20 @@ def _bad_shape(state: UnitState) -> UnitState:
     return UnitState(state.keys[:, :, :1].contiguous(), state.values[:, :, :1].contiguous())
 
 
-def test_invariant_messages_name_the_tensor(engine: ReferenceEngine) -> None:
+def test_invariant_messages_name_the_tensor(engine: EngineAdapter) -> None:
     """check_state says which tensor is wrong and how (dtype, shape)."""
     state = prefill_units(engine, random_layout(PARTS))["u1"]
     cpu = torch.device("cpu")
-    check_state(state, engine.geometry, engine.kv_dtype, cpu)
+    check_state(state, engine.geometry, _kv_dtype(engine), cpu)
     with pytest.raises(PlacementError, match=r"state\.keys is torch\.float32 .* torch\.float16"):
-        check_state(_bad_dtype(state), engine.geometry, engine.kv_dtype, cpu)
+        check_state(_bad_dtype(state), engine.geometry, _kv_dtype(engine), cpu)
     with pytest.raises(PlacementError, match=r"state\.values is torch\.float32"):
-        check_state(UnitState(state.keys, state.values.float()), engine.geometry, engine.kv_dtype, cpu)
+        check_state(UnitState(state.keys, state.values.float()), engine.geometry, _kv_dtype(engine), cpu)
     with pytest.raises(PlacementError, match=r"state\.keys has shape \(2, 24, 1, 16\).*H_kv=2"):
-        check_state(_bad_shape(state), engine.geometry, engine.kv_dtype, cpu)
+        check_state(_bad_shape(state), engine.geometry, _kv_dtype(engine), cpu)
 
 
-def test_place_refuses_a_foreign_state_before_writing(engine: ReferenceEngine) -> None:
+def test_place_refuses_a_foreign_state_before_writing(engine: EngineAdapter) -> None:
     """engine.place raises PlacementError (not a kernel error) for a state of another dtype."""
     state = prefill_units(engine, random_layout(PARTS))["u1"]
     slots = engine.allocate(64)
@@ -57,7 +60,7 @@ def test_place_refuses_a_foreign_state_before_writing(engine: ReferenceEngine) -
         engine.free(slots)
 
 
-async def test_copies_are_the_identity_on_cpu(engine: ReferenceEngine) -> None:
+async def test_copies_are_the_identity_on_cpu(engine: EngineAdapter) -> None:
     """A CPU state is neither copied nor pinned: to_device/to_host/host_copy return it as is."""
     state = prefill_units(engine, random_layout(PARTS))["u1"]
     assert to_device(state, torch.device("cpu")) is state
@@ -67,7 +70,7 @@ async def test_copies_are_the_identity_on_cpu(engine: ReferenceEngine) -> None:
 
 
 @pytest.mark.parametrize("break_state", [_bad_dtype, _bad_shape], ids=["dtype", "shape"])
-async def test_unplaceable_local_and_remote_states_fall_back_to_compute(engine: ReferenceEngine, break_state) -> None:  # type: ignore[no-untyped-def]
+async def test_unplaceable_local_and_remote_states_fall_back_to_compute(engine: EngineAdapter, break_state) -> None:  # type: ignore[no-untyped-def]
     """A local and a fetched state that fail placement are computed; the tokens equal offline composition."""
     layout = random_layout(PARTS, seed=3)
     policy = get_policy("epic", recompute_tokens=4)
@@ -85,7 +88,7 @@ async def test_unplaceable_local_and_remote_states_fall_back_to_compute(engine: 
     assert (s.fallbacks, s.computed_units, s.local_units, s.remote_units) == (2, 2, 0, 0)
 
 
-async def test_local_and_remote_states_that_fit_are_placed(engine: ReferenceEngine) -> None:
+async def test_local_and_remote_states_that_fit_are_placed(engine: EngineAdapter) -> None:
     """Control: the same request with good states reuses both and returns the same tokens."""
     layout = random_layout(PARTS, seed=3)
     policy = get_policy("epic", recompute_tokens=4)
@@ -102,7 +105,7 @@ async def test_local_and_remote_states_that_fit_are_placed(engine: ReferenceEngi
     assert (s.fallbacks, s.computed_units, s.local_units, s.remote_units) == (0, 0, 1, 1)
 
 
-async def test_a_missing_unit_is_retained_locally_as_a_host_state(engine: ReferenceEngine) -> None:
+async def test_a_missing_unit_is_retained_locally_as_a_host_state(engine: EngineAdapter) -> None:
     """A computed unit with local retention lands in the cache in host memory, usable by the next request."""
     layout = random_layout(PARTS, seed=4)
     policy = get_policy("epic", recompute_tokens=4)
