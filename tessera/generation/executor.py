@@ -7,8 +7,9 @@
     final extend: the policy's recomputed tokens + the remaining text, in one batch item
     sample, then decode until a stop token or max_tokens
 
-A remote fetch that fails, times out or fails its checksum falls back to computing the unit
-from text; the request still succeeds. Nothing here knows about HTTP.
+A remote fetch that fails, times out or fails its checksum, and a local or fetched state that
+cannot be copied to the device or placed (:class:`PlacementError`), fall back to computing
+the unit from text; the request still succeeds. Nothing here knows about HTTP.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import EngineAdapter, KVSlots, UnitState
 from tessera.engines.offline import place_units
 from tessera.engines.sampling import Sampler
-from tessera.errors import TransferError
+from tessera.errors import PlacementError, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
@@ -175,39 +176,56 @@ class Executor:
     async def _prepare(self, slots: KVSlots, token_ids: Sequence[int], plan: UnitPlan, spans: list[Placement],
                        local_evict: Sequence[str], stats: RequestStats, unreleased: set[str],
                        received_at: float) -> None:
-        state: UnitState | None = None
         n = len(token_ids)
-        if plan.preparation is Preparation.LOCAL:
-            state = self.cache.get(plan.unit_id)  # pinned since the snapshot
-            if state is not None:
-                stats.local_tokens += n
-                stats.local_units += 1
-        elif plan.preparation is Preparation.REMOTE and plan.lease is not None:
-            lease = plan.lease
+        state = await self._reuse(plan, n, stats, unreleased, received_at)
+        if state is not None:
             try:
-                if self.reader is None:
-                    raise TransferError("this node has no KV pool client")
-                # the lease's TTL runs from when the plan arrived, not from when this fetch starts
-                state = await self.reader.fetch(lease, n, release=False, received_at=received_at)
-                stats.remote_tokens += n
-                stats.remote_units += 1
-                stats.bytes_fetched += state.nbytes()
-            except TransferError as exc:
-                log.warning("fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
+                await self.worker.call(place_units, self.engine, slots, spans, {plan.unit_id: state})
+            except PlacementError as exc:
+                # a state that cannot be copied or placed only costs its prefill
+                log.warning("placing unit %s (%s) failed (%s); computing it instead", plan.unit_id,
+                            plan.preparation, exc)
                 stats.fallbacks += 1
-            finally:
-                unreleased.discard(lease.lease_id)
-                self.release_lease(lease.lease_id)
+                state = None
+            else:
+                if plan.preparation is Preparation.LOCAL:
+                    stats.local_tokens += n
+                    stats.local_units += 1
+                else:
+                    stats.remote_tokens += n
+                    stats.remote_units += 1
+                    stats.bytes_fetched += state.nbytes()
         if state is None:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
-        await self.worker.call(place_units, self.engine, slots, spans, {plan.unit_id: state})
+            await self.worker.call(place_units, self.engine, slots, spans, {plan.unit_id: state})
         # retention happens off the critical path; a local hit is already retained locally
         self.retainer.retain(plan.unit_id, state,
                              plan.retention.local and plan.preparation is not Preparation.LOCAL,
                              plan.grant, local_evict, received_at)
+
+    async def _reuse(self, plan: UnitPlan, n: int, stats: RequestStats, unreleased: set[str],
+                     received_at: float) -> UnitState | None:
+        """The unit's state from the local cache or the KV Pool, or None (compute it)."""
+        if plan.preparation is Preparation.LOCAL:
+            return self.cache.get(plan.unit_id)  # pinned since the snapshot
+        if plan.preparation is not Preparation.REMOTE or plan.lease is None:
+            return None
+        lease = plan.lease
+        try:
+            if self.reader is None:
+                raise TransferError("this node has no KV pool client")
+            # the lease's TTL runs from when the plan arrived, not from when this fetch starts
+            return await self.reader.fetch(lease, n, release=False, received_at=received_at)
+        except TransferError as exc:
+            log.warning("fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
+            stats.fallbacks += 1
+            return None
+        finally:
+            unreleased.discard(lease.lease_id)
+            self.release_lease(lease.lease_id)
 
 
 def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

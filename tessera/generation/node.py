@@ -30,6 +30,7 @@ from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
+from tessera.engines.device import is_cuda
 from tessera.errors import BadRequest, TesseraError
 from tessera.generation.executor import Executor, Finished, TokenEvent
 from tessera.generation.prefills import PrefillCoalescer
@@ -90,7 +91,8 @@ class GenerationNode:
             from tessera.transport.blocks import BlockLayout
 
             layout = BlockLayout(self.engine.geometry, self.config.block_tokens)
-            self.pool = KVPoolClient(self.config, layout, control=self.control)
+            self.pool = KVPoolClient(self.config, layout, control=self.control,
+                                     pin_memory=is_cuda(self.config.model.device))
         self.retainer = Retainer(
             self.cache, self.pool, self.control,
             staging_bytes=self.config.transport.writeback_staging_bytes,

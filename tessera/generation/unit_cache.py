@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from tessera.engines.base import UnitState
 from tessera.units import blocks_for
 
@@ -28,11 +26,14 @@ class _Entry:
 
 
 class LocalUnitCache:
-    def __init__(self, capacity_blocks: int, block_tokens: int, pin_memory: bool | None = None) -> None:
+    """Host-memory unit states (the retainer stages device states to pinned host memory first)."""
+
+    def __init__(self, capacity_blocks: int, block_tokens: int, pin_memory: bool = False) -> None:
         self.capacity_blocks = capacity_blocks
         self.block_tokens = block_tokens
-        # pinned host memory makes host->GPU copies asynchronous; only meaningful with CUDA
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # pin host states that arrive pageable (a CPU engine never needs it; a CUDA engine's
+        # states arrive pinned from tessera.engines.device.to_host already)
+        self.pin_memory = pin_memory
         self._entries: dict[str, _Entry] = {}
         self._pins: dict[str, list[str]] = {}  # request_id -> pinned unit ids
         self.used_blocks = 0
@@ -78,6 +79,9 @@ class LocalUnitCache:
         """
         if unit_id in self._entries:
             return False, []
+        assert state.keys.device.type == "cpu" and state.values.device.type == "cpu", (
+            f"the local cache holds host states; state.keys is on {state.keys.device}: stage it with "
+            "tessera.engines.device.host_copy first")
         need = blocks_for(state.n_tokens, self.block_tokens)
         victims = [v for v in dict.fromkeys(evict) if v in self._entries and self._entries[v].pins == 0 and v != unit_id]
         free_after = self.capacity_blocks - self.used_blocks + sum(self._entries[v].blocks for v in victims)
@@ -90,7 +94,7 @@ class LocalUnitCache:
                 break
             self.evict(v)
             evicted.append(v)
-        if self.pin_memory:
+        if self.pin_memory and not state.keys.is_pinned():
             state = UnitState(state.keys.pin_memory(), state.values.pin_memory())
         self._entries[unit_id] = _Entry(state, need)
         self.used_blocks += need

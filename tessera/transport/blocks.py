@@ -169,15 +169,20 @@ class BlockLayout:
             )
         return payload
 
-    def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int) -> UnitState:
-        """Verify every block and assemble the unit's ``[L, T, H_kv, D]`` keys and values."""
+    def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int, *,
+               pin_memory: bool = False) -> UnitState:
+        """Verify every block and assemble the unit's ``[L, T, H_kv, D]`` keys and values.
+
+        ``pin_memory``: assemble into pinned host buffers (the engine runs on CUDA and copies
+        them to the device asynchronously).
+        """
         if len(blocks) != self.n_blocks(n_tokens):
             raise ChecksumMismatch(f"unit {unit_id}: {len(blocks)} blocks for {n_tokens} tokens, "
                                    f"expected {self.n_blocks(n_tokens)}")
         g = self.geometry
         shape = (g.n_layers, n_tokens, g.n_kv_heads, g.head_dim)
-        keys = torch.empty(shape, dtype=DTYPES[g.kv_dtype])
-        values = torch.empty(shape, dtype=DTYPES[g.kv_dtype])
+        keys = torch.empty(shape, dtype=DTYPES[g.kv_dtype], pin_memory=pin_memory)
+        values = torch.empty(shape, dtype=DTYPES[g.kv_dtype], pin_memory=pin_memory)
         for b, buf in enumerate(blocks):
             payload = self.verify(buf, unit_id, epoch, b, n_tokens)
             start, end = self.token_range(b, n_tokens)
