@@ -247,6 +247,14 @@ class ResidencyReport:
 
 
 @dataclass(frozen=True, slots=True)
+class RevokeRequest:
+    """Retrieval role -> generation node: these units were deleted; drop their cached states."""
+
+    version: int
+    unit_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LoadReport:
     version: int
     node: str

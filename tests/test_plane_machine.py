@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tessera.errors import Unavailable, PublishRejected
+from tessera.errors import PublishRejected, Unavailable
 from tessera.messages import (
     BlockRef,
     CancelRequest,

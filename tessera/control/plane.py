@@ -13,6 +13,11 @@ Used in process by the retrieval role's chat layer and over HTTP by the other ro
 Leases are taken for every remote unit before any retention decision of the same plan, so
 no eviction decided later in the plan can reclaim a block the plan reads.
 
+Revocation (``revoke``): a deleted or replaced unit is *revoked*. From then on every plan
+computes it from text and retains it nowhere, whatever a node's snapshot says (a node that
+missed the drop order cannot get it used); its shared entry takes no new lease and goes
+once its leases drain; a pending reservation of it is dropped, so its publish is refused.
+
 The plane never touches payload bytes or tensors, and never waits on the network: every
 method is synchronous and cheap enough to run on the event loop.
 """
@@ -120,6 +125,8 @@ class ControlPlane:
         # interned UnitPlans by kind: held (LOCAL, NEITHER), computed and kept (COMPUTE, LOCAL),
         # computed (COMPUTE, NEITHER); keyed by unit
         self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
+        self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
+        self._draining: set[str] = set()  # revoked units whose shared entry waits for its leases
 
     # --- the request path ----------------------------------------------------------------
 
@@ -167,6 +174,9 @@ class ControlPlane:
         pairs = r.pairs
         ids = tuple(tokens)
         held_set = held if isinstance(held, (set, frozenset)) else set(held)
+        revoked = self.revoked
+        if revoked and not revoked.isdisjoint(held_set):
+            held_set = held_set - revoked  # a node that missed the drop order may still hold it
         local.reconcile(pairs, held_set, self._requests)
         local.policy.observe(ids)
         shared = self.shared
@@ -174,6 +184,7 @@ class ControlPlane:
         directory = self.directory
         # preparation first: every lease exists before any eviction of this plan is decided
         leases: list[ReadLease | None] = [None if u in held_set else directory.lease(u, node) for u, _ in pairs]
+        # (directory.lease refuses revoked units: their entries are gone or draining)
         plans: list[UnitPlan] = []
         evict: list[str] = []
         held_plans, kept_plans, computed_plans = self._interned
@@ -181,6 +192,9 @@ class ControlPlane:
         hits = kept_local = kept_shared = 0
         for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
+            if u in revoked:
+                plans.append(UnitPlan(u, n, COMPUTE, Retention.NEITHER))
+                continue
             if u in held_set:
                 prep = LOCAL
                 keep_local = False
@@ -257,6 +271,8 @@ class ControlPlane:
     def release(self, msg: ReleaseRequest) -> Ack:
         check_version(msg.version)
         unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
+        if self._draining:
+            self._forget_drained()
         return Ack(WIRE_VERSION, True, f"already released or expired: {', '.join(unknown)}" if unknown else "")
 
     def residency(self, msg: ResidencyReport) -> Ack:
@@ -264,7 +280,8 @@ class ControlPlane:
         node = self.generation_node(msg.node)
         self._heard(node)
         node.local.drop(msg.evicted)
-        node.local.confirm(msg.inserted, self._blocks)
+        revoked = self.revoked
+        node.local.confirm([u for u in msg.inserted if u not in revoked] if revoked else msg.inserted, self._blocks)
         return Ack(WIRE_VERSION, True)
 
     def load(self, msg: LoadReport) -> Ack:
@@ -287,6 +304,54 @@ class ControlPlane:
         if not node.alive:
             node.alive = True
             self._live = [n for n in self.nodes.values() if n.alive]
+
+    # --- revocation ----------------------------------------------------------------------
+
+    def revoke(self, unit_ids: Collection[str]) -> None:
+        """These units were deleted or replaced: no plan made from now on may use their KV.
+
+        The caller tells the generation nodes to drop their copies (best effort: plans
+        ignore a node's copy of a revoked unit anyway).
+        """
+        fresh = [u for u in unit_ids if u not in self.revoked]
+        self.revoked.update(fresh)
+        directory = self.directory
+        dropped = []
+        for u in fresh:
+            if directory.revoke(u):
+                dropped.append(u)
+            elif u in directory:
+                self._draining.add(u)
+            self._blocks.pop(u, None)
+            for interned in self._interned:
+                interned.pop(u, None)
+        self.shared.forget(dropped)
+        for gen in self.nodes.values():
+            gen.local.revoke(fresh)
+
+    def reinstate(self, unit_ids: Collection[str]) -> None:
+        """These units were ingested again (same scope and tokens): they may be cached again."""
+        self.revoked.difference_update(unit_ids)
+
+    def begin_incarnation(self, incarnation: int) -> None:
+        """This plane is the ``incarnation``-th start of its data directory (1 = the first).
+
+        Storage epochs start above every epoch an earlier incarnation could have granted, and
+        if there was one, every memory node's slots are fenced until no write or read under
+        its grants and leases can still be in flight.
+        """
+        directory = self.directory
+        directory.begin_epochs(incarnation << 32)
+        if incarnation > 1:
+            until = self.clock() + max(directory.write_timeout_s, directory.lease_ttl_s) + directory.reclaim_grace_s
+            for k in self.config.kvpools:
+                directory.fence(k.name, until)
+
+    def _forget_drained(self) -> None:
+        directory = self.directory
+        drained = [u for u in self._draining if u not in directory]
+        self._draining.difference_update(drained)
+        self.shared.forget(drained)
 
     # --- memory nodes --------------------------------------------------------------------
 
@@ -315,6 +380,8 @@ class ControlPlane:
         for node in self.nodes.values():
             if node.alive and node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s:
                 self._declare_dead(node)
+        if self._draining:
+            self._forget_drained()
 
     def _declare_dead(self, node: GenerationNode) -> None:
         node.alive = False
