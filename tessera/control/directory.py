@@ -96,6 +96,7 @@ class Directory:
         self._quarantine: list[tuple[float, int, tuple[BlockRef, ...]]] = []
         # memory node -> until when writes under grants of its lost incarnation may land
         self._fences: dict[str, float] = {}
+        self._fenced_until: dict[str, float] = {}  # the same, kept after the node joined (recovery waits)
         self._qseq = itertools.count()
 
     # --- queries -------------------------------------------------------------------------
@@ -261,6 +262,25 @@ class Directory:
     def fence(self, node: str, until: float) -> None:
         """No slot of ``node`` is handed out before ``until`` (a write granted elsewhere may land)."""
         self._fences[node] = max(until, self._fences.get(node, until))
+        self._fenced_until[node] = self._fences[node]
+
+    def fenced_for(self, node: str) -> float:
+        """Seconds until the node's fence ends (0: none); its slots are quarantined until then."""
+        return max(0.0, self._fenced_until.get(node, 0.0) - self.clock())
+
+    def adopt(self, unit_id: str, epoch: int, blocks: tuple[BlockRef, ...], n_tokens: int) -> bool:
+        """Recovery: a READY entry for blocks a memory node verified; False if a block is not free.
+
+        Only called once the node's fence ended, so no write of an earlier incarnation can
+        still land in these blocks; a free block is one no current grant or lease covers.
+        """
+        if unit_id in self._entries:
+            return False
+        self._reclaim_due(self.clock())
+        if not self.allocator.claim(blocks):
+            return False
+        self._entries[unit_id] = Entry(unit_id, epoch, EntryState.READY, blocks, n_tokens, "", float("inf"))
+        return True
 
     def add_node(self, node: str, capacity: int) -> None:
         """A memory node joins (or comes back empty); fenced slots return when writes are done."""
@@ -300,6 +320,7 @@ class Directory:
         heapq.heapify(self._quarantine)
         if fence > now:
             self._fences[node] = max(fence, self._fences.get(node, fence))
+            self._fenced_until[node] = self._fences[node]
         self.allocator.remove_node(node)
         return dropped
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
@@ -41,9 +41,12 @@ from tessera.control.stats import PlaneStats
 from tessera.errors import BadRequest, Unavailable
 from tessera.messages import (
     Ack,
+    BlockRef,
     CancelRequest,
+    InventoryResult,
     LoadReport,
     MemoryNodeHello,
+    MemoryNodeInventory,
     Preparation,
     PublishRequest,
     ReadLease,
@@ -126,6 +129,8 @@ class ControlPlane:
         # computed (COMPUTE, NEITHER); keyed by unit
         self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
+        # recovery: (unit, epoch) -> block index -> block, reported by memory nodes, not complete yet
+        self._recovering: dict[tuple[str, int, int], dict[int, BlockRef]] = {}  # key: (unit, epoch, n_tokens)
         self._draining: set[str] = set()  # revoked units whose shared entry waits for its leases
 
     # --- the request path ----------------------------------------------------------------
@@ -279,6 +284,8 @@ class ControlPlane:
         check_version(msg.version)
         node = self.generation_node(msg.node)
         self._heard(node)
+        for u, b in zip(msg.inserted, msg.blocks, strict=False):
+            self._blocks.setdefault(u, b)  # a re-report after this plane restarted
         node.local.drop(msg.evicted)
         revoked = self.revoked
         node.local.confirm([u for u in msg.inserted if u not in revoked] if revoked else msg.inserted, self._blocks)
@@ -288,10 +295,12 @@ class ControlPlane:
         """Load figures and the generation node's heartbeat."""
         check_version(msg.version)
         node = self.generation_node(msg.node)
+        first = node.last_seen is None
         self._heard(node)
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
-        return Ack(WIRE_VERSION, True)
+        # first report to this plane (a new incarnation): ask for the whole local cache
+        return Ack(WIRE_VERSION, True, "resync" if first else "")
 
     def generation_node(self, name: str) -> GenerationNode:
         node = self.nodes.get(name)
@@ -364,6 +373,43 @@ class ControlPlane:
         if outcome is not HelloOutcome.HEARTBEAT:
             self.directory.add_node(msg.name, msg.capacity_blocks)
         return Ack(WIRE_VERSION, True, outcome.value)
+
+    def adopt(self, msg: MemoryNodeInventory, units: Mapping[str, tuple[str, int]]) -> InventoryResult:
+        """Recovery: rebuild READY entries from the verified blocks a memory node still holds.
+
+        ``units`` maps a unit key (hex digest) to (unit_id, n_tokens) for the units that still
+        exist in the store. A unit is adopted when every one of its blocks was reported at one
+        epoch, with the token counts its length implies, in slots that are free now; blocks of
+        units that are gone, revoked or incomplete are simply left free (reclaimed). A unit
+        whose blocks span several memory nodes is adopted once the last of them reported.
+        """
+        check_version(msg.version)
+        if self.memory.boot_id(msg.name) != msg.boot_id:
+            raise BadRequest(f"memory node {msg.name!r} (boot {msg.boot_id}) must say hello before its inventory", 409)
+        wait = self.directory.fenced_for(msg.name)
+        if wait > 0:
+            return InventoryResult(WIRE_VERSION, (), wait)
+        B = self.block_tokens
+        for blk in msg.blocks:
+            found = units.get(blk.unit_key)
+            if found is None or found[0] in self.revoked or found[0] in self.directory:
+                continue
+            unit_id, n = found
+            start = blk.block_index * B
+            if blk.unit_tokens != n or not 0 <= start < n or blk.tokens != min(B, n - start):
+                continue  # written for another length: not this unit's state
+            self._recovering.setdefault((unit_id, blk.epoch, n), {})[blk.block_index] = BlockRef(msg.name, blk.slot)
+        adopted: list[str] = []
+        for (unit_id, epoch, n), found_blocks in list(self._recovering.items()):
+            nb = -(-n // B)
+            if len(found_blocks) != nb:
+                continue
+            del self._recovering[(unit_id, epoch, n)]
+            blocks = tuple(found_blocks[i] for i in range(nb))
+            if unit_id not in self.revoked and self.directory.adopt(unit_id, epoch, blocks, n):
+                self.shared.policy.add(unit_id, nb)
+                adopted.append(unit_id)
+        return InventoryResult(WIRE_VERSION, tuple(adopted))
 
     def memory_nodes(self) -> list[MemoryNodeHello]:
         return self.memory.hellos()

@@ -118,7 +118,9 @@ class GenerationNode:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+                if ack.reason == "resync":
+                    await self.control.resync(self.cache.residency())
             except TesseraError as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
             await asyncio.sleep(HEARTBEAT_S)

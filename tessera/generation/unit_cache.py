@@ -55,6 +55,10 @@ class LocalUnitCache:
     def unit_ids(self) -> list[str]:
         return list(self._entries)
 
+    def residency(self) -> list[tuple[str, int]]:
+        """(unit, blocks) of every cached unit (a restarted control plane asks for it)."""
+        return [(u, e.blocks) for u, e in self._entries.items()]
+
     # --- snapshot and pins ---------------------------------------------------------------
 
     def held(self, request_id: str, unit_ids: Iterable[str]) -> list[str]:

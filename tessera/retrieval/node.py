@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
+from tessera.messages import InventoryResult, MemoryNodeInventory
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.revocation import Revoker
 from tessera.retrieval.store import Deleted, Hit, Ingested, StoredUnit, UnitStore
@@ -113,6 +114,13 @@ class RetrievalNode:
 
     async def get(self, unit_id: str) -> StoredUnit | None:
         return await self._run(self._pool().get, unit_id)
+
+    async def adopt(self, msg: MemoryNodeInventory) -> InventoryResult:
+        """A memory node's inventory after this role restarted: entries of units that still exist."""
+        if self.plane.directory.fenced_for(msg.name) > 0:
+            return self.plane.adopt(msg, {})  # answers "retry later" without reading the store
+        units = await self._run(self._pool().by_digest, sorted({b.unit_key for b in msg.blocks}))
+        return self.plane.adopt(msg, units)
 
     async def delete(self, unit_ids: Sequence[str]) -> Deleted:
         done = await self._run(self._pool().delete, unit_ids)

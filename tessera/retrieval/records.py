@@ -4,7 +4,8 @@ Tables:
 
 * ``units``: one row per live unit: its usearch key (``key``, an AUTOINCREMENT rowid, so a
   key is never reused after a delete), id, scope, text, token ids (uint32 LE), metadata
-  (JSON), embedding (float32 LE) and the caller's optional ``external_id`` (unique per scope).
+  (JSON), embedding (float32 LE), the caller's optional ``external_id`` (unique per scope)
+  and the unit's digest as KV block headers carry it (to recover a memory node's entries).
 * ``revoked``: tombstones of deleted or replaced units. They make deletes idempotent (a
   unit deleted twice answers "already deleted", a never-seen id is unknown) and tell the
   control plane, after a restart, which unit ids must never be served from a cache.
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import TesseraError
+from tessera.units import unit_key_hex
 
 SCHEMA_VERSION = 1
 DB_NAME = "units.sqlite3"
@@ -51,9 +53,11 @@ CREATE TABLE IF NOT EXISTS units (
     tokens BLOB NOT NULL,
     metadata TEXT NOT NULL,
     embedding BLOB NOT NULL,
-    external_id TEXT
+    external_id TEXT,
+    digest TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS units_scope ON units(scope);
+CREATE INDEX IF NOT EXISTS units_digest ON units(digest);
 CREATE UNIQUE INDEX IF NOT EXISTS units_external ON units(scope, external_id) WHERE external_id IS NOT NULL;
 CREATE TABLE IF NOT EXISTS revoked (unit_id TEXT PRIMARY KEY, scope TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS scopes (scope TEXT PRIMARY KEY, version INTEGER NOT NULL, saved INTEGER NOT NULL);
@@ -177,10 +181,11 @@ class UnitRecords:
                 if r.external_id is not None:
                     self._release_external(r.unit_id, r.external_id, r.scope)
                 cur = db.execute(
-                    "INSERT INTO units (unit_id, scope, text, tokens, metadata, embedding, external_id) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO units (unit_id, scope, text, tokens, metadata, embedding, external_id, digest) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (r.unit_id, r.scope, r.text, np.asarray(r.token_ids, dtype="<u4").tobytes(),
-                     json.dumps(dict(r.metadata)), np.asarray(r.embedding, dtype="<f4").tobytes(), r.external_id))
+                     json.dumps(dict(r.metadata)), np.asarray(r.embedding, dtype="<f4").tobytes(), r.external_id,
+                     unit_key_hex(r.unit_id)))
                 assert cur.lastrowid is not None
                 keys.append(cur.lastrowid)
                 touched.add(r.scope)
@@ -241,6 +246,12 @@ class UnitRecords:
         row = self._db.execute("SELECT unit_id FROM units WHERE scope = ? AND external_id = ?",
                                (scope, external_id)).fetchone()
         return None if row is None else str(row[0])
+
+    def by_digest(self, digests: Iterable[str]) -> dict[str, tuple[str, int]]:
+        """digest (hex) -> (unit_id, n_tokens) of the live units among ``digests``."""
+        rows = self._db.execute("SELECT digest, unit_id, length(tokens) / 4 FROM units "
+                                "WHERE digest IN (SELECT value FROM json_each(?))", (json.dumps(list(digests)),))
+        return {d: (u, int(n)) for d, u, n in rows}
 
     def revoked(self, unit_ids: Iterable[str] | None = None) -> set[str]:
         """The tombstoned ids (all of them, or those among ``unit_ids``)."""

@@ -7,6 +7,7 @@ GET    /v1/units/{id}      one stored unit (404 if unknown or deleted)
 DELETE /v1/units/{id}      revoke one unit (200 again if already deleted, 404 if never stored)
 POST   /v1/units/delete    revoke every unit of a scope matching a metadata filter
 POST   /v1/retrieve        top-k units of a scope for a query text or embedding
+POST   /control/kvpool/inventory   a memory node's verified blocks after this role restarted
 =========================  ==================================================================
 
 A delete is acknowledged only once it is committed, the unit left the index, the control
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
+from tessera.messages import MemoryNodeInventory
 from tessera.retrieval import api
 from tessera.retrieval.node import RetrievalNode
 from tessera.wire import WIRE_VERSION
@@ -84,6 +86,12 @@ async def delete_units(request: web.Request) -> web.Response:
     msg = await body(request, api.DeleteRequest)
     done = await ready(request).delete_where(msg.scope, msg.filter)
     return reply(api.DeleteResponse(WIRE_VERSION, done.deleted))
+
+
+@routes.post("/control/kvpool/inventory")
+async def inventory(request: web.Request) -> web.Response:
+    msg = await body(request, MemoryNodeInventory)
+    return reply(await ready(request).adopt(msg))
 
 
 @routes.post("/v1/retrieve")

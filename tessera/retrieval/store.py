@@ -164,6 +164,10 @@ class UnitStore:
         r = self.records.get(unit_id)
         return None if r is None else StoredUnit(_unit(r), r.metadata, r.external_id)
 
+    def by_digest(self, digests: Sequence[str]) -> dict[str, tuple[str, int]]:
+        """Block-header digest (hex) -> (unit_id, n_tokens) of live units: recovery of the shared tier."""
+        return self.records.by_digest(digests)
+
     def revoked(self) -> set[str]:
         """Every unit id deleted or replaced (and not ingested again) in this data directory."""
         return self.records.revoked()
