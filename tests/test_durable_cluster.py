@@ -190,3 +190,16 @@ def test_units_and_cached_states_survive_a_kill_9_of_the_retrieval_role(
     assert send(url, "DELETE", f"/v1/units/{ids['coffee']}")[0] == 200
     cluster.restart("retrieval", crash=True)
     assert send(url, "DELETE", f"/v1/units/{ids['coffee']}")[1]["already"] == [ids["coffee"]]
+
+
+def test_a_whole_cluster_restart_serves_the_units_of_the_first_run(durable: tuple[ClusterConfig, LocalCluster]) -> None:
+    """What `tessera up` twice does: every role stops cleanly and starts again on the same data directory."""
+    cfg, cluster = durable
+    url = cfg.retrieval_url
+    query = {"version": V, "scope": "archive", "query": "Which mountain is highest?", "top_k": 3}
+    before = send(url, "POST", "/v1/retrieve", query)[1]
+    cluster.stop()
+    cluster.start(timeout=120)
+    assert send(url, "POST", "/v1/retrieve", query)[1] == before
+    log = (cluster.log_dir / "retrieval-main.log").read_text()
+    assert "rebuilt" not in log, "a clean stop saves the indexes: the restart loads them"
