@@ -10,7 +10,14 @@ from kvpool_support import BLOCK_TOKENS, random_state, tiny_layout
 
 from tessera.errors import PublishRejected
 from tessera.kvpool.inventory import scan
-from tessera.messages import InventoryBlock, MemoryNodeInventory, Preparation, PublishRequest
+from tessera.messages import (
+    InventoryBlock,
+    LoadReport,
+    MemoryNodeInventory,
+    Preparation,
+    PublishRequest,
+    ResidencyReport,
+)
 from tessera.transport.arena import Arena, segment_name
 from tessera.units import unit_key_hex
 from tessera.wire import WIRE_VERSION
@@ -106,3 +113,16 @@ def test_a_write_granted_by_the_previous_incarnation_cannot_publish() -> None:
     fresh.plane.begin_incarnation(2)
     with pytest.raises(PublishRejected, match="no reservation"):
         fresh.plane.publish(PublishRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer, grant.blocks))
+
+
+def test_a_generation_node_re_reports_its_cache_to_a_restarted_plane() -> None:
+    """The first heartbeat to a new plane is answered "resync"; the full report rebuilds the local view."""
+    c = Cluster(admission="lru", nodes=1)
+    plane = c.plane
+    assert plane.load(LoadReport(WIRE_VERSION, "gen0", 0)).reason == "resync"
+    assert plane.load(LoadReport(WIRE_VERSION, "gen0", 0)).reason == ""
+    plane.residency(ResidencyReport(WIRE_VERSION, "gen0", ("a", "b"), (), (2, 3)))
+    assert plane.nodes["gen0"].local.used_blocks == 5
+    c.caches["gen0"].update({"a", "b"})
+    assert preps(c.plan([("a", 8), ("b", 12)])) == {"a": Preparation.LOCAL, "b": Preparation.LOCAL}
+    plane.check_invariants()
