@@ -35,13 +35,13 @@ from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
 from tessera.control.membership import GenerationNode, HelloOutcome, MemoryNodes
 from tessera.control.record import NO_RECORD
+from tessera.control.recovery import Reassembly
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
 from tessera.errors import BadRequest, Unavailable
 from tessera.messages import (
     Ack,
-    BlockRef,
     CancelRequest,
     InventoryResult,
     LoadReport,
@@ -129,8 +129,7 @@ class ControlPlane:
         # computed (COMPUTE, NEITHER); keyed by unit
         self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
-        # recovery: (unit, epoch) -> block index -> block, reported by memory nodes, not complete yet
-        self._recovering: dict[tuple[str, int, int], dict[int, BlockRef]] = {}  # key: (unit, epoch, n_tokens)
+        self._reassembly = Reassembly(self.block_tokens)  # recovery: reported blocks, not complete yet
         self._draining: set[str] = set()  # revoked units whose shared entry waits for its leases
 
     # --- the request path ----------------------------------------------------------------
@@ -389,25 +388,14 @@ class ControlPlane:
         wait = self.directory.fenced_for(msg.name)
         if wait > 0:
             return InventoryResult(WIRE_VERSION, (), wait)
-        B = self.block_tokens
-        for blk in msg.blocks:
-            found = units.get(blk.unit_key)
-            if found is None or found[0] in self.revoked or found[0] in self.directory:
-                continue
-            unit_id, n = found
-            start = blk.block_index * B
-            if blk.unit_tokens != n or not 0 <= start < n or blk.tokens != min(B, n - start):
-                continue  # written for another length: not this unit's state
-            self._recovering.setdefault((unit_id, blk.epoch, n), {})[blk.block_index] = BlockRef(msg.name, blk.slot)
+        revoked, directory = self.revoked, self.directory
+        found = ((blk, units.get(blk.unit_key)) for blk in msg.blocks)
+        self._reassembly.add(msg.name, ((blk, *u) for blk, u in found
+                                        if u is not None and u[0] not in revoked and u[0] not in directory))
         adopted: list[str] = []
-        for (unit_id, epoch, n), found_blocks in list(self._recovering.items()):
-            nb = -(-n // B)
-            if len(found_blocks) != nb:
-                continue
-            del self._recovering[(unit_id, epoch, n)]
-            blocks = tuple(found_blocks[i] for i in range(nb))
-            if unit_id not in self.revoked and self.directory.adopt(unit_id, epoch, blocks, n):
-                self.shared.policy.add(unit_id, nb)
+        for unit_id, epoch, blocks, n in self._reassembly.complete():
+            if unit_id not in revoked and directory.adopt(unit_id, epoch, blocks, n):
+                self.shared.policy.add(unit_id, len(blocks))
                 adopted.append(unit_id)
         return InventoryResult(WIRE_VERSION, tuple(adopted))
 
