@@ -169,8 +169,11 @@ def test_units_and_cached_states_survive_a_kill_9_of_the_retrieval_role(
     url = cfg.retrieval_url
     docs = {name: text.replace(".", " (archive).") for name, text in DOCS.items()}
     ids = ingest(url, "archive", docs)
-    chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
+    before_writes = node_metric(node_url, "tessera_node_writebacks_published_total")
+    chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") > before_writes,
+             what="writeback")
     published = node_metric(node_url, "tessera_node_writebacks_published_total")
     assert chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")["usage"]["tessera"]["remote_units"] == 1
     queries = ["Where is the largest reef?", "How is espresso brewed?", "Which mountain is highest?"]
