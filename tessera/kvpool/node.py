@@ -46,6 +46,7 @@ from tessera.transport.tcp_server import BlockServer
 from tessera.wire import WIRE_VERSION, to_wire
 
 log = logging.getLogger("tessera.kvpool")
+INVENTORY_CHUNK = 2048  # blocks per inventory message (~250 KB of JSON)
 
 
 class MemoryNode:
@@ -115,23 +116,32 @@ class MemoryNode:
             await asyncio.sleep(interval)
 
     async def report_inventory(self) -> None:
-        """Report the verified blocks until the plane is past its fence and has adopted what it wants."""
+        """Report the verified blocks until the plane is past its fence and has adopted what it wants.
+
+        Sent in chunks (request bodies are bounded); the plane keeps partial units across them.
+        """
         while True:
             blocks = await asyncio.to_thread(scan, self.arena, self.layout)
-            if not blocks:
-                return
+            adopted = 0
+            retry = 0.0
             try:
-                result = await self.control.inventory(
-                    MemoryNodeInventory(WIRE_VERSION, self.node.name, self.boot_id, tuple(blocks)))
+                for i in range(0, len(blocks), INVENTORY_CHUNK):
+                    result = await self.control.inventory(MemoryNodeInventory(
+                        WIRE_VERSION, self.node.name, self.boot_id, tuple(blocks[i : i + INVENTORY_CHUNK])))
+                    adopted += len(result.adopted)
+                    retry = result.retry_after_s
+                    if retry > 0:
+                        break
             except ControlPlaneError as exc:
                 log.warning("kvpool %s: inventory not delivered (its entries are lost): %s", self.node.name, exc)
                 return
-            if result.retry_after_s <= 0:
-                self.adopted += len(result.adopted)
-                log.info("kvpool %s: control plane took back %d units from %d verified blocks", self.node.name,
-                         len(result.adopted), len(blocks))
+            if retry <= 0:
+                self.adopted += adopted
+                if blocks:
+                    log.info("kvpool %s: control plane took back %d units from %d verified blocks",
+                             self.node.name, adopted, len(blocks))
                 return
-            await asyncio.sleep(result.retry_after_s + 0.05)
+            await asyncio.sleep(retry + 0.05)
 
     # --- control endpoints ---------------------------------------------------------------
 
