@@ -70,14 +70,25 @@ def run(
 def up(
     config: ConfigOpt = None,
     log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Where each role's log goes (default: a temp dir).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="Where units and indexes persist (default: retrieval.data_dir, else "
+        "$XDG_DATA_HOME/tessera/default or ~/.local/share/tessera/default).")] = None,
 ) -> None:
     """Start every role of the config on this machine (retrieval, kvpool, generation) and wait for Ctrl-C."""
+    import dataclasses
+    import os
     import signal
     import time
 
     from tessera.launcher import ClusterError, LocalCluster
 
     cfg = _load(config)
+    if data_dir is not None or not cfg.retrieval.data_dir:
+        # a store you ingest into survives `tessera up` twice in a row
+        home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+        chosen = data_dir or home / "tessera" / "default"
+        cfg = dataclasses.replace(cfg, retrieval=dataclasses.replace(cfg.retrieval, data_dir=str(chosen)))
+    typer.echo(f"tessera up: units persist in {cfg.retrieval.data_dir}")
     cluster = LocalCluster(cfg, log_dir=log_dir)
     try:
         cluster.start()

@@ -189,9 +189,17 @@ class RetrievalConfig:
     unit_placement: str = "system"
     # torch threads of the query/ingest embedder (MiniLM); the generation nodes need the rest
     embed_threads: int = 1
+    # where units (SQLite) and their ANN indexes persist; "" = a fresh temporary directory,
+    # removed at shutdown (tests, bench clusters). `tessera up` sets a per-user directory.
+    data_dir: str = ""
+    # how often changed scope indexes are saved (a crash rebuilds the unsaved ones from SQLite)
+    index_save_s: float = 30.0
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _check(isinstance(self.data_dir, str), "retrieval.data_dir", self.data_dir, "expected a path or \"\"")
+        _check(isinstance(self.index_save_s, (int, float)) and self.index_save_s > 0, "retrieval.index_save_s",
+               self.index_save_s, "expected seconds > 0")
         _positive("retrieval.embed_threads", self.embed_threads)
         _positive("retrieval.top_k", self.top_k)
         _positive("retrieval.max_unit_tokens", self.max_unit_tokens)

@@ -113,6 +113,29 @@ class LocalCluster:
             self.stop()
             raise
 
+    def restart(self, role: str, node: str = "main", *, crash: bool = True, timeout: float = 120.0) -> Child:
+        """Stop one child (SIGKILL if ``crash``, else SIGTERM and drain) and start it again."""
+        old = next(c for c in self.children if c.role == role and c.node == node)
+        if old.proc.poll() is None:
+            if crash:
+                old.proc.kill()
+            else:
+                old.proc.send_signal(signal.SIGTERM)
+            old.proc.wait(timeout)
+        old.log_file.close()
+        self.children.remove(old)
+        cfg = self.config
+        if role == "retrieval":
+            host, port = cfg.retrieval.host, cfg.retrieval.port
+        elif role == "kvpool":
+            host, port = cfg.kvpool_node(node).host, cfg.kvpool_node(node).port
+        else:
+            host, port = cfg.generation_node(node).host, cfg.generation_node(node).port
+        old.log_path.rename(old.log_path.with_suffix(f".{len(self.children)}.{time.monotonic_ns()}.log"))
+        child = self._spawn(role, node, host, port)
+        self._wait([child], timeout)
+        return child
+
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is None]
 

@@ -244,6 +244,17 @@ class ResidencyReport:
     node: str
     inserted: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+    # blocks of each inserted unit (parallel to ``inserted``): sent when the node re-reports its
+    # whole cache to a control plane that restarted and does not know the units' sizes
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeRequest:
+    """Retrieval role -> generation node: these units were deleted; drop their cached states."""
+
+    version: int
+    unit_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +277,40 @@ class MemoryNodeHello:
     shm_name: str
     data_host: str
     data_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryBlock:
+    """One verified block a memory node holds, as its header names it (see transport/blocks.py)."""
+
+    slot: int
+    unit_key: str  # hex of the 16-byte unit digest
+    epoch: int
+    block_index: int
+    tokens: int
+    unit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNodeInventory:
+    """A memory node that (re)joined a new control plane reports the blocks it still holds.
+
+    Only blocks whose header and payload checksums verify are listed.
+    """
+
+    version: int
+    name: str
+    boot_id: str
+    blocks: tuple[InventoryBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryResult:
+    version: int
+    adopted: tuple[str, ...]  # unit ids whose entries are READY again
+    # > 0: the node's slots are still fenced (writes of an earlier incarnation may land):
+    # scan again and resend after this many seconds
+    retry_after_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

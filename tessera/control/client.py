@@ -6,6 +6,7 @@ Other roles call the control plane only through these classes (JSON over aiohttp
     POST /control/cancel         CancelRequest   -> Ack
     POST /control/release        ReleaseRequest  -> Ack
     POST /control/kvpool/hello   MemoryNodeHello -> Ack   (registration and heartbeat)
+    POST /control/kvpool/inventory  MemoryNodeInventory -> InventoryResult (recovery)
     GET  /control/kvpool                         -> [MemoryNodeHello]
 
 Control messages are small and rare (one per unit, not per block), so aiohttp is fine here;
@@ -26,8 +27,10 @@ from tessera.errors import ControlPlaneError, PublishRejected
 from tessera.messages import (
     Ack,
     CancelRequest,
+    InventoryResult,
     LoadReport,
     MemoryNodeHello,
+    MemoryNodeInventory,
     PublishRequest,
     ReleaseRequest,
     ResidencyReport,
@@ -106,6 +109,13 @@ class ControlClient:
     async def hello(self, msg: MemoryNodeHello) -> Ack:
         return await self._ack("/control/kvpool/hello", msg)
 
+    async def inventory(self, msg: MemoryNodeInventory) -> InventoryResult:
+        """A memory node's verified blocks after the control plane restarted (recovery)."""
+        status, payload = await self._call("POST", "/control/kvpool/inventory", msg)
+        if status != 200:
+            raise ControlPlaneError(f"POST /control/kvpool/inventory: HTTP {status}: {self._reason(payload)}")
+        return from_wire(InventoryResult, payload)
+
     async def memory_nodes(self) -> list[MemoryNodeHello]:
         status, payload = await self._call("GET", "/control/kvpool")
         if status != 200:
@@ -140,8 +150,15 @@ class NodeControl(ControlClient):
         except ControlPlaneError as exc:
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
-    async def load(self, inflight: int, queued_tokens: int) -> None:
-        await self._ack("/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens))
+    async def load(self, inflight: int, queued_tokens: int) -> Ack:
+        """The heartbeat; an ack with reason "resync" asks for :meth:`resync`."""
+        return await self._ack("/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens))
+
+    async def resync(self, units: Sequence[tuple[str, int]]) -> None:
+        """Report the whole local cache, (unit, blocks) each, to a control plane that restarted."""
+        if units:
+            await self._ack("/control/residency", ResidencyReport(
+                WIRE_VERSION, self.node, tuple(u for u, _ in units), (), tuple(b for _, b in units)))
 
     async def give_up(self, grant: WriteGrant) -> None:
         try:

@@ -127,6 +127,13 @@ class LocalTier:
             self.planned.pop(u, None)
             self._discard(u)
 
+    def revoke(self, unit_ids: Iterable[str]) -> None:
+        """These units were deleted: the node is told to drop them; the view forgets them now."""
+        for u in unit_ids:
+            self.planned.pop(u, None)
+            self.evicting.pop(u, None)
+            self._discard(u)
+
     def clear(self) -> None:
         """The node is gone; if it comes back, it comes back empty."""
         for u in list(self.policy.resident):

@@ -7,6 +7,7 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
     POST /v1/execute    ExecuteRequest  -> NDJSON stream of {"token", "text"} lines, then
                                            {"done": true, "finish_reason", "stats"}
     POST /v1/abort      {"request_id"}
+    POST /v1/revoke     RevokeRequest -> {"dropped": n}   (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
 
 Only the retrieval role calls these. The node never decides admission or eviction itself;
@@ -38,7 +39,7 @@ from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
-from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse, check_version
+from tessera.messages import ExecuteRequest, RevokeRequest, SnapshotRequest, SnapshotResponse, check_version
 from tessera.metrics import Registry
 from tessera.runtime import BackgroundTasks, serve
 from tessera.wire import WIRE_VERSION, decode, encode
@@ -119,7 +120,9 @@ class GenerationNode:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+                if ack.reason == "resync":
+                    await self.control.resync(self.cache.residency())
             except TesseraError as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
             await asyncio.sleep(HEARTBEAT_S)
@@ -212,6 +215,11 @@ class GenerationNode:
             self._expire_pins(request_id)
         return web.json_response({"aborted": task is not None})
 
+    async def revoke(self, request: web.Request) -> web.Response:
+        msg = decode(RevokeRequest, await request.read())
+        check_version(msg.version)
+        return web.json_response({"dropped": self.cache.revoke(msg.unit_ids)})
+
     async def health(self, request: web.Request) -> web.Response:
         if not self.ready:
             return web.json_response({"node": self.name, "ready": False}, status=503)
@@ -244,6 +252,7 @@ def build_app(config: ClusterConfig, name: str) -> web.Application:
     app.router.add_post("/v1/snapshot", node.snapshot)
     app.router.add_post("/v1/execute", node.execute)
     app.router.add_post("/v1/abort", node.abort)
+    app.router.add_post("/v1/revoke", node.revoke)
     app.router.add_get("/metrics", node.metrics_text)
     return app
 

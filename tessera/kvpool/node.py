@@ -9,6 +9,9 @@ A memory node owns one block arena in POSIX shared memory and serves it:
 * ``GET /health`` and ``GET /info`` (a :class:`NodeEndpoint`) on the control port;
 * it says hello to the control plane at start and then as a heartbeat. Every start has a
   new random ``boot_id``: a restarted node is empty, and the directory drops what it held.
+* when a control plane answers "joined" (it restarted, or had declared this node dead), the
+  node scans its arena and reports the verified blocks it holds (kvpool/inventory.py), so
+  the plane can make them READY entries again instead of recomputing them.
 
 Memory nodes hold payloads only: which slot belongs to which unit and epoch is known to the
 control plane alone. The arena is sized from the model geometry (read from the checkpoint's
@@ -33,7 +36,8 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import ControlPlaneError, TesseraError
 from tessera.http import application
-from tessera.messages import MemoryNodeHello
+from tessera.kvpool.inventory import scan
+from tessera.messages import MemoryNodeHello, MemoryNodeInventory
 from tessera.runtime import BackgroundTasks, serve
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import ArenaExport, NodeEndpoint, transport_class
@@ -42,6 +46,7 @@ from tessera.transport.tcp_server import BlockServer
 from tessera.wire import WIRE_VERSION, to_wire
 
 log = logging.getLogger("tessera.kvpool")
+INVENTORY_CHUNK = 2048  # blocks per inventory message (~250 KB of JSON)
 
 
 class MemoryNode:
@@ -59,6 +64,8 @@ class MemoryNode:
         self.control = ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")
         self.hellos_acked = 0
+        self.adopted = 0  # units a restarted control plane took back from this arena
+        self._inventory: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start(self.node.host, self.node.data_port)
@@ -98,6 +105,8 @@ class MemoryNode:
                 ack = await self.control.hello(self.hello())
                 if not ack.ok:
                     log.warning("control plane refused hello of %s: %s", self.node.name, ack.reason)
+                elif ack.reason == "joined" and (self._inventory is None or self._inventory.done()):
+                    self._inventory = self.tasks.spawn(self.report_inventory(), name="inventory")
                 self.hellos_acked += 1
                 warned = False
             except ControlPlaneError as exc:
@@ -105,6 +114,34 @@ class MemoryNode:
                     log.warning("kvpool %s: control plane unreachable, will keep trying: %s", self.node.name, exc)
                     warned = True
             await asyncio.sleep(interval)
+
+    async def report_inventory(self) -> None:
+        """Report the verified blocks until the plane is past its fence and has adopted what it wants.
+
+        Sent in chunks (request bodies are bounded); the plane keeps partial units across them.
+        """
+        while True:
+            blocks = await asyncio.to_thread(scan, self.arena, self.layout)
+            adopted = 0
+            retry = 0.0
+            try:
+                for i in range(0, len(blocks), INVENTORY_CHUNK):
+                    result = await self.control.inventory(MemoryNodeInventory(
+                        WIRE_VERSION, self.node.name, self.boot_id, tuple(blocks[i : i + INVENTORY_CHUNK])))
+                    adopted += len(result.adopted)
+                    retry = result.retry_after_s
+                    if retry > 0:
+                        break
+            except ControlPlaneError as exc:
+                log.warning("kvpool %s: inventory not delivered (its entries are lost): %s", self.node.name, exc)
+                return
+            if retry <= 0:
+                self.adopted += adopted
+                if blocks:
+                    log.info("kvpool %s: control plane took back %d units from %d verified blocks",
+                             self.node.name, adopted, len(blocks))
+                return
+            await asyncio.sleep(retry + 0.05)
 
     # --- control endpoints ---------------------------------------------------------------
 
@@ -129,7 +166,7 @@ class MemoryNode:
         body["geometry"] = asdict(self.layout.geometry)
         body["block_tokens"] = self.layout.block_tokens
         body["transport"] = self.config.transport.name
-        body["stats"] = {**self.server.stats(), "hellos_acked": self.hellos_acked}
+        body["stats"] = {**self.server.stats(), "hellos_acked": self.hellos_acked, "adopted": self.adopted}
         return web.json_response(body)
 
 

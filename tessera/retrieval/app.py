@@ -17,6 +17,7 @@ from tessera.errors import ModelLoadError
 from tessera.http import application
 from tessera.retrieval.chat import add_chat_routes
 from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.records import StoreMismatch
 from tessera.retrieval.routes import RETRIEVAL_NODE, routes
 from tessera.runtime import run, serve
 
@@ -50,6 +51,6 @@ def run_retrieval_role(config: ClusterConfig) -> int:
 
     try:
         return run(main)
-    except ModelLoadError as exc:
+    except (ModelLoadError, StoreMismatch) as exc:
         print(f"tessera retrieval: {exc}", file=sys.stderr)
         return 3

@@ -15,7 +15,6 @@ This module knows nothing about where slots live or how bytes move (see the tran
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ import torch
 
 from tessera.engines.base import DTYPES, ModelGeometry, UnitState
 from tessera.errors import ChecksumMismatch
-from tessera.units import blocks_for
+from tessera.units import blocks_for, unit_key
 
 MAGIC = b"TKVB"
 HEADER_VERSION = 1
@@ -41,11 +40,6 @@ assert _PAD <= HEADER_BYTES
 
 def _header_crc(buf: memoryview) -> int:
     return zlib.crc32(buf[_PAD:HEADER_BYTES], zlib.crc32(buf[: _FIELDS.size]))
-
-
-def unit_key(unit_id: str) -> bytes:
-    """16-byte digest of a unit id, as stored in block headers."""
-    return hashlib.blake2b(unit_id.encode(), digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)
