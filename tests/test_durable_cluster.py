@@ -53,8 +53,11 @@ def durable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     one memory node, admission on first sight, a data directory."""
     cfg = cluster_config(str(tiny_model), nodes=1, local_blocks=1, admission="lru", write_timeout_s=4.0,
                          lease_ttl_s=4.0)
+    # k = 4: the test documents are one sentence each; with the default k they would be recomputed
+    # nearly whole and so sent as plain text (composition.inline_share), never cached
     cfg = dataclasses.replace(cfg, retrieval=dataclasses.replace(
-        cfg.retrieval, data_dir=str(tmp_path_factory.mktemp("data")), max_unit_tokens=256))
+        cfg.retrieval, data_dir=str(tmp_path_factory.mktemp("data")), max_unit_tokens=256),
+        composition=dataclasses.replace(cfg.composition, recompute_tokens=4))
     with running_cluster(cfg, tmp_path_factory.mktemp("durable")) as cluster:
         yield cfg, cluster
 

@@ -106,7 +106,7 @@ def test_a_unit_spread_over_two_memory_nodes_is_adopted_when_both_reported() -> 
 def test_a_write_granted_by_the_previous_incarnation_cannot_publish() -> None:
     """The new plane has no reservation for an old grant: its publish is refused, not adopted."""
     c = Cluster(heartbeat_timeout_s=600.0)
-    c.serve([("a", 8)])
+
     plan = c.plan([("a", 8)])
     grant = next(u.grant for u in plan.units if u.grant is not None)
     fresh = Cluster(heartbeat_timeout_s=600.0)  # the restarted plane
