@@ -81,15 +81,18 @@ def test_an_unsaved_index_is_rebuilt_from_the_stored_embeddings(parts, tmp_path:
     again.close()
 
 
-def test_a_stale_saved_index_is_rebuilt(parts, tmp_path: Path) -> None:
-    """An index saved before later ingests (version behind the records) is not trusted."""
+def test_a_stale_saved_index_is_caught_up_with_what_changed_since(parts, tmp_path: Path) -> None:
+    """Saved before later ingests and deletes (a crash before the next save): only the changes are replayed."""
     store = open_store(parts, tmp_path)
-    store.ingest(DOCS[:2])
+    ids = [u.unit_id for u, _ in store.ingest(DOCS[:3]).units]
     assert store.save_indexes() == 1
-    store.ingest(DOCS[2:])
+    store.ingest(DOCS[3:])
+    store.delete([ids[0]])
+    expected = ranking(store)
     store.records.close()
     again = open_store(parts, tmp_path)
-    assert again.rebuilt == ["kb"] and len(again) == len(DOCS)
+    assert again.rebuilt == [] and again.caught_up == {"kb": 2} and len(again) == len(DOCS) - 1
+    assert ranking(again) == expected
     again.close()
 
 

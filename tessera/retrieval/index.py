@@ -77,6 +77,10 @@ class ScopeIndex:
     def load(self, path: Path) -> None:
         self._index.load(str(path))
 
+    def keys(self) -> np.ndarray:
+        """Every indexed key, [N] uint64."""
+        return np.asarray(self._index.keys, dtype=np.uint64)
+
 
 class UnitIndex:
     """Every scope's index. Verbs: ``add``, ``remove``, ``search``, ``save``/``load``."""

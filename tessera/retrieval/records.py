@@ -279,6 +279,18 @@ class UnitRecords:
         vectors = np.frombuffer(b"".join(e for _, e in rows), dtype="<f4").reshape(len(rows), dim)
         return keys, vectors
 
+    def keys(self, scope: str) -> np.ndarray:
+        """Index keys of a scope's live units, [N] uint64."""
+        rows = self._db.execute("SELECT key FROM units WHERE scope = ?", (scope,)).fetchall()
+        return np.fromiter((k for (k,) in rows), dtype=np.uint64, count=len(rows))
+
+    def embeddings_of(self, keys: Sequence[int], dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys [N] uint64, vectors [N, dim] float32) of these units (missing ones skipped)."""
+        rows = self._db.execute("SELECT key, embedding FROM units WHERE key IN (SELECT value FROM json_each(?))",
+                                (json.dumps([int(k) for k in keys]),)).fetchall()
+        found = np.fromiter((k for k, _ in rows), dtype=np.uint64, count=len(rows))
+        return found, np.frombuffer(b"".join(e for _, e in rows), dtype="<f4").reshape(len(rows), dim)
+
     def unit_ids(self) -> list[str]:
         return [u for (u,) in self._db.execute("SELECT unit_id FROM units")]
 

@@ -7,7 +7,7 @@ scope yields the same unit id and indexes nothing new (its metadata is replaced)
 
 Durability: the unit records (SQLite, records.py) are the source of truth and every batch
 is committed before the call returns; the per-scope indexes are caches of them, saved by
-``save_indexes`` and rebuilt at start-up when missing or stale.
+``save_indexes``, caught up at start-up when stale and rebuilt when missing.
 
 Update and delete: a unit may carry a caller-chosen ``external_id`` (unique per scope).
 Ingesting new text under an existing external id creates the new unit and revokes the old
@@ -106,6 +106,7 @@ class UnitStore:
         self._index_dir.mkdir(exist_ok=True)
         self._dirty: set[str] = set()  # scopes whose index changed since it was saved
         self.rebuilt: list[str] = []  # scopes whose index was rebuilt from the records at start
+        self.caught_up: dict[str, int] = {}  # scope -> units a stale saved index was brought up to date with
         self._open_indexes()
 
     def __len__(self) -> int:
@@ -127,22 +128,50 @@ class UnitStore:
     # --- indexes -------------------------------------------------------------------------
 
     def _open_indexes(self) -> None:
-        """Load each scope's saved index; rebuild it from the stored embeddings if it is stale."""
+        """Load each scope's saved index and bring it up to the records.
+
+        Saved at the records' current version: loaded as is. Saved earlier (a crash before the
+        next periodic save): loaded, then the units added since are indexed from their stored
+        embeddings and the deleted ones removed, so recovery costs what changed, not the
+        whole scope. No file (or an unreadable one): rebuilt from the stored embeddings.
+        """
         for scope, (version, saved) in self.records.scopes().items():
             path = index_path(self._index_dir, scope)
             index = self.index.scope(scope)
-            if saved == version and path.exists():
-                index.load(path)
-                if len(index) == self.records.scope_size(scope):
-                    continue
-                index = self.index.scope_reset(scope)
             t0 = time.perf_counter()
+            if path.exists():
+                try:
+                    index.load(path)
+                except (RuntimeError, ValueError) as exc:
+                    log.warning("scope %s: index file %s unreadable (%s); rebuilding it", scope, path, exc)
+                    index = self.index.scope_reset(scope)
+                else:
+                    if saved == version and len(index) == self.records.scope_size(scope):
+                        continue
+                    changed = self._catch_up(scope)
+                    self.caught_up[scope] = changed
+                    self._dirty.add(scope)
+                    log.info("scope %s: saved index caught up with %d changed units in %.2fs", scope, changed,
+                             time.perf_counter() - t0)
+                    continue
             keys, vectors = self.records.embeddings(scope, self.embedder.dim)
             index.add(keys.tolist(), vectors)
             self._dirty.add(scope)
             self.rebuilt.append(scope)
             log.info("scope %s: index rebuilt from %d stored embeddings in %.1fs", scope, len(keys),
                      time.perf_counter() - t0)
+
+    def _catch_up(self, scope: str) -> int:
+        """Index the scope's units missing from its loaded index, remove the deleted ones."""
+        index = self.index.scope(scope)
+        live = self.records.keys(scope)
+        indexed = index.keys()
+        extra = np.setdiff1d(indexed, live, assume_unique=True)
+        missing = np.setdiff1d(live, indexed, assume_unique=True)
+        index.remove(extra.tolist())
+        keys, vectors = self.records.embeddings_of(missing.tolist(), self.embedder.dim)
+        index.add(keys.tolist(), vectors)
+        return len(extra) + len(keys)
 
     def save_indexes(self) -> int:
         """Write the changed scopes' indexes (atomically); returns how many were written."""
