@@ -38,7 +38,7 @@ from tessera.generation.scheduler import EngineWorker, Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
 from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse, check_version
-from tessera.metrics import Registry
+from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.wire import WIRE_VERSION, decode, encode
 
@@ -57,19 +57,11 @@ class GenerationNode:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._pin_timers: dict[str, asyncio.TimerHandle] = {}
         self.background = BackgroundTasks(f"generation {name}")
-        self.metrics = Registry()
-        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome")
-        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source")
-        # read from the components at scrape time
-        self.g_state = {name: self.metrics.gauge(name, help_text) for name, help_text in (
-            ("tessera_node_inflight", "Requests admitted and not finished"),
-            ("tessera_node_queued_tokens", "Tokens waiting for the engine"),
-            ("tessera_node_local_cache_blocks", "Blocks used in the local unit cache"),
-            ("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit"),
-            ("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)"),
-            ("tessera_node_writebacks_published_total", "Shared writebacks published"),
-            ("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)"),
-        )}
+        self.metrics = Metrics()
+        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome",
+                                               ["outcome"])
+        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source", ["source"])
+        self.metrics.read_at_scrape(self._scrape)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -185,7 +177,7 @@ class GenerationNode:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await resp.write(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}) + b"\n")
         finally:
-            self.m_requests.inc(labels={"outcome": outcome})
+            self.m_requests.labels(outcome=outcome).inc()
             self._tasks.pop(msg.request_id, None)
             self.inflight.discard(msg.request_id)
         with contextlib.suppress(ConnectionError, RuntimeError):
@@ -196,7 +188,7 @@ class GenerationNode:
         s = event.stats
         for source, n in (("prefix", s.prefix_cached_tokens), ("local", s.local_tokens), ("remote", s.remote_tokens),
                           ("computed", s.computed_unit_tokens), ("recomputed", s.recomputed_tokens)):
-            self.m_tokens.inc(n, labels={"source": source})
+            self.m_tokens.labels(source=source).inc(n)
 
     async def abort(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read() or b"{}")
@@ -216,18 +208,24 @@ class GenerationNode:
         return web.json_response({"node": self.name, "ready": True, "inflight": len(self.inflight),
                                   "fingerprint": self.engine.fingerprint.digest.hex()})
 
+    def _scrape(self) -> list[Metric]:
+        """Figures the components own, read at scrape time (none before the engine is loaded)."""
+        if not self.ready:
+            return []
+        return [
+            gauge("tessera_node_inflight", "Requests admitted and not finished", len(self.inflight)),
+            gauge("tessera_node_queued_tokens", "Tokens waiting for the engine", self.scheduler.queued_tokens),
+            gauge("tessera_node_local_cache_blocks", "Blocks used in the local unit cache", self.cache.used_blocks),
+            counter("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit",
+                    self.prefills.coalesced),
+            counter("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)", self.prefills.started),
+            counter("tessera_node_writebacks_published_total", "Shared writebacks published", self.retainer.published),
+            counter("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)",
+                    self.retainer.write_failures),
+        ]
+
     async def metrics_text(self, request: web.Request) -> web.Response:
-        for name, value in (
-            ("tessera_node_inflight", len(self.inflight)),
-            ("tessera_node_queued_tokens", self.scheduler.queued_tokens),
-            ("tessera_node_local_cache_blocks", self.cache.used_blocks),
-            ("tessera_node_coalesced_prefills_total", self.prefills.coalesced),
-            ("tessera_node_unit_prefills_total", self.prefills.started),
-            ("tessera_node_writebacks_published_total", self.retainer.published),
-            ("tessera_node_writeback_failures_total", self.retainer.write_failures),
-        ):
-            self.g_state[name].set(value)
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
+        return self.metrics.response()
 
 
 GENERATION_NODE = web.AppKey("generation_node", GenerationNode)

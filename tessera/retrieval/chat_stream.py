@@ -62,7 +62,7 @@ async def stream_reply(request: web.Request, serving: Serving, call: ChatCall, l
         with contextlib.suppress(ConnectionError, RuntimeError):
             await send(error_body(str(exc), 503))
     finally:
-        serving.m_requests.inc(labels={"status": status})
+        serving.m_requests.labels(status=status).inc()
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write_eof()
     return resp
