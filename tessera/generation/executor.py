@@ -17,7 +17,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
@@ -32,7 +31,17 @@ from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import ExecuteRequest, Preparation, ReadLease, UnitPlan
+from tessera.messages import (
+    DoneEvent,
+    ExecuteRequest,
+    Preparation,
+    ReadLease,
+    RequestStats,
+    TokenEvent,
+    TopLogprob,
+    UnitPlan,
+)
+from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -40,40 +49,6 @@ log = logging.getLogger(__name__)
 class SharedReader(Protocol):
     async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True,
                     received_at: float | None = None) -> UnitState: ...
-
-
-@dataclass
-class RequestStats:
-    prompt_tokens: int = 0
-    prefix_cached_tokens: int = 0  # served by the exact prefix cache
-    local_tokens: int = 0  # unit tokens whose state came from the local cache
-    remote_tokens: int = 0  # ... from the shared KV Pool
-    computed_unit_tokens: int = 0  # ... prefilled from text on this node
-    local_units: int = 0
-    remote_units: int = 0
-    computed_units: int = 0
-    coalesced_units: int = 0  # misses that joined another request's in-flight prefill
-    fallbacks: int = 0  # remote fetches that failed and were computed instead
-    recomputed_tokens: int = 0  # tokens computed in the final extend pass
-    bytes_fetched: int = 0
-    completion_tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    text: str
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class Finished:
-    finish_reason: str
-    stats: RequestStats
 
 
 class Executor:
@@ -101,7 +76,7 @@ class Executor:
         self.policy = policy
         self.mode = mode
 
-    async def run(self, req: ExecuteRequest) -> AsyncIterator[TokenEvent | Finished]:
+    async def run(self, req: ExecuteRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
         received_at = time.monotonic()
         layout, sp = req.layout, req.sampling
         sampler = Sampler(sp, self.engine.eos_token_ids)
@@ -120,13 +95,14 @@ class Executor:
                 if not stop:
                     generated.append(token)
                     decoded = self.engine.decode_tokens(generated)
-                    event = TokenEvent(token, decoded[len(text):])
                     if sp.top_logprobs >= 0:
-                        event.logprob, event.top = _logprobs(logits, token, sp.top_logprobs)
-                    yield event
+                        logprob, top = _logprobs(logits, token, sp.top_logprobs)
+                        yield TokenEvent(WIRE_VERSION, token, decoded[len(text):], logprob, top)
+                    else:
+                        yield TokenEvent(WIRE_VERSION, token, decoded[len(text):])
                     text = decoded
                 if stop or len(generated) >= sp.max_tokens:
-                    yield Finished("stop" if stop else "length", stats)
+                    yield DoneEvent(WIRE_VERSION, "stop" if stop else "length", stats)
                     return
                 logits = await self.scheduler.decode(slots, token, position)
                 position += 1
@@ -210,11 +186,11 @@ class Executor:
                              plan.grant, local_evict, received_at)
 
 
-def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[TopLogprob, ...]]:
     """Log-probability of the chosen token and of the k most likely ones (unscaled logits)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    top: list[tuple[int, float]] = []
+    top: tuple[TopLogprob, ...] = ()
     if k > 0:
         values, ids = lp.topk(k)
-        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        top = tuple(TopLogprob(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
     return float(lp[token]), top

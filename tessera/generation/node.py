@@ -4,8 +4,8 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
 
     GET  /health                        200 once the engine is loaded
     POST /v1/snapshot   SnapshotRequest -> SnapshotResponse   (pins the held units)
-    POST /v1/execute    ExecuteRequest  -> NDJSON stream of {"token", "text"} lines, then
-                                           {"done": true, "finish_reason", "stats"}
+    POST /v1/execute    ExecuteRequest  -> NDJSON stream of TokenEvent lines, then one
+                                           DoneEvent (or ErrorEvent)
     POST /v1/abort      {"request_id"}
     GET  /metrics                       Prometheus text
 
@@ -31,13 +31,20 @@ from tessera.config import ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.errors import BadRequest, TesseraError
-from tessera.generation.executor import Executor, Finished, TokenEvent
+from tessera.generation.executor import Executor
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
-from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse, check_version
+from tessera.messages import (
+    DoneEvent,
+    ErrorEvent,
+    ExecuteRequest,
+    SnapshotRequest,
+    SnapshotResponse,
+    check_version,
+)
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.wire import WIRE_VERSION, decode, encode
@@ -156,26 +163,17 @@ class GenerationNode:
         outcome = "error"
         try:
             async for event in self.executor.run(msg):
-                if isinstance(event, TokenEvent):
-                    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
-                    if event.logprob is not None:
-                        line["logprob"] = event.logprob
-                        line["top"] = event.top
-                    await resp.write(orjson.dumps(line) + b"\n")
-                else:
-                    assert isinstance(event, Finished)
+                if isinstance(event, DoneEvent):
                     self._count(event)
                     outcome = "ok"
-                    await resp.write(orjson.dumps(
-                        {"done": True, "finish_reason": event.finish_reason, "stats": event.stats.as_dict()}
-                    ) + b"\n")
+                await resp.write(encode(event) + b"\n")
         except asyncio.CancelledError:
             outcome = "aborted"
             raise
         except Exception as exc:
             log.exception("%s: request %s failed", self.name, msg.request_id)
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}) + b"\n")
+                await resp.write(encode(ErrorEvent(WIRE_VERSION, f"{type(exc).__name__}: {exc}")) + b"\n")
         finally:
             self.m_requests.labels(outcome=outcome).inc()
             self._tasks.pop(msg.request_id, None)
@@ -184,10 +182,8 @@ class GenerationNode:
             await resp.write_eof()
         return resp
 
-    def _count(self, event: Finished) -> None:
-        s = event.stats
-        for source, n in (("prefix", s.prefix_cached_tokens), ("local", s.local_tokens), ("remote", s.remote_tokens),
-                          ("computed", s.computed_unit_tokens), ("recomputed", s.recomputed_tokens)):
+    def _count(self, event: DoneEvent) -> None:
+        for source, n in event.stats.tokens_by_source():
             self.m_tokens.labels(source=source).inc(n)
 
     async def abort(self, request: web.Request) -> web.Response:

@@ -80,15 +80,14 @@ class Serving:
 
     def record(self, outcome: Outcome) -> None:
         s = outcome.stats
-        for tier, key in (("prefix", "prefix_cached_tokens"), ("local", "local_tokens"), ("remote", "remote_tokens"),
-                          ("computed", "computed_unit_tokens"), ("recomputed", "recomputed_tokens")):
-            self.m_tokens.labels(source=tier).inc(s.get(key, 0))
-        for tier in ("local", "remote", "computed"):
-            self.m_units.labels(preparation=tier).inc(s.get(f"{tier}_units", 0))
-        self.m_fallbacks.inc(s.get("fallbacks", 0))
-        self.m_coalesced.inc(s.get("coalesced_units", 0))
-        self.m_bytes.inc(s.get("bytes_fetched", 0))
-        self.m_completion.inc(s.get("completion_tokens", 0))
+        for source, n in s.tokens_by_source():
+            self.m_tokens.labels(source=source).inc(n)
+        for preparation, n in s.units_by_preparation():
+            self.m_units.labels(preparation=preparation).inc(n)
+        self.m_fallbacks.inc(s.fallbacks)
+        self.m_coalesced.inc(s.coalesced_units)
+        self.m_bytes.inc(s.bytes_fetched)
+        self.m_completion.inc(s.completion_tokens)
 
 
 SERVING = web.AppKey("serving", Serving)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import aiohttp
 import orjson
 
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse
-from tessera.wire import WIRE_VERSION, encode, from_wire
+from tessera.messages import EXECUTE_EVENTS, ExecuteEvent, ExecuteRequest, SnapshotRequest, SnapshotResponse
+from tessera.wire import WIRE_VERSION, decode_tagged, encode, from_wire
 
 
 class NodeUnavailable(TesseraError):
@@ -53,8 +52,8 @@ class NodeClients:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
 
-    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yield the node's NDJSON events; the last one has ``done`` (or ``error``)."""
+    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncIterator[ExecuteEvent]:
+        """Yield the node's events; the last one is a ``DoneEvent`` (or an ``ErrorEvent``)."""
         try:
             async with self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
                                          headers={"Content-Type": "application/json"}) as resp:
@@ -62,7 +61,7 @@ class NodeClients:
                     raise await self._error(node, resp)
                 async for line in resp.content:
                     if line.strip():
-                        yield orjson.loads(line)
+                        yield decode_tagged(EXECUTE_EVENTS, line)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
 
