@@ -163,8 +163,17 @@ class PromptLayout:
         return out
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How the generation node picks tokens; built from a client's request only by
+    :func:`tessera.retrieval.chat_request.parse_chat_request`, which explains bad values to
+    the client. The checks here are the message's invariants (a peer that breaks them gets a
+    400 from the wire decoder)."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -173,6 +182,16 @@ class SamplingParams:
     ignore_eos: bool = False
     # -1: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
     top_logprobs: int = -1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens = {self.max_tokens} is invalid: expected >= 1")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature = {self.temperature} is invalid: expected 0..{MAX_TEMPERATURE} (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p = {self.top_p} is invalid: expected 0 < top_p <= 1")
+        if not -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs = {self.top_logprobs} is invalid: expected -1..{MAX_TOP_LOGPROBS}")
 
 
 # --- control RPCs --------------------------------------------------------------------------

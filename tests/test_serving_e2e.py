@@ -161,6 +161,15 @@ def test_metrics_are_prometheus_text(one_node: Any) -> None:
         assert name in text
 
 
+def test_the_openapi_schema_of_the_chat_endpoint_is_served(one_node: Any) -> None:
+    """GET /openapi.json describes POST /v1/chat/completions with its request schema."""
+    cfg, _ = one_node
+    status, doc = call(cfg.retrieval_url, "/openapi.json")
+    assert status == 200
+    assert "post" in doc["paths"]["/v1/chat/completions"]
+    assert "ChatCompletionRequest" in doc["components"]["schemas"]
+
+
 @pytest.fixture
 def tcp_cluster(tiny_model: Path, tmp_path: Path) -> Any:
     cfg = cluster_config(str(tiny_model), nodes=2, local_blocks=0, transport="tcp", max_inflight=2)

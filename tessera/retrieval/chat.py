@@ -4,6 +4,7 @@
                                 retrieval / context_units extensions (see chat_request.py)
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text
+    GET  /openapi.json          OpenAPI 3.1 schema of the chat endpoint (from the pydantic models)
 
 Request flow (paper §4): retrieve (or take the caller's units) → identify → render the
 layout → route → snapshot of the chosen node → finalize the per-unit plan → execute on
@@ -28,11 +29,8 @@ from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.metrics import Metrics
 from tessera.retrieval.chat_call import ChatCall, Outcome, collect, usage
-from tessera.retrieval.chat_request import (
-    completion_body,
-    error_body,
-    parse_chat_request,
-)
+from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.chat_response import completion_body, error_body, openapi_document, to_json
 from tessera.retrieval.chat_stream import stream_reply
 from tessera.retrieval.generation_client import NodeClients, NodeUnavailable
 from tessera.retrieval.node import RetrievalNode
@@ -94,7 +92,7 @@ SERVING = web.AppKey("serving", Serving)
 
 
 def _json_error(message: str, status: int) -> web.Response:
-    return web.Response(body=orjson.dumps(error_body(message, status)), status=status, content_type="application/json")
+    return web.Response(body=to_json(error_body(message, status)), status=status, content_type="application/json")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -119,17 +117,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         call = ChatCall(serving, node, chat)
         layout = await call.prepare()
         trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") \
-            if body.get("return_layout") is True else None
+            if chat.return_layout else None
         if chat.stream:
             return await stream_reply(request, serving, call, layout, trace)
         outcome = await collect(serving, call, layout)
         serving.m_requests.labels(status="200").inc()
         payload = completion_body(call.request_id, chat.model, outcome.text, outcome.finish_reason,
                                   usage(layout, outcome.stats, call.target),
-                                  outcome.logprobs if chat.top_logprobs >= 0 else None)
-        if trace is not None:
-            payload["tessera_layout"] = trace
-        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+                                  outcome.logprobs if chat.top_logprobs >= 0 else None, trace)
+        return web.Response(body=to_json(payload), content_type="application/json")
     except BadRequest as exc:
         serving.m_requests.labels(status=str(exc.status)).inc()
         return _json_error(str(exc), exc.status)
@@ -150,6 +146,10 @@ async def models(request: web.Request) -> web.Response:
         {"id": serving.config.model.source, "object": "model", "owned_by": "tessera"}]})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document("Tessera"))
+
+
 async def metrics(request: web.Request) -> web.Response:
     return request.app[SERVING].metrics.response()
 
@@ -165,4 +165,5 @@ def add_chat_routes(app: web.Application, config: ClusterConfig) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
 

@@ -26,12 +26,12 @@ from tessera.messages import (
     ReleaseRequest,
     RequestPlan,
     RequestStats,
-    SamplingParams,
     SegmentKind,
     TokenEvent,
     check_version,
 )
 from tessera.retrieval.chat_request import ChatRequest
+from tessera.retrieval.chat_response import PromptTokensDetails, Usage
 from tessera.retrieval.generation_client import NodeUnavailable
 from tessera.retrieval.node import RetrievalNode
 from tessera.units import ContextUnit
@@ -70,16 +70,12 @@ async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextU
     return []
 
 
-def usage(layout: PromptLayout, stats: RequestStats, node: str) -> dict[str, Any]:
-    cached = stats.cached_tokens
+def usage(layout: PromptLayout, stats: RequestStats, node: str) -> Usage:
     completion = stats.completion_tokens
-    return {
-        "prompt_tokens": layout.n_tokens,
-        "completion_tokens": completion,
-        "total_tokens": layout.n_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "tessera": {**to_wire(stats), "node": node},
-    }
+    return Usage(prompt_tokens=layout.n_tokens, completion_tokens=completion,
+                 total_tokens=layout.n_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
+                 tessera={**to_wire(stats), "node": node})
 
 
 class ChatCall:
@@ -117,9 +113,7 @@ class ChatCall:
         try:
             snap = await self.serving.nodes.snapshot(self.target, self.request_id, list(refs))
             self.plan = plane.finalize(self.request_id, self.target, snap.held)
-            sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
-                                      (), self.chat.ignore_eos, self.chat.top_logprobs)
-            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling)
             delivered = False
             try:
                 async for event in self.serving.nodes.execute(self.target, msg):
