@@ -17,24 +17,25 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from tessera.composition.layout import Placement, leading_text_tokens, placements, tokens_to_compute
 from tessera.composition.policies import CompositionPolicy
-from tessera.engines.base import EngineAdapter, KVSlots, UnitState
-from tessera.engines.offline import place_units
+from tessera.engines.base import KVSlots, UnitState
 from tessera.engines.sampling import Sampler
 from tessera.errors import TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import (
     DoneEvent,
     ExecuteRequest,
     Preparation,
+    PromptLayout,
     ReadLease,
     RequestStats,
     TokenEvent,
@@ -51,11 +52,27 @@ class SharedReader(Protocol):
                     received_at: float | None = None) -> UnitState: ...
 
 
+@dataclass
+class Run:
+    """One planned request while it executes on this node."""
+
+    req: ExecuteRequest
+    slots: KVSlots
+    received_at: float  # when the plan arrived: lease TTLs and grant deadlines count from here
+    stats: RequestStats
+    # read leases of the plan not yet consumed; whatever is left goes back when the run ends
+    unreleased: set[str] = field(default_factory=set)
+
+    @property
+    def layout(self) -> PromptLayout:
+        return self.req.layout
+
+
 class Executor:
+    """Runs planned requests; every engine call goes through the scheduler."""
+
     def __init__(
         self,
-        engine: EngineAdapter,
-        worker: EngineWorker,
         scheduler: Scheduler,
         prefills: PrefillCoalescer,
         cache: LocalUnitCache,
@@ -65,8 +82,6 @@ class Executor:
         policy: CompositionPolicy,
         mode: str,
     ) -> None:
-        self.engine = engine
-        self.worker = worker
         self.scheduler = scheduler
         self.prefills = prefills
         self.cache = cache
@@ -78,23 +93,23 @@ class Executor:
 
     async def run(self, req: ExecuteRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
         received_at = time.monotonic()
-        layout, sp = req.layout, req.sampling
-        sampler = Sampler(sp, self.engine.eos_token_ids)
-        stats = RequestStats(prompt_tokens=layout.n_tokens)
-        unreleased = {u.lease.lease_id for u in req.plan.units if u.lease is not None}
-        slots = await self.worker.call(self.engine.allocate, layout.n_tokens + sp.max_tokens)
+        sp = req.sampling
+        sampler = Sampler(sp, self.scheduler.eos_token_ids)
+        slots = await self.scheduler.allocate(req.layout.n_tokens + sp.max_tokens)
+        run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
+                  {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
-            logits = await self._prefill(req, slots, stats, unreleased, received_at)
-            position = layout.n_tokens
+            logits = await self._prefill(run)
+            position = req.layout.n_tokens
             generated: list[int] = []
             text = ""
             while True:
                 token = sampler.pick(logits)
                 stop = sampler.is_stop(token)
-                stats.completion_tokens += 1
+                run.stats.completion_tokens += 1
                 if not stop:
                     generated.append(token)
-                    decoded = self.engine.decode_tokens(generated)
+                    decoded = self.scheduler.detokenize(generated)
                     if sp.top_logprobs >= 0:
                         logprob, top = _logprobs(logits, token, sp.top_logprobs)
                         yield TokenEvent(WIRE_VERSION, token, decoded[len(text):], logprob, top)
@@ -102,55 +117,50 @@ class Executor:
                         yield TokenEvent(WIRE_VERSION, token, decoded[len(text):])
                     text = decoded
                 if stop or len(generated) >= sp.max_tokens:
-                    yield DoneEvent(WIRE_VERSION, "stop" if stop else "length", stats)
+                    yield DoneEvent(WIRE_VERSION, "stop" if stop else "length", run.stats)
                     return
                 logits = await self.scheduler.decode(slots, token, position)
                 position += 1
         finally:
             # leases not consumed (e.g. the request was aborted before its fetch) go back now
-            for lease_id in unreleased:
+            for lease_id in run.unreleased:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
-            await self.worker.call(self.engine.free, slots)
+            await self.scheduler.free(slots)
 
-    async def _prefill(self, req: ExecuteRequest, slots: KVSlots, stats: RequestStats,
-                       unreleased: set[str], received_at: float) -> torch.Tensor:
-        layout = req.layout
-        if self.mode == "prefix" or not req.plan.units:
+    async def _prefill(self, run: Run) -> torch.Tensor:
+        layout, slots, stats = run.layout, run.slots, run.stats
+        if self.mode == "prefix" or not run.req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
-            matched = await self.worker.call(self.engine.match_prefix, slots, prompt[:-1])
+            matched = await self.scheduler.match_prefix(slots, prompt[:-1])
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)))
-            await self.worker.call(self.engine.insert_prefix, slots, prompt)
+            await self.scheduler.insert_prefix(slots, prompt)
             return logits
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
-        matched = await self.worker.call(self.engine.match_prefix, slots, lead) if lead else 0
+        matched = await self.scheduler.match_prefix(slots, lead) if lead else 0
         stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)
-        plans = {u.unit_id: u for u in req.plan.units}
+        plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
         # the three preparation paths overlap; each unit is placed as soon as it is ready.
         # units the policy recomputes entirely need no state at all.
-        await asyncio.gather(*(
-            self._prepare(slots, tokens[uid], plans[uid], unit_spans, req.plan.local_evict, stats, unreleased,
-                          received_at)
-            for uid, unit_spans in spans.items()
-        ))
+        await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans)
+                               for uid, unit_spans in spans.items()))
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
         stats.recomputed_tokens = len(token_ids)
         logits = await self.scheduler.extend(slots, token_ids, positions)
         if lead and matched < len(lead):
-            await self.worker.call(self.engine.insert_prefix, slots, lead)
+            await self.scheduler.insert_prefix(slots, lead)
         return logits
 
-    async def _prepare(self, slots: KVSlots, token_ids: Sequence[int], plan: UnitPlan, spans: list[Placement],
-                       local_evict: Sequence[str], stats: RequestStats, unreleased: set[str],
-                       received_at: float) -> None:
+    async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement]) -> None:
+        stats = run.stats
         state: UnitState | None = None
         n = len(token_ids)
         if plan.preparation is Preparation.LOCAL:
@@ -159,31 +169,36 @@ class Executor:
                 stats.local_tokens += n
                 stats.local_units += 1
         elif plan.preparation is Preparation.REMOTE and plan.lease is not None:
-            lease = plan.lease
-            try:
-                if self.reader is None:
-                    raise TransferError("this node has no KV pool client")
-                # the lease's TTL runs from when the plan arrived, not from when this fetch starts
-                state = await self.reader.fetch(lease, n, release=False, received_at=received_at)
-                stats.remote_tokens += n
-                stats.remote_units += 1
-                stats.bytes_fetched += state.nbytes()
-            except TransferError as exc:
-                log.warning("fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
-                stats.fallbacks += 1
-            finally:
-                unreleased.discard(lease.lease_id)
-                self.release_lease(lease.lease_id)
+            state = await self._fetch(run, plan.lease, plan.unit_id, n)
         if state is None:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
-        await self.worker.call(place_units, self.engine, slots, spans, {plan.unit_id: state})
+        await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
         # retention happens off the critical path; a local hit is already retained locally
         self.retainer.retain(plan.unit_id, state,
                              plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                             plan.grant, local_evict, received_at)
+                             plan.grant, run.req.plan.local_evict, run.received_at)
+
+    async def _fetch(self, run: Run, lease: ReadLease, unit_id: str, n_tokens: int) -> UnitState | None:
+        """The unit's state from the shared KV pool, or None (then it is computed) if the fetch fails."""
+        try:
+            if self.reader is None:
+                raise TransferError("this node has no KV pool client")
+            # the lease's TTL runs from when the plan arrived, not from when this fetch starts
+            state = await self.reader.fetch(lease, n_tokens, release=False, received_at=run.received_at)
+        except TransferError as exc:
+            log.warning("fetch of unit %s failed (%s); computing it instead", unit_id, exc)
+            run.stats.fallbacks += 1
+            return None
+        finally:
+            run.unreleased.discard(lease.lease_id)
+            self.release_lease(lease.lease_id)
+        run.stats.remote_tokens += n_tokens
+        run.stats.remote_units += 1
+        run.stats.bytes_fetched += state.nbytes()
+        return state
 
 
 def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[TopLogprob, ...]]:

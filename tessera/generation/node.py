@@ -34,7 +34,7 @@ from tessera.errors import BadRequest, TesseraError
 from tessera.generation.executor import Executor
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
 from tessera.messages import (
@@ -78,8 +78,7 @@ class GenerationNode:
         self.engine = await asyncio.to_thread(load_engine, self.config, self.cfg.prefix_cache_tokens)
         log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
         self.control = NodeControl(self.config.retrieval_url, self.name, timeout_s=self.config.transport.timeout_s)
-        self.worker = EngineWorker(self.engine)
-        self.scheduler = Scheduler(self.worker, self.cfg.max_batch_tokens)
+        self.scheduler = Scheduler(self.engine, self.cfg.max_batch_tokens)
         self.scheduler.start()
         self.prefills = PrefillCoalescer(self.scheduler)
         self.cache = LocalUnitCache(self.cfg.local_capacity_blocks, self.config.block_tokens)
@@ -96,7 +95,7 @@ class GenerationNode:
             outstanding=self.config.transport.writeback_outstanding,
         )
         self.executor = Executor(
-            self.engine, self.worker, self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
+            self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
             self.control.release_later, policy_from_config(self.config.composition), self.config.control.mode,
         )
         self.background.spawn(self._heartbeat(), name="heartbeat")
@@ -108,7 +107,6 @@ class GenerationNode:
             await self.retainer.drain(timeout=10.0)
             await self.background.drain(timeout=1.0)
             await self.scheduler.stop()
-            self.worker.close()
             if self.pool is not None:
                 await self.pool.close()
             await self.control.close()
