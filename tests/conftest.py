@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
+from tessera.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,3 +101,21 @@ class FakeEngine(EngineAdapter):
 @pytest.fixture
 def fake_engine() -> FakeEngine:
     return FakeEngine()
+
+
+@pytest.fixture
+def register() -> Iterator[Callable[[Registry[Any], str], Callable[[Any], Any]]]:
+    """``@register(REGISTRY, "name")`` on a test's class; unregistered when the test ends.
+
+    Regression: a test that registered its own policy left it registered, so running the
+    suite twice in one process failed with "registered twice".
+    """
+    added: list[tuple[Registry[Any], str]] = []
+
+    def add(registry: Registry[Any], name: str) -> Callable[[Any], Any]:
+        added.append((registry, name))
+        return registry.register(name)
+
+    yield add
+    for registry, name in added:
+        registry.unregister(name)

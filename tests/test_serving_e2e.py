@@ -13,12 +13,12 @@ import torch
 from serving_support import (
     call,
     chat,
-    cluster_config,
     layout_from_trace,
     node_metric,
     running_cluster,
     wait_for,
 )
+from support import cluster_config
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
@@ -62,7 +62,8 @@ def engine(one_node: tuple[ClusterConfig, LocalCluster]) -> ReferenceEngine:
     return ReferenceEngine.from_config(one_node[0])
 
 
-def offline(engine: ReferenceEngine, cfg: ClusterConfig, response: dict[str, Any], n: int) -> tuple[list[int], torch.Tensor]:
+def offline(engine: ReferenceEngine, cfg: ClusterConfig, response: dict[str, Any],
+            n: int) -> tuple[list[int], torch.Tensor]:
     """The engine's own offline composition of the layout the server used."""
     layout = layout_from_trace(response["tessera_layout"])
     states = prefill_units(engine, layout)

@@ -79,7 +79,8 @@ class LocalUnitCache:
         if unit_id in self._entries:
             return False, []
         need = blocks_for(state.n_tokens, self.block_tokens)
-        victims = [v for v in dict.fromkeys(evict) if v in self._entries and self._entries[v].pins == 0 and v != unit_id]
+        victims = [v for v in dict.fromkeys(evict)
+                   if v in self._entries and self._entries[v].pins == 0 and v != unit_id]
         free_after = self.capacity_blocks - self.used_blocks + sum(self._entries[v].blocks for v in victims)
         if need > free_after:
             return False, []

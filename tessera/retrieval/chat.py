@@ -60,7 +60,8 @@ class Serving:
                                   ["source"])
         self.m_units = m.counter("tessera_units_total", "Context units by preparation outcome", ["preparation"])
         self.m_fallbacks = m.counter("tessera_fetch_fallbacks_total", "Remote fetches that failed and were computed")
-        self.m_coalesced = m.counter("tessera_coalesced_prefills_total", "Missing units that joined an in-flight prefill")
+        self.m_coalesced = m.counter("tessera_coalesced_prefills_total",
+                                     "Missing units that joined an in-flight prefill")
         self.m_bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
         self.m_completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
         self.g_pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
