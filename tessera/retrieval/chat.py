@@ -39,7 +39,6 @@ from tessera.retrieval.routes import RETRIEVAL_NODE
 from tessera.units import TokenCache
 
 SERVING: web.AppKey[Serving]
-TIERS = ("prefix", "local", "remote", "computed")
 
 
 class Serving:

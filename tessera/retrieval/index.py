@@ -83,10 +83,6 @@ class UnitIndex:
     def __len__(self) -> int:
         return sum(len(s) for s in self._scopes.values())
 
-    def contains(self, scope: str, unit_id: str) -> bool:
-        index = self._scopes.get(scope)
-        return index is not None and unit_id in index
-
     def add(self, scope: str, unit_ids: list[str], vectors: np.ndarray) -> int:
         index = self._scopes.get(scope)
         if index is None:
