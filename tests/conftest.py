@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # role processes started by tests (directly or through LocalCluster) import this checkout
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-sys.path.insert(0, str(Path(__file__).parent))
+# no sys.path edit: pytest's default (prepend) import mode puts tests/ on sys.path, so test
+# modules import the helpers beside them (support.py, serving_support.py, ...)
 
 
 # --- a fake engine for CPU unit tests of the scheduler and the executor ----------------------
