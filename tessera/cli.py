@@ -69,7 +69,8 @@ def run(
 @app.command()
 def up(
     config: ConfigOpt = None,
-    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Where each role's log goes (default: a temp dir).")] = None,
+    log_dir: Annotated[Path | None,
+                       typer.Option("--log-dir", help="Where each role's log goes (default: a temp dir).")] = None,
     data_dir: Annotated[Path | None, typer.Option(
         "--data-dir", help="Where units and indexes persist (default: retrieval.data_dir, else "
         "$XDG_DATA_HOME/tessera/default or ~/.local/share/tessera/default).")] = None,
@@ -164,8 +165,10 @@ def _floats(text: str, what: str) -> list[float]:
 
 @app.command()
 def bench(
-    workload: Annotated[WorkloadName, typer.Option(help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.rag,
-    systems: Annotated[str, typer.Option(help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
+    workload: Annotated[WorkloadName,
+                        typer.Option(help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.rag,
+    systems: Annotated[str,
+                       typer.Option(help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
     rates: Annotated[str, typer.Option(help="Comma-separated aggregate request rates (req/s).")] = "0.1,0.2,0.4",
     rates_for: Annotated[list[str] | None, typer.Option(
         help="SYSTEM=R1,R2,...: this system's own rates instead of --rates (repeatable), e.g. "
@@ -175,15 +178,20 @@ def bench(
     unloaded: Annotated[int, typer.Option(help="Requests measured one at a time for the unloaded TTFT (0: skip).")] = 5,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 1,
     zipf: Annotated[float, typer.Option(help="Zipf exponent of query/unit popularity.")] = 1.0,
-    top_k: Annotated[int | None, typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
-    unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
+    top_k: Annotated[int | None,
+                     typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
+    unit_words: Annotated[int,
+                          typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
     placement: Annotated[str, typer.Option(help="locomo: user (OpenViking style) or system (Mem0 style).")] = "user",
     conversations: Annotated[int, typer.Option(help="locomo: use the first N conversations (0: all 10).")] = 0,
-    data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
+    data_dir: Annotated[Path | None,
+                        typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for bench.json and the plots.")] = Path("results/bench"),
-    dump_trace: Annotated[bool, typer.Option("--dump-trace", help="Write each run's rendered prompts as JSONL traces.")] = False,
-    trace_only: Annotated[bool, typer.Option("--trace-only", help="Only render the workload's prompts (retrieval "
-                                             "included, no serving) into OUT/trace-WORKLOAD.jsonl for tessera analyze.")] = False,
+    dump_trace: Annotated[bool, typer.Option("--dump-trace",
+                                             help="Write each run's rendered prompts as JSONL traces.")] = False,
+    trace_only: Annotated[bool, typer.Option(
+        "--trace-only", help="Only render the workload's prompts (retrieval included, no serving) into "
+                             "OUT/trace-WORKLOAD.jsonl for tessera analyze.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
     drain_warmup: Annotated[bool, typer.Option(help="Start the measured requests once the warm-up requests have "
                                                "finished (steady state, no cold-start backlog).")] = True,

@@ -1,8 +1,9 @@
 """Cluster configuration: frozen dataclasses, one per role and concern.
 
-:mod:`tessera.config_file` loads them from one TOML file. Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`
-naming the key, the offending value and what is allowed. CLI flags may override fields
-(``dataclasses.replace``) but never invent settings of their own.
+:mod:`tessera.config_file` loads them from one TOML file. Every dataclass validates itself in
+``__post_init__`` and raises :class:`ConfigError` naming the key, the offending value and what
+is allowed. CLI flags may override fields (``dataclasses.replace``) but never invent settings
+of their own.
 
 Names of swappable implementations (``composition.policy``, ``control.admission``,
 ``control.routing``, ``transport.name``, ``model.engine``) are only checked for shape here;

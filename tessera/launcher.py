@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -47,6 +48,52 @@ class ClusterError(RuntimeError):
     pass
 
 
+def role_env(**extra: str) -> dict[str, str]:
+    """Environment of a role process: unbuffered output, never reach for a model hub."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, url: str,
+               env: dict[str, str] | None = None) -> Child:
+    """Start ``tessera run --role ROLE [--node NODE]`` with its output in ``log_path``."""
+    cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path)]
+    if node is not None:
+        cmd += ["--node", node]
+    log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the child
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env or role_env(),
+                            start_new_session=True)
+    return Child(role, node or "main", url, log_path, proc, log_file)
+
+
+def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None) -> None:
+    """Poll each child's ``/health`` until it answers 200; ClusterError if one exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            if child.proc.poll() is not None:
+                raise ClusterError(f"{child.role} {child.node} exited with code {child.proc.returncode}; "
+                                   f"log {child.log_path}:\n{child.tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError), \
+                    urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                if resp.status == 200:
+                    pending.remove(child)
+                    if on_ready is not None:
+                        on_ready(child)
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{c.role} {c.node}" for c in pending)
+            raise ClusterError(f"not healthy after {timeout:.0f}s: {names}:\n"
+                               + "\n".join(c.tail() for c in pending))
+        if pending:
+            time.sleep(0.1)
+
+
 class LocalCluster:
     """Every role of ``config`` as child processes of this one."""
 
@@ -64,41 +111,17 @@ class LocalCluster:
             print(msg, file=sys.stderr, flush=True)
 
     def _spawn(self, role: str, node: str, host: str, port: int) -> Child:
-        cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(self.config_path)]
-        if role != "retrieval":
-            cmd += ["--node", node]
-        env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env["PYTHONUNBUFFERED"] = "1"
-        log_path = self.log_dir / f"{role}-{node}.log"
-        log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        child = Child(role, node, f"http://{host}:{port}", log_path, proc, log_file)
+        child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
+                           self.log_dir / f"{role}-{node}.log", f"http://{host}:{port}")
         self.children.append(child)
         return child
 
     def _wait(self, children: list[Child], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(children)
-        while pending:
-            for child in list(pending):
-                if child.proc.poll() is not None:
-                    raise ClusterError(
-                        f"{child.role} {child.node} exited with code {child.proc.returncode}; "
-                        f"log {child.log_path}:\n{child.tail()}"
-                    )
-                with contextlib.suppress(OSError, urllib.error.URLError), \
-                        urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        pending.remove(child)
-                        self._say(f"  {child.role:<10} {child.node:<6} ready at {child.url}")
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{c.role} {c.node}" for c in pending)
-                raise ClusterError(f"not healthy after {timeout:.0f}s: {names}; logs in {self.log_dir}")
-            if pending:
-                time.sleep(0.2)
+        try:
+            wait_healthy(children, timeout,
+                         on_ready=lambda c: self._say(f"  {c.role:<10} {c.node:<6} ready at {c.url}"))
+        except ClusterError as exc:
+            raise ClusterError(f"{exc}; logs in {self.log_dir}") from None
 
     def start(self, timeout: float = 180.0) -> None:
         cfg = self.config

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.config import ControlConfig
 from tessera.control.admission import (
+    ADMISSIONS,
     AdmissionPolicy,
     DemandAdmission,
     LruAdmission,
     admission_names,
     make_admission,
-    register_admission,
 )
 from tessera.control.local import LocalTier
 from tessera.errors import ConfigError
@@ -210,14 +212,14 @@ def test_lru_skips_units_that_are_not_safe_to_reclaim() -> None:
 # --- registry ----------------------------------------------------------------------------
 
 
-def test_policies_are_found_by_name_and_new_ones_can_be_registered() -> None:
+def test_policies_are_found_by_name_and_new_ones_can_be_registered(register: Any) -> None:
     """The registry knows demand and lru, rejects unknown names, and accepts new policies."""
     assert {"demand", "lru"} <= set(admission_names())
     assert isinstance(make_admission("lru", ControlConfig()), LruAdmission)
     with pytest.raises(ConfigError, match="known: "):
         make_admission("nope", ControlConfig())
 
-    @register_admission("never")
+    @register(ADMISSIONS, "never")
     class Never(LruAdmission):
         def wants(self, unit_id: str) -> bool:
             return False

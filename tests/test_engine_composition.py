@@ -12,12 +12,12 @@ from engine_support import ENGINE_NAMES, max_diff, random_layout, tiny_engine
 
 from tessera.composition.layout import Ranges, placements, tokens_to_compute
 from tessera.composition.policies import (
+    POLICIES,
     CompositionPolicy,
     LegoLink,
     get_policy,
     policy_from_config,
     policy_names,
-    register_policy,
 )
 from tessera.config import CompositionConfig
 from tessera.engines.base import EngineAdapter
@@ -55,7 +55,7 @@ def test_naive_selects_only_text_and_full_selects_everything() -> None:
     assert get_policy("full").select(layout) == ((0, 44),)
 
 
-def test_policies_are_registered_by_name_and_built_from_config() -> None:
+def test_policies_are_registered_by_name_and_built_from_config(register: Any) -> None:
     """tessera.toml names a policy; unknown names fail with the list of known ones."""
     assert {"epic", "naive", "full"} <= set(policy_names())
     epic = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=7))
@@ -63,7 +63,7 @@ def test_policies_are_registered_by_name_and_built_from_config() -> None:
     with pytest.raises(ConfigError, match=r"known: .*epic"):
         get_policy("cacheblend-typo")
 
-    @register_policy("test-first-unit-only")
+    @register(POLICIES, "test-first-unit-only")
     class FirstUnit(CompositionPolicy):
         def select(self, layout: PromptLayout) -> Ranges:
             return ((0, layout.n_tokens),)

@@ -13,12 +13,12 @@ import torch
 from serving_support import (
     call,
     chat,
-    cluster_config,
     layout_from_trace,
     node_metric,
     running_cluster,
     wait_for,
 )
+from support import cluster_config
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
@@ -62,7 +62,8 @@ def engine(one_node: tuple[ClusterConfig, LocalCluster]) -> ReferenceEngine:
     return ReferenceEngine.from_config(one_node[0])
 
 
-def offline(engine: ReferenceEngine, cfg: ClusterConfig, response: dict[str, Any], n: int) -> tuple[list[int], torch.Tensor]:
+def offline(engine: ReferenceEngine, cfg: ClusterConfig, response: dict[str, Any],
+            n: int) -> tuple[list[int], torch.Tensor]:
     """The engine's own offline composition of the layout the server used."""
     layout = layout_from_trace(response["tessera_layout"])
     states = prefill_units(engine, layout)
@@ -162,6 +163,15 @@ def test_metrics_are_prometheus_text(one_node: Any) -> None:
                  "tessera_fetch_fallbacks_total", "tessera_coalesced_prefills_total", "tessera_bytes_fetched_total",
                  "tessera_node_queued_tokens"):
         assert name in text
+
+
+def test_the_openapi_schema_of_the_chat_endpoint_is_served(one_node: Any) -> None:
+    """GET /openapi.json describes POST /v1/chat/completions with its request schema."""
+    cfg, _ = one_node
+    status, doc = call(cfg.retrieval_url, "/openapi.json")
+    assert status == 200
+    assert "post" in doc["paths"]["/v1/chat/completions"]
+    assert "ChatCompletionRequest" in doc["components"]["schemas"]
 
 
 @pytest.fixture

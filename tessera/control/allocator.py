@@ -80,9 +80,6 @@ class BlockAllocator:
     def nodes(self) -> list[str]:
         return list(self._nodes)
 
-    def has_node(self, name: str) -> bool:
-        return name in self._nodes
-
     def add_node(self, name: str, capacity: int) -> None:
         assert name not in self._nodes, f"memory node {name} added twice"
         self._nodes[name] = NodeBlocks(name, capacity)

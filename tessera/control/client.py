@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 
 from tessera.errors import ControlPlaneError, PublishRejected
+from tessera.http import LazySession
 from tessera.messages import (
     Ack,
     CancelRequest,
@@ -47,24 +48,16 @@ class ControlClient:
 
     def __init__(self, base_url: str, timeout_s: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
-        return self._session
+        self._session = LazySession(aiohttp.ClientTimeout(total=timeout_s))
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._session.close()
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         url = self.base_url + path
         data = None if body is None else encode(body)
         try:
-            async with self._http().request(
+            async with self._session.get().request(
                 method, url, data=data, headers={"Content-Type": "application/json"}
             ) as resp:
                 raw = await resp.read()

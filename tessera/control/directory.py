@@ -367,4 +367,5 @@ class Directory:
         assert not (owned & quarantined), "a block is both owned and quarantined"
         for lease in self._leases.values():
             holder_entry = self._entries.get(lease.unit_id)
-            assert holder_entry is not None and lease.lease_id in holder_entry.leases, f"dangling lease {lease.lease_id}"
+            assert holder_entry is not None and lease.lease_id in holder_entry.leases, \
+                f"dangling lease {lease.lease_id}"

@@ -71,11 +71,6 @@ class SharedTier:
             if u not in self.directory:
                 self.policy.discard(u)
 
-    def sync(self) -> None:
-        """Drop residents the directory no longer has (after bulk events)."""
-        directory = self.directory
-        self.forget([u for u in self.policy.resident if u not in directory])
-
     def check_invariants(self) -> None:
         entries = {e.unit_id: len(e.blocks) for e in self.directory.entries()}
         assert entries == dict(self.policy.resident), "shared residents differ from directory entries"

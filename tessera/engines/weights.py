@@ -1,6 +1,7 @@
 """Model geometry and weights read straight from a checkpoint directory.
 
-``config.json`` becomes a frozen :class:`ModelSpec`; ``*.safetensors`` become plain tensors in
+``config.json`` becomes a frozen :class:`ModelSpec` (its shape fields through the one parser,
+:class:`~tessera.engines.geometry.ConfigShape`); ``*.safetensors`` become plain tensors in
 the compute dtype on the compute device, with the projections that read the same input fused
 (q|k|v and gate|up) so each layer runs one matmul per input. Tied embeddings reuse the
 embedding matrix as the LM head.
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tessera.engines.geometry import ConfigShape
 from tessera.engines.rope import RopeSpec
 from tessera.errors import ModelLoadError
 
@@ -61,19 +63,21 @@ class ModelSpec:
         layer_types = set(config.get("layer_types") or [])
         if config.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise ModelLoadError("sliding-window attention is not supported; use a full-attention checkpoint")
-        n_heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
+        shape = ConfigShape.parse(config)
+        if not shape.hidden_size:
+            raise ModelLoadError("config.json: hidden_size is missing; expected a positive integer")
+        head_dim = shape.head_dim
         return cls(
             arch=arch,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
             intermediate_size=int(config["intermediate_size"]),
-            n_layers=int(config["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            n_layers=shape.n_layers,
+            n_heads=shape.n_heads,
+            n_kv_heads=shape.n_kv_heads,
             head_dim=head_dim,
             rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_positions=int(config.get("max_position_embeddings", 4096)),
+            max_positions=shape.max_positions or 4096,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope=RopeSpec.from_config(config, head_dim),
         )

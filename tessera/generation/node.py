@@ -4,8 +4,8 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
 
     GET  /health                        200 once the engine is loaded
     POST /v1/snapshot   SnapshotRequest -> SnapshotResponse   (pins the held units)
-    POST /v1/execute    ExecuteRequest  -> NDJSON stream of {"token", "text"} lines, then
-                                           {"done": true, "finish_reason", "stats"}
+    POST /v1/execute    ExecuteRequest  -> NDJSON stream of TokenEvent lines, then one
+                                           DoneEvent (or ErrorEvent)
     POST /v1/abort      {"request_id"}
     POST /v1/revoke     RevokeRequest -> {"dropped": n}   (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
@@ -33,14 +33,22 @@ from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
 from tessera.errors import BadRequest, TesseraError
-from tessera.generation.executor import Executor, Finished, TokenEvent
+from tessera.generation.executor import Executor
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
-from tessera.messages import ExecuteRequest, RevokeRequest, SnapshotRequest, SnapshotResponse, check_version
-from tessera.metrics import Registry
+from tessera.messages import (
+    DoneEvent,
+    ErrorEvent,
+    ExecuteRequest,
+    RevokeRequest,
+    SnapshotRequest,
+    SnapshotResponse,
+    check_version,
+)
+from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.wire import WIRE_VERSION, decode, encode
 
@@ -59,19 +67,11 @@ class GenerationNode:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._pin_timers: dict[str, asyncio.TimerHandle] = {}
         self.background = BackgroundTasks(f"generation {name}")
-        self.metrics = Registry()
-        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome")
-        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source")
-        # read from the components at scrape time
-        self.g_state = {name: self.metrics.gauge(name, help_text) for name, help_text in (
-            ("tessera_node_inflight", "Requests admitted and not finished"),
-            ("tessera_node_queued_tokens", "Tokens waiting for the engine"),
-            ("tessera_node_local_cache_blocks", "Blocks used in the local unit cache"),
-            ("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit"),
-            ("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)"),
-            ("tessera_node_writebacks_published_total", "Shared writebacks published"),
-            ("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)"),
-        )}
+        self.metrics = Metrics()
+        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome",
+                                               ["outcome"])
+        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source", ["source"])
+        self.metrics.read_at_scrape(self._scrape)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -81,8 +81,7 @@ class GenerationNode:
         self.engine = await asyncio.to_thread(load_engine, self.config, self.cfg.prefix_cache_tokens)
         log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
         self.control = NodeControl(self.config.retrieval_url, self.name, timeout_s=self.config.transport.timeout_s)
-        self.worker = EngineWorker(self.engine)
-        self.scheduler = Scheduler(self.worker, self.cfg.max_batch_tokens)
+        self.scheduler = Scheduler(self.engine, self.cfg.max_batch_tokens)
         self.scheduler.start()
         self.prefills = PrefillCoalescer(self.scheduler)
         self.cache = LocalUnitCache(self.cfg.local_capacity_blocks, self.config.block_tokens)
@@ -100,7 +99,7 @@ class GenerationNode:
             outstanding=self.config.transport.writeback_outstanding,
         )
         self.executor = Executor(
-            self.engine, self.worker, self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
+            self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
             self.control.release_later, policy_from_config(self.config.composition), self.config.control.mode,
         )
         self.background.spawn(self._heartbeat(), name="heartbeat")
@@ -112,7 +111,6 @@ class GenerationNode:
             await self.retainer.drain(timeout=10.0)
             await self.background.drain(timeout=1.0)
             await self.scheduler.stop()
-            self.worker.close()
             if self.pool is not None:
                 await self.pool.close()
             await self.control.close()
@@ -169,39 +167,28 @@ class GenerationNode:
         outcome = "error"
         try:
             async for event in self.executor.run(msg):
-                if isinstance(event, TokenEvent):
-                    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
-                    if event.logprob is not None:
-                        line["logprob"] = event.logprob
-                        line["top"] = event.top
-                    await resp.write(orjson.dumps(line) + b"\n")
-                else:
-                    assert isinstance(event, Finished)
+                if isinstance(event, DoneEvent):
                     self._count(event)
                     outcome = "ok"
-                    await resp.write(orjson.dumps(
-                        {"done": True, "finish_reason": event.finish_reason, "stats": event.stats.as_dict()}
-                    ) + b"\n")
+                await resp.write(encode(event) + b"\n")
         except asyncio.CancelledError:
             outcome = "aborted"
             raise
         except Exception as exc:
             log.exception("%s: request %s failed", self.name, msg.request_id)
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}) + b"\n")
+                await resp.write(encode(ErrorEvent(WIRE_VERSION, f"{type(exc).__name__}: {exc}")) + b"\n")
         finally:
-            self.m_requests.inc(labels={"outcome": outcome})
+            self.m_requests.labels(outcome=outcome).inc()
             self._tasks.pop(msg.request_id, None)
             self.inflight.discard(msg.request_id)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp
 
-    def _count(self, event: Finished) -> None:
-        s = event.stats
-        for source, n in (("prefix", s.prefix_cached_tokens), ("local", s.local_tokens), ("remote", s.remote_tokens),
-                          ("computed", s.computed_unit_tokens), ("recomputed", s.recomputed_tokens)):
-            self.m_tokens.inc(n, labels={"source": source})
+    def _count(self, event: DoneEvent) -> None:
+        for source, n in event.stats.tokens_by_source():
+            self.m_tokens.labels(source=source).inc(n)
 
     async def abort(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read() or b"{}")
@@ -226,18 +213,24 @@ class GenerationNode:
         return web.json_response({"node": self.name, "ready": True, "inflight": len(self.inflight),
                                   "fingerprint": self.engine.fingerprint.digest.hex()})
 
+    def _scrape(self) -> list[Metric]:
+        """Figures the components own, read at scrape time (none before the engine is loaded)."""
+        if not self.ready:
+            return []
+        return [
+            gauge("tessera_node_inflight", "Requests admitted and not finished", len(self.inflight)),
+            gauge("tessera_node_queued_tokens", "Tokens waiting for the engine", self.scheduler.queued_tokens),
+            gauge("tessera_node_local_cache_blocks", "Blocks used in the local unit cache", self.cache.used_blocks),
+            counter("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit",
+                    self.prefills.coalesced),
+            counter("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)", self.prefills.started),
+            counter("tessera_node_writebacks_published_total", "Shared writebacks published", self.retainer.published),
+            counter("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)",
+                    self.retainer.write_failures),
+        ]
+
     async def metrics_text(self, request: web.Request) -> web.Response:
-        for name, value in (
-            ("tessera_node_inflight", len(self.inflight)),
-            ("tessera_node_queued_tokens", self.scheduler.queued_tokens),
-            ("tessera_node_local_cache_blocks", self.cache.used_blocks),
-            ("tessera_node_coalesced_prefills_total", self.prefills.coalesced),
-            ("tessera_node_unit_prefills_total", self.prefills.started),
-            ("tessera_node_writebacks_published_total", self.retainer.published),
-            ("tessera_node_writeback_failures_total", self.retainer.write_failures),
-        ):
-            self.g_state[name].set(value)
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
+        return self.metrics.response()
 
 
 GENERATION_NODE = web.AppKey("generation_node", GenerationNode)

@@ -134,7 +134,8 @@ class KVPoolClient:
         restarted = sorted({b.node for b in grant.blocks if self.endpoints.restarted_since(b.node, received)})
         if restarted:
             await self._cancel(grant, 0.0)
-            raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} restarted after the grant")
+            raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} "
+                                "restarted after the grant")
         views = await self._maybe_offload(
             state.nbytes(), lambda: self.layout.encode(state, grant.unit_id, grant.epoch))
         try:

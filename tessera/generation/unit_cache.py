@@ -98,7 +98,8 @@ class LocalUnitCache:
             f"the local cache holds host states; state.keys is on {state.keys.device}: stage it with "
             "tessera.engines.device.host_copy first")
         need = blocks_for(state.n_tokens, self.block_tokens)
-        victims = [v for v in dict.fromkeys(evict) if v in self._entries and self._entries[v].pins == 0 and v != unit_id]
+        victims = [v for v in dict.fromkeys(evict)
+                   if v in self._entries and self._entries[v].pins == 0 and v != unit_id]
         free_after = self.capacity_blocks - self.used_blocks + sum(self._entries[v].blocks for v in victims)
         if need > free_after:
             return False, []

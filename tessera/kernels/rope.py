@@ -38,7 +38,8 @@ def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
     if positions.shape != (n_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 of shape ({n_tokens},); got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(f"positions must be int32/int64 of shape ({n_tokens},); "
+                         f"got {positions.dtype} {tuple(positions.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
         raise ValueError(f"cos/sin must be [P, {head_dim}]; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if src.dtype not in FLOAT_DTYPES or dst.dtype not in FLOAT_DTYPES:

@@ -50,7 +50,12 @@ INVENTORY_CHUNK = 2048  # blocks per inventory message (~250 KB of JSON)
 
 
 class MemoryNode:
-    """Arena + data server (+ engine export) + heartbeats. ``start``/``stop`` are symmetric."""
+    """Arena + data server (+ engine export) + heartbeats.
+
+    The arena is created (and sized) with the node, so a node that cannot commit its memory
+    refuses to start before it listens; everything else starts and stops in the app's
+    ``cleanup_ctx`` (:meth:`lifecycle`), like the other roles.
+    """
 
     def __init__(self, config: ClusterConfig, node: KVPoolNodeConfig, layout: BlockLayout) -> None:
         self.config = config
@@ -145,17 +150,24 @@ class MemoryNode:
 
     # --- control endpoints ---------------------------------------------------------------
 
+    async def lifecycle(self, _: web.Application) -> AsyncIterator[None]:
+        await self.start()
+        log.info("kvpool %s: %d slots x %d B (%.1f MiB) in /dev/shm/%s, tcp data on %s:%d, transport %s",
+                 self.node.name, self.node.capacity_blocks, self.layout.slot_bytes, self.arena.nbytes / 2**20,
+                 self.arena.name, self.node.host, self.server.port, self.config.transport.name)
+        self.tasks.spawn(self.heartbeat(), name=f"hello-{self.node.name}")
+        try:
+            yield
+        finally:
+            await self.stop()  # the heartbeat loop never ends by itself: stop cancels it
+            self.close_arena()
+
     def app(self) -> web.Application:
         app = application()
+        app[KVPOOL_NODE] = self
+        app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
-
-        async def heartbeats(_: web.Application) -> AsyncIterator[None]:
-            self.tasks.spawn(self.heartbeat(), name=f"hello-{self.node.name}")
-            yield
-            await self.tasks.drain(timeout=0)  # the heartbeat loop never ends by itself
-
-        app.cleanup_ctx.append(heartbeats)
         return app
 
     async def _health(self, _: web.Request) -> web.Response:
@@ -170,6 +182,9 @@ class MemoryNode:
         return web.json_response(body)
 
 
+KVPOOL_NODE = web.AppKey("kvpool_node", MemoryNode)
+
+
 def pick_node(config: ClusterConfig, name: str | None) -> KVPoolNodeConfig:
     if name is None:
         if len(config.kvpools) != 1:
@@ -177,22 +192,6 @@ def pick_node(config: ClusterConfig, name: str | None) -> KVPoolNodeConfig:
             raise TesseraError(f"pass --node NAME: the config declares these kvpool nodes: {known}")
         return config.kvpools[0]
     return config.kvpool_node(name)
-
-
-async def _serve(node: MemoryNode) -> int:
-    try:
-        await node.start()
-    except (OSError, TesseraError) as exc:
-        log.error("kvpool %s cannot start its data path: %s", node.node.name, exc)
-        await node.stop()
-        return 3
-    log.info("kvpool %s: %d slots x %d B (%.1f MiB) in /dev/shm/%s, tcp data on %s:%d, transport %s",
-             node.node.name, node.node.capacity_blocks, node.layout.slot_bytes, node.arena.nbytes / 2**20,
-             node.arena.name, node.node.host, node.server.port, node.config.transport.name)
-    try:
-        return await serve(node.app(), node.node.host, node.node.port, name=f"kvpool {node.node.name}")
-    finally:
-        await node.stop()
 
 
 def run_memory_node(config: ClusterConfig, name: str | None) -> int:
@@ -207,6 +206,6 @@ def run_memory_node(config: ClusterConfig, name: str | None) -> int:
         log.error("kvpool cannot start: %s", exc)
         return 2
     try:
-        return run(lambda: _serve(node))
+        return run(lambda: serve(node.app(), node_cfg.host, node_cfg.port, name=f"kvpool {node_cfg.name}"))
     finally:
-        node.close_arena()
+        node.close_arena()  # when the app never started; closing twice is harmless

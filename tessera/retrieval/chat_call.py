@@ -18,18 +18,24 @@ from typing import TYPE_CHECKING, Any
 from tessera.errors import BadRequest, TesseraError
 from tessera.messages import (
     CancelRequest,
+    DoneEvent,
+    ErrorEvent,
+    ExecuteEvent,
     ExecuteRequest,
     PromptLayout,
     ReleaseRequest,
     RequestPlan,
-    SamplingParams,
+    RequestStats,
     SegmentKind,
+    TokenEvent,
+    check_version,
 )
 from tessera.retrieval.chat_request import ChatRequest
+from tessera.retrieval.chat_response import PromptTokensDetails, Usage
 from tessera.retrieval.generation_client import NodeUnavailable
 from tessera.retrieval.node import RetrievalNode
 from tessera.units import ContextUnit
-from tessera.wire import WIRE_VERSION
+from tessera.wire import WIRE_VERSION, to_wire
 
 if TYPE_CHECKING:
     from tessera.retrieval.chat import Serving
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
 class Outcome:
     text: str = ""
     finish_reason: str = "stop"
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     first_token_at: float | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
@@ -64,16 +70,12 @@ async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextU
     return []
 
 
-def usage(layout: PromptLayout, stats: dict[str, int], node: str) -> dict[str, Any]:
-    cached = stats.get("prefix_cached_tokens", 0) + stats.get("local_tokens", 0) + stats.get("remote_tokens", 0)
-    completion = stats.get("completion_tokens", 0)
-    return {
-        "prompt_tokens": layout.n_tokens,
-        "completion_tokens": completion,
-        "total_tokens": layout.n_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "tessera": {**stats, "node": node},
-    }
+def usage(layout: PromptLayout, stats: RequestStats, node: str) -> Usage:
+    completion = stats.completion_tokens
+    return Usage(prompt_tokens=layout.n_tokens, completion_tokens=completion,
+                 total_tokens=layout.n_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
+                 tessera={**to_wire(stats), "node": node})
 
 
 class ChatCall:
@@ -101,7 +103,7 @@ class ChatCall:
                 f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
         return layout
 
-    async def run(self, layout: PromptLayout) -> AsyncIterator[dict[str, Any]]:
+    async def run(self, layout: PromptLayout) -> AsyncIterator[ExecuteEvent]:
         """Route, plan and execute; yields the node's events."""
         plane = self.node.plane
         compose = self.node.config.control.mode == "compose"
@@ -114,9 +116,7 @@ class ChatCall:
         try:
             snap = await self.serving.nodes.snapshot(self.target, self.request_id, list(refs))
             self.plan = plane.finalize(self.request_id, self.target, snap.held)
-            sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
-                                      (), self.chat.ignore_eos, self.chat.top_logprobs)
-            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling)
             delivered = False
             try:
                 async for event in self.serving.nodes.execute(self.target, msg):
@@ -147,9 +147,9 @@ def _token_entry(node: RetrievalNode, token_id: int, logprob: float) -> dict[str
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token_id}
 
 
-def _logprob_entry(node: RetrievalNode, event: dict[str, Any]) -> dict[str, Any]:
-    entry = _token_entry(node, int(event["token"]), float(event["logprob"]))
-    entry["top_logprobs"] = [_token_entry(node, int(t), float(lp)) for t, lp in event.get("top") or []]
+def _logprob_entry(node: RetrievalNode, event: TokenEvent, logprob: float) -> dict[str, Any]:
+    entry = _token_entry(node, event.token_id, logprob)
+    entry["top_logprobs"] = [_token_entry(node, t.token_id, t.logprob) for t in event.top]
     return entry
 
 
@@ -163,18 +163,19 @@ async def events(serving: Serving, call: ChatCall, layout: PromptLayout) -> Asyn
     outcome = Outcome()
     stops = call.chat.stop
     async for event in call.run(layout):
-        if "error" in event:
-            raise TesseraError(f"generation node {call.target} failed: {event['error']}")
-        if event.get("done"):
-            outcome.finish_reason = event["finish_reason"]
-            outcome.stats = event["stats"]
+        check_version(event.version)
+        if isinstance(event, ErrorEvent):
+            raise TesseraError(f"generation node {call.target} failed: {event.message}")
+        if isinstance(event, DoneEvent):
+            outcome.finish_reason = event.finish_reason
+            outcome.stats = event.stats
             break
         if outcome.first_token_at is None:
             outcome.first_token_at = time.perf_counter()
             serving.m_ttft.observe(outcome.first_token_at - call.started)
-        delta = event["text"]
-        if "logprob" in event:
-            outcome.logprobs.append(_logprob_entry(call.node, event))
+        delta = event.text
+        if event.logprob is not None:
+            outcome.logprobs.append(_logprob_entry(call.node, event, event.logprob))
         if stops:
             cut = _stop_at(outcome.text + delta, stops)
             if cut >= 0:

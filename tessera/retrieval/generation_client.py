@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import aiohttp
 import orjson
 
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse
-from tessera.wire import WIRE_VERSION, encode, from_wire
+from tessera.http import LazySession
+from tessera.messages import EXECUTE_EVENTS, ExecuteEvent, ExecuteRequest, SnapshotRequest, SnapshotResponse
+from tessera.wire import WIRE_VERSION, decode_tagged, encode, from_wire
 
 
 class NodeUnavailable(TesseraError):
@@ -22,17 +22,12 @@ class NodeClients:
     def __init__(self, config: ClusterConfig, connect_timeout_s: float = 5.0) -> None:
         self.urls = {n.name: f"http://{n.host}:{n.port}" for n in config.generation}
         # no total timeout: a long generation is fine; connecting and the first byte are bounded
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
-        return self._session
+        self._session = LazySession(
+            aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s),
+            connection_limit=0)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._session.close()
 
     async def _error(self, node: str, resp: aiohttp.ClientResponse) -> TesseraError:
         text = (await resp.text())[:500]
@@ -45,7 +40,7 @@ class NodeClients:
     async def snapshot(self, node: str, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
         msg = SnapshotRequest(WIRE_VERSION, request_id, tuple(unit_ids))
         try:
-            async with self._http().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
+            async with self._session.get().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
                                          headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise await self._error(node, resp)
@@ -53,22 +48,22 @@ class NodeClients:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
 
-    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yield the node's NDJSON events; the last one has ``done`` (or ``error``)."""
+    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncIterator[ExecuteEvent]:
+        """Yield the node's events; the last one is a ``DoneEvent`` (or an ``ErrorEvent``)."""
         try:
-            async with self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
+            async with self._session.get().post(self.urls[node] + "/v1/execute", data=encode(msg),
                                          headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 async for line in resp.content:
                     if line.strip():
-                        yield orjson.loads(line)
+                        yield decode_tagged(EXECUTE_EVENTS, line)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
 
     async def abort(self, node: str, request_id: str) -> None:
         try:
-            async with self._http().post(self.urls[node] + "/v1/abort",
+            async with self._session.get().post(self.urls[node] + "/v1/abort",
                                          data=orjson.dumps({"request_id": request_id})) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
