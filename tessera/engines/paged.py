@@ -21,7 +21,8 @@ batch needs a dense ``[N, N]`` mask (a 16k-token step: 256 M entries per call) t
 out the flash kernel; FlexAttention's block mask avoids that but needs ``torch.compile`` (minutes
 of compile per shape class on a 15-minute device budget, and an unfused fallback on CPU).
 Per-item SDPA keeps the flash path for causal prefills and costs one launch per prefill item;
-decodes, where per-item launches would dominate, are batched into one call.
+decodes, where per-item launches would dominate, are batched into one call. Measured on CPU
+(bench/attention.py): per-item SDPA is 3-6x faster than the packed call with its mask.
 
 The exact-prefix cache is the reference engine's radix cache of KV copies (not page sharing).
 This module knows nothing about plans, transports or which units are cached where.
