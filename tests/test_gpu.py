@@ -55,10 +55,12 @@ def _engine(source: Path, engine_name: str, device: str, dtype: str, kv_dtype: s
 
 
 def _assert_bf16_close(gpu: torch.Tensor, cpu: torch.Tensor) -> None:
-    """bf16 over a whole model: same argmax, logits within 5% of their range, near-identical direction."""
+    """bf16 over a whole model: logits within 5% of their range, the bf16 argmax a (near-)top fp32 token,
+    near-identical direction."""
     gpu, cpu = gpu.float().cpu(), cpu.float().cpu()
-    assert int(gpu.argmax()) == int(cpu.argmax())
-    assert max_diff(gpu, cpu) < 0.05 * float(cpu.max() - cpu.min())
+    tol = 0.05 * float(cpu.max() - cpu.min())
+    assert max_diff(gpu, cpu) < tol
+    assert float(cpu[int(gpu.argmax())]) >= float(cpu.max()) - tol
     assert float(torch.nn.functional.cosine_similarity(gpu, cpu, dim=0)) > 0.999
 
 
