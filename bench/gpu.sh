@@ -9,7 +9,7 @@
 #
 # What the GPU machine of this project has: Python 3.12, torch 2.11 (CUDA 13), triton 3.6,
 # transformers, aiohttp, uvloop, typer, numpy, safetensors, pytest (no network). What it lacks
-# travels in .gpu/ (git-ignored, 64 MiB limit for the whole tree), made by `prepare`:
+# travels in .gpu/ (in .gitignore; 64 MiB limit for the whole tree), made by `prepare`:
 #   .gpu/whl/      wheels for cp312 manylinux x86-64: usearch, orjson, gguf, pytest-asyncio
 #                  (pip download --no-deps --only-binary=:all: --python-version 3.12 ...)
 #   .gpu/smollm2/  SmolLM2's config.json and tokenizer files, no weights (TESSERA_BUNDLED_DIR):
@@ -26,7 +26,6 @@ MODE=${1:-run}
 PY=${PYTHON:-python3}
 
 prepare() {
-    grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> "$(git rev-parse --git-common-dir)/info/exclude"
     rm -rf .gpu && mkdir -p .gpu/whl .gpu/smollm2 .gpu/site .gpu/data/locomo
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -60,11 +59,14 @@ EOF
 setup_env() {
     OUT=${OUT:-$ROOT/results/gpu}
     mkdir -p "$OUT"
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
     if [ -d .gpu/whl ]; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-        export PYTHONPATH=$ROOT:/tmp/site:$ROOT/.gpu/site
-    else
-        export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+        # only where they are missing (the GPU machine); a dev venv already has them
+        if ! "$PY" -c "import usearch, orjson, gguf, pytest_asyncio" 2>/dev/null; then
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+            PYTHONPATH=$PYTHONPATH:/tmp/site
+        fi
+        export PYTHONPATH=$PYTHONPATH:$ROOT/.gpu/site
     fi
     [ -d .gpu/smollm2 ] && export TESSERA_BUNDLED_DIR=$ROOT/.gpu/smollm2
     export TESSERA_CACHE=${TESSERA_CACHE:-/tmp/tessera-cache} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
