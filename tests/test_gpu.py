@@ -260,3 +260,16 @@ def test_engines_used_here_are_the_cuda_ones(tiny_dir: Path) -> None:
     state = prefill_units(engine, random_layout(PARTS, seed=9))["u1"]
     assert state.keys.is_cuda
     assert ENGINES.get("paged") is type(engine)
+
+
+def test_device_without_index_accepts_its_own_states(tiny_dir: Path) -> None:
+    """Regression: model.device = "cuda" (no index) must accept states on cuda:0 (no spurious PlacementError)."""
+    from tessera.engines.device import check_state, concrete
+
+    engine = _engine(tiny_dir, "paged", "cuda", "float32", "float16")
+    state = prefill_units(engine, random_layout(PARTS, seed=10))["u1"]
+    assert state.keys.device == concrete(torch.device("cuda"))
+    check_state(state, engine.geometry, torch.float16, torch.device("cuda"))
+    slots = engine.allocate(100)
+    engine.place(slots, 0, state)
+    engine.free(slots)
