@@ -28,7 +28,7 @@ from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import EngineAdapter, KVSlots, UnitState
 from tessera.engines.offline import place_units
 from tessera.engines.sampling import Sampler
-from tessera.errors import PlacementError, TransferError
+from tessera.errors import Overloaded, PlacementError, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import EngineWorker, Scheduler
@@ -36,6 +36,8 @@ from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import ExecuteRequest, Preparation, ReadLease, UnitPlan
 
 log = logging.getLogger(__name__)
+ALLOCATE_WAIT_S = 30.0  # a request waits this long for KV pages before it fails as Overloaded
+ALLOCATE_POLL_S = 0.005
 
 
 class SharedReader(Protocol):
@@ -108,7 +110,7 @@ class Executor:
         sampler = Sampler(sp, self.engine.eos_token_ids)
         stats = RequestStats(prompt_tokens=layout.n_tokens)
         unreleased = {u.lease.lease_id for u in req.plan.units if u.lease is not None}
-        slots = await self.worker.call(self.engine.allocate, layout.n_tokens + sp.max_tokens)
+        slots = await self._allocate(layout.n_tokens + sp.max_tokens)
         try:
             logits = await self._prefill(req, slots, stats, unreleased, received_at)
             position = layout.n_tokens
@@ -137,6 +139,17 @@ class Executor:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
             await self.worker.call(self.engine.free, slots)
+
+    async def _allocate(self, n_slots: int) -> KVSlots:
+        """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""
+        deadline = time.monotonic() + ALLOCATE_WAIT_S
+        while True:
+            try:
+                return await self.worker.call(self.engine.allocate, n_slots)
+            except Overloaded:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(ALLOCATE_POLL_S)  # pages come back when a request ends
 
     async def _prefill(self, req: ExecuteRequest, slots: KVSlots, stats: RequestStats,
                        unreleased: set[str], received_at: float) -> torch.Tensor:
