@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 __all__ = ["TTFT_BUCKETS", "Metric", "Metrics", "ScrapeCollector", "counter", "gauge"]
 
 # the `*_created` timestamp series double every counter's output and no dashboard of ours uses them
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
 # a sample's value: one number, or one number per value of a single label

@@ -81,10 +81,13 @@ def execute_request(layout: PromptLayout, preparations: Mapping[str, Preparation
 
 
 async def run_request(executor: Executor, req: ExecuteRequest) -> tuple[list[int], Finished]:
+    """Run to the end, as the node does (the executor frees the slots after its last event)."""
     tokens: list[int] = []
+    finished: Finished | None = None
     async for event in executor.run(req):
         if isinstance(event, TokenEvent):
             tokens.append(event.token_id)
         else:
-            return tokens, event
-    raise AssertionError("the request ended without a Finished event")
+            finished = event
+    assert finished is not None, "the request ended without a Finished event"
+    return tokens, finished

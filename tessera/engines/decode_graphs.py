@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tessera.engines.base import Extend
+from tessera.engines.base import Extend, UnitPrefill
 from tessera.engines.kv_pages import PagedSlots
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class _Graph:
         self.mask[..., 0] = True  # a padding row sees one (scratch) key: no all-masked softmax
         self.engine = engine
         # warm up on a side stream (lazy inits, autotuning), then capture
-        side = torch.cuda.Stream(device=dev)
+        side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -110,9 +110,12 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0
 
-    def run(self, work: Sequence[Extend]) -> bool:
-        if not work or len(work) > MAX_BATCH or any(len(w.token_ids) != 1 for w in work):
+    def run(self, work: Sequence[UnitPrefill | Extend]) -> bool:
+        """Run ``work`` from a graph if it is 1..MAX_BATCH single-token extends; else False (run it eagerly)."""
+        decodes = [w for w in work if isinstance(w, Extend) and len(w.token_ids) == 1]
+        if not work or len(decodes) != len(work) or len(work) > MAX_BATCH:
             return False
+        work = decodes
         longest = max(int(w.positions[0]) for w in work) + 1
         key = (_bucket(len(work), 1), min(_bucket(longest, MIN_KEYS), _bucket(self.engine.geometry.max_context, 1)))
         graph = self._graphs.get(key)

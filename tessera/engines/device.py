@@ -34,7 +34,14 @@ def is_cuda(device: torch.device | str) -> bool:
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One copy stream per device, shared by every copy in both directions."""
-    return torch.cuda.Stream(device=device)
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+def concrete(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device), as tensors report it; other devices unchanged."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _named(state: UnitState) -> tuple[tuple[str, torch.Tensor], ...]:
@@ -49,6 +56,7 @@ def check_state(state: UnitState, geometry: ModelGeometry, dtype: torch.dtype, d
     the staging path).
     """
     g = geometry
+    device = concrete(device)
     for name, t in _named(state):
         if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (g.n_layers, g.n_kv_heads, g.head_dim):
             raise PlacementError(f"{name} has shape {tuple(t.shape)}; this model's units are "
@@ -70,6 +78,7 @@ def to_device(state: UnitState, device: torch.device) -> UnitState:
     The current (compute) stream waits for the copies, so kernels queued after this call see
     the data; the caching allocator is told the tensors are used on the compute stream.
     """
+    device = concrete(device)
     if state.keys.device == device and state.values.device == device:
         return state
     if device.type != "cuda":
@@ -106,7 +115,7 @@ def to_host(state: UnitState) -> tuple[UnitState, torch.cuda.Event | None]:
         with torch.cuda.stream(side):
             keys.copy_(state.keys, non_blocking=True)
             values.copy_(state.values, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
         state.keys.record_stream(side)
         state.values.record_stream(side)

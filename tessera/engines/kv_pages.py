@@ -42,6 +42,7 @@ class PagedKVPool:
         # uninitialised on purpose: a request's rows are filled before any query can see them
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.device = self.keys.device  # concrete (cuda:N), as the tensors it receives report theirs
         self._free = list(range(n_pages - 1, -1, -1))  # a stack: recently freed pages are reused first
         self._offsets = torch.arange(page_tokens, device=device)
 

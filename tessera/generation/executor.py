@@ -27,7 +27,7 @@ from tessera.composition.layout import Placement, leading_text_tokens, placement
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import KVSlots, UnitState
 from tessera.engines.sampling import Sampler
-from tessera.errors import PlacementError, TransferError
+from tessera.errors import Overloaded, PlacementError, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler
@@ -46,6 +46,8 @@ from tessera.messages import (
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
+ALLOCATE_WAIT_S = 30.0  # a request waits this long for KV pages before it fails as Overloaded
+ALLOCATE_POLL_S = 0.005
 
 
 class SharedReader(Protocol):
@@ -96,7 +98,7 @@ class Executor:
         received_at = time.monotonic()
         sp = req.sampling
         sampler = Sampler(sp, self.scheduler.eos_token_ids)
-        slots = await self.scheduler.allocate(req.layout.n_tokens + sp.max_tokens)
+        slots = await self._allocate(req.layout.n_tokens + sp.max_tokens)
         run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
                   {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
@@ -128,6 +130,17 @@ class Executor:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
             await self.scheduler.free(slots)
+
+    async def _allocate(self, n_slots: int) -> KVSlots:
+        """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""
+        deadline = time.monotonic() + ALLOCATE_WAIT_S
+        while True:
+            try:
+                return await self.scheduler.allocate(n_slots)
+            except Overloaded:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(ALLOCATE_POLL_S)  # pages come back when a request ends
 
     async def _prefill(self, run: Run) -> torch.Tensor:
         layout, slots, stats = run.layout, run.slots, run.stats
