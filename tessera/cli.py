@@ -376,7 +376,9 @@ def verify(
             typer.echo(f"calibration: {best.setting.label} ({best.cost:.1f} recomputed unit tokens per prompt, "
                        f"KL {best.kl}, agreement {best.prefix}); overlay written to {overlay}")
     if frontier:
-        path = vf.plot_frontier(rows, out.with_suffix(".frontier.png"),
+        from tessera.benchmark.frontier import plot_frontier
+
+        path = plot_frontier(rows, out.with_suffix(".frontier.png"),
                                 f"{source}: speed vs fidelity ({len(chosen_prompts)} prompts)")
         report["frontier_plot"] = str(path)
         typer.echo(f"plot: {path}")
