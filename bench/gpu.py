@@ -45,7 +45,9 @@ from tessera.messages import PromptLayout, Segment, SegmentKind
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_TOKENS = 256
-WORDS = ["harbour", "lighthouse", "orchard", "ferry", "ledger", "record", "notebook", "river", "bridge", "market", "winter", "summer", "keeper", "captain", "merchant", "village", "tower", "garden", "letter", "signal", "morning", "evening", "station", "island", "valley"]
+WORDS = ["harbour", "lighthouse", "orchard", "ferry", "ledger", "record", "notebook", "river", "bridge",
+         "market", "winter", "summer", "keeper", "captain", "merchant", "village", "tower", "garden",
+         "letter", "signal", "morning", "evening", "station", "island", "valley"]
 
 
 @dataclasses.dataclass

@@ -296,7 +296,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 @app.command()
 def verify(
-    workload: Annotated[WorkloadName, typer.Option(help="Prompts from rag (MuSiQue), locomo or synthetic.")] = WorkloadName.rag,
+    workload: Annotated[WorkloadName, typer.Option(
+        help="Prompts from rag (MuSiQue), locomo or synthetic.")] = WorkloadName.rag,
     prompts: Annotated[Path | None, typer.Option(help="JSONL of your own chat requests (API format, with "
                                                  "context_units and unit_placement) instead of a workload.")] = None,
     samples: Annotated[int, typer.Option(help="Prompts to score (0: all).")] = 40,
@@ -306,18 +307,23 @@ def verify(
     leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>).")] = "none,lead",
     answer_tokens: Annotated[int, typer.Option(help="N: greedy answer tokens of full prefill to compare.")] = 16,
     kl_positions: Annotated[int, typer.Option(help="Answer positions the mean KL is taken over.")] = 8,
-    max_kl: Annotated[float | None, typer.Option(help="Fail (exit 1) if the configured setting's mean KL is above.")] = None,
+    max_kl: Annotated[float | None, typer.Option(
+        help="Fail (exit 1) if the configured setting's mean KL is above.")] = None,
     min_agreement: Annotated[float | None, typer.Option(help="Fail (exit 1) if the configured setting's greedy "
                                                         "prefix agreement is below.")] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Pick the cheapest setting (fewest recomputed "
                                             "unit tokens) meeting --target-kl/--target-agreement (default: the "
                                             "configured setting's own KL and agreement); write an overlay.")] = False,
     target_kl: Annotated[float | None, typer.Option(help="Calibration target: mean KL at most this.")] = None,
-    target_agreement: Annotated[float | None, typer.Option(help="Calibration target: greedy prefix agreement at least this.")] = None,
-    overlay: Annotated[Path, typer.Option(help="Where --calibrate writes its config overlay.")] = Path("results/verify/calibrated.toml"),
+    target_agreement: Annotated[float | None, typer.Option(
+        help="Calibration target: greedy prefix agreement at least this.")] = None,
+    overlay: Annotated[Path, typer.Option(
+        help="Where --calibrate writes its config overlay.")] = Path("results/verify/calibrated.toml"),
     out: Annotated[Path, typer.Option(help="JSON report.")] = Path("results/verify/verify.json"),
-    top_k: Annotated[int | None, typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
-    unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
+    top_k: Annotated[int | None, typer.Option(
+        help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
+    unit_words: Annotated[int, typer.Option(
+        help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
     placement: Annotated[str, typer.Option(help="locomo: user or system placement.")] = "user",
     conversations: Annotated[int, typer.Option(help="locomo: the first N conversations (0: all).")] = 0,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/.")] = None,
@@ -395,7 +401,9 @@ def verify(
             typer.echo(f"calibration: {best.setting.label} ({best.cost:.1f} recomputed unit tokens per prompt, "
                        f"KL {best.kl}, agreement {best.prefix}); overlay written to {overlay}")
     if frontier:
-        path = vf.plot_frontier(rows, out.with_suffix(".frontier.png"),
+        from tessera.benchmark.frontier import plot_frontier
+
+        path = plot_frontier(rows, out.with_suffix(".frontier.png"),
                                 f"{source}: speed vs fidelity ({len(chosen_prompts)} prompts)")
         report["frontier_plot"] = str(path)
         typer.echo(f"plot: {path}")

@@ -105,15 +105,16 @@ class CompositionConfig:
     recompute_tokens: int = 16
     # length-aware LegoLink: a unit of n tokens recomputes min(k, ceil(recompute_fraction * n))
     # leading tokens, so short records are not mostly recomputed (1.0: the first k, any length)
-    recompute_fraction: float = 1.0
+    recompute_fraction: float = 0.25
     # a unit whose recomputed share reaches this is plain text for the request: not prefilled,
     # planned or retained (1.0: only units recomputed whole)
     inline_share: float = 0.75
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
     # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
-    # way EPIC's chunks start with BOS; LegoLink needs it on SmolLM2, see README). "" = none.
-    unit_lead: str = "<|endoftext|>"
+    # way EPIC's chunks start with BOS). "" = none: against full prefill of the user's own prompt
+    # the lead costs fidelity on LoCoMo and MuSiQue (README, `tessera verify`)
+    unit_lead: str = ""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,

