@@ -163,7 +163,8 @@ def main() -> None:
           f"{recompute:.3f} s (epic extend - naive extend), suffix {rows['naive']['extend']:.3f} s, "
           f"prefix match {rows['epic k=16']['match']:.3f} s")
     print(f"decode step at {n} tokens of context: batch 1 {decode[1] * 1e3:.1f} ms, batch 8 {decode[8] * 1e3:.1f} ms "
-          f"({8 / decode[8]:.0f} tok/s)" + (f"; transformers batch 1 {t_hf_decode * 1e3:.1f} ms" if t_hf_decode else ""))
+          f"({8 / decode[8]:.0f} tok/s)"
+          + (f"; transformers batch 1 {t_hf_decode * 1e3:.1f} ms" if t_hf_decode else ""))
 
 
 if __name__ == "__main__":

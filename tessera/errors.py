@@ -70,6 +70,10 @@ class ChecksumMismatch(TransferError, IntegrityError):
     """A block's header or payload checksum did not match what the reader expected."""
 
 
+class PlacementError(TesseraError):
+    """A unit state could not be copied to or placed on the engine's device; the caller computes it instead."""
+
+
 class ControlPlaneError(TesseraError):
     """The control plane could not be reached, or answered with an error other than a rejection."""
 

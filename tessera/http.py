@@ -71,16 +71,21 @@ def application(middlewares: Iterable[Any] = ()) -> web.Application:
 
 
 class LazySession:
-    """One aiohttp client session, created on first use inside the running loop."""
+    """One aiohttp client session, created on first use inside the running loop.
 
-    def __init__(self, timeout: aiohttp.ClientTimeout, **kwargs: Any) -> None:
+    ``connection_limit`` bounds open connections per session (0: unbounded; aiohttp's
+    default is 100); each new session gets its own connector.
+    """
+
+    def __init__(self, timeout: aiohttp.ClientTimeout, *, connection_limit: int = 100) -> None:
         self.timeout = timeout
-        self._kwargs = kwargs
+        self.connection_limit = connection_limit
         self._session: aiohttp.ClientSession | None = None
 
     def get(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout, **self._kwargs)
+            self._session = aiohttp.ClientSession(timeout=self.timeout,
+                                                  connector=aiohttp.TCPConnector(limit=self.connection_limit))
         return self._session
 
     async def close(self) -> None:

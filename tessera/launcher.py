@@ -73,6 +73,57 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
+def role_env(**extra: str) -> dict[str, str]:
+    """Environment of a role process: unbuffered output, never reach for a model hub."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, url: str,
+               env: dict[str, str] | None = None, *, append: bool = False,
+               die_with_parent: bool = False) -> Child:
+    """Start ``tessera run --role ROLE [--node NODE]`` with its output in ``log_path``.
+
+    ``die_with_parent``: the child gets SIGTERM when this process exits (call from the main
+    thread: see :func:`_die_with_parent`).
+    """
+    cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path)]
+    if node is not None:
+        cmd += ["--node", node]
+    log_file = open(log_path, "ab" if append else "wb")  # noqa: SIM115 - lives as long as the child
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env or role_env(),
+                            start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None)
+    return Child(role, node or "main", url, log_path, proc, log_file)
+
+
+def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None) -> None:
+    """Poll each child's ``/health`` until it answers 200; ClusterError if one exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            if child.proc.poll() is not None:
+                raise ClusterError(f"{child.role} {child.node} exited with code {child.proc.returncode}; "
+                                   f"log {child.log_path}:\n{child.tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError), \
+                    urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                if resp.status == 200:
+                    pending.remove(child)
+                    if on_ready is not None:
+                        on_ready(child)
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{c.role} {c.node}" for c in pending)
+            raise ClusterError(f"not healthy after {timeout:.0f}s: {names}:\n"
+                               + "\n".join(c.tail() for c in pending))
+        if pending:
+            time.sleep(0.1)
+
+
 class LocalCluster:
     """Every role of ``config`` as child processes of this one."""
 
@@ -90,42 +141,19 @@ class LocalCluster:
             print(msg, file=sys.stderr, flush=True)
 
     def _spawn(self, role: str, node: str, host: str, port: int) -> Child:
-        cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(self.config_path)]
-        if role != "retrieval":
-            cmd += ["--node", node]
-        env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env["PYTHONUNBUFFERED"] = "1"
-        log_path = self.log_dir / f"{role}-{node}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - lives as long as the child; a restart appends
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_die_with_parent)
-        child = Child(role, node, f"http://{host}:{port}", log_path, proc, log_file)
+        # a restart appends to the role's log; the child dies with the launcher
+        child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
+                           self.log_dir / f"{role}-{node}.log", f"http://{host}:{port}",
+                           append=True, die_with_parent=True)
         self.children.append(child)
         return child
 
     def _wait(self, children: list[Child], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(children)
-        while pending:
-            for child in list(pending):
-                if child.proc.poll() is not None:
-                    raise ClusterError(
-                        f"{child.role} {child.node} exited with code {child.proc.returncode}; "
-                        f"log {child.log_path}:\n{child.tail()}"
-                    )
-                with contextlib.suppress(OSError, urllib.error.URLError), \
-                        urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        pending.remove(child)
-                        self._say(f"  {child.role:<10} {child.node:<6} ready at {child.url}")
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{c.role} {c.node}" for c in pending)
-                raise ClusterError(f"not healthy after {timeout:.0f}s: {names}; logs in {self.log_dir}")
-            if pending:
-                time.sleep(0.2)
+        try:
+            wait_healthy(children, timeout,
+                         on_ready=lambda c: self._say(f"  {c.role:<10} {c.node:<6} ready at {c.url}"))
+        except ClusterError as exc:
+            raise ClusterError(f"{exc}; logs in {self.log_dir}") from None
 
     def _wait_heard(self, names: list[str], timeout: float) -> None:
         """Until the control plane heard every generation node (only those are routed to)."""
@@ -155,6 +183,30 @@ class LocalCluster:
             self.stop()
             raise
 
+    def restart(self, role: str, node: str = "main", *, crash: bool = True, timeout: float = 120.0) -> Child:
+        """Stop one child (SIGKILL if ``crash``, else SIGTERM and drain) and start it again."""
+        old = next(c for c in self.children if c.role == role and c.node == node)
+        if old.proc.poll() is None:
+            if crash:
+                old.proc.kill()
+            else:
+                old.proc.send_signal(signal.SIGTERM)
+            old.proc.wait(timeout)
+        old.log_file.close()
+        self.children.remove(old)
+        cfg = self.config
+        if role == "retrieval":
+            host, port = cfg.retrieval.host, cfg.retrieval.port
+        elif role == "kvpool":
+            host, port = cfg.kvpool_node(node).host, cfg.kvpool_node(node).port
+        else:
+            host, port = cfg.generation_node(node).host, cfg.generation_node(node).port
+        old.log_path.rename(old.log_path.with_suffix(f".{len(self.children)}.{time.monotonic_ns()}.log"))
+        child = self._spawn(role, node, host, port)
+        child.restarts = old.restarts + 1
+        self._wait([child], timeout)
+        return child
+
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is None]
 
@@ -164,8 +216,11 @@ class LocalCluster:
         n = self.config.kvpool_node(node) if role == "kvpool" else self.config.generation_node(node)
         return n.host, n.port
 
-    def restart(self, child: Child, wait_timeout: float | None = None) -> Child:
-        """Start ``child``'s role again in place of the old process (killed first if still running)."""
+    def restart_child(self, child: Child, wait_timeout: float | None = None) -> Child:
+        """Start ``child``'s role again in place of the old process (killed first if still running).
+
+        Unlike :meth:`restart` the role's log continues in the same file (supervision, chaos).
+        """
         if child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
@@ -197,7 +252,7 @@ class LocalCluster:
                               f"{lived:.0f}s; starting it again in {wait:.1f}s (log {child.log_path})")
                 elif now >= due[id(child)]:
                     del due[id(child)]
-                    self.restart(child)
+                    self.restart_child(child)
             time.sleep(poll_s)
 
     def stop(self, timeout: float = 20.0) -> None:

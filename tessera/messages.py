@@ -163,8 +163,17 @@ class PromptLayout:
         return out
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How the generation node picks tokens; built from a client's request only by
+    :func:`tessera.retrieval.chat_request.parse_chat_request`, which explains bad values to
+    the client. The checks here are the message's invariants (a peer that breaks them gets a
+    400 from the wire decoder)."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -173,6 +182,16 @@ class SamplingParams:
     ignore_eos: bool = False
     # -1: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
     top_logprobs: int = -1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens = {self.max_tokens} is invalid: expected >= 1")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature = {self.temperature} is invalid: expected 0..{MAX_TEMPERATURE} (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p = {self.top_p} is invalid: expected 0 < top_p <= 1")
+        if not -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs = {self.top_logprobs} is invalid: expected -1..{MAX_TOP_LOGPROBS}")
 
 
 # --- control RPCs --------------------------------------------------------------------------
@@ -257,6 +276,17 @@ class ResidencyReport:
     evicted: tuple[str, ...] = ()
     # victims the plan allowed it to evict that it kept (evicting fewer was enough)
     kept: tuple[str, ...] = ()
+    # blocks of each inserted unit (parallel to ``inserted``): sent when the node re-reports its
+    # whole cache to a control plane that restarted and does not know the units' sizes
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeRequest:
+    """Retrieval role -> generation node: these units were deleted; drop their cached states."""
+
+    version: int
+    unit_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +311,40 @@ class MemoryNodeHello:
     shm_name: str
     data_host: str
     data_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryBlock:
+    """One verified block a memory node holds, as its header names it (see transport/blocks.py)."""
+
+    slot: int
+    unit_key: str  # hex of the 16-byte unit digest
+    epoch: int
+    block_index: int
+    tokens: int
+    unit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNodeInventory:
+    """A memory node that (re)joined a new control plane reports the blocks it still holds.
+
+    Only blocks whose header and payload checksums verify are listed.
+    """
+
+    version: int
+    name: str
+    boot_id: str
+    blocks: tuple[InventoryBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryResult:
+    version: int
+    adopted: tuple[str, ...]  # unit ids whose entries are READY again
+    # > 0: the node's slots are still fenced (writes of an earlier incarnation may land):
+    # scan again and resend after this many seconds
+    retry_after_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,3 +401,86 @@ class CompleteRequest:
 class MemoryNodeList:
     version: int
     nodes: tuple[MemoryNodeHello, ...]
+
+
+# --- the execute stream (generation node -> retrieval role, one NDJSON line per event) ------
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Where one request's prompt tokens came from, and what it generated.
+
+    Mutable on purpose: the executor's concurrent unit preparations add to it while the
+    request runs; it crosses the wire once, inside the :class:`DoneEvent`.
+    """
+
+    prompt_tokens: int = 0
+    prefix_cached_tokens: int = 0  # served by the exact prefix cache
+    local_tokens: int = 0  # unit tokens whose state came from the local cache
+    remote_tokens: int = 0  # ... from the shared KV Pool
+    computed_unit_tokens: int = 0  # ... prefilled from text on this node
+    local_units: int = 0
+    remote_units: int = 0
+    computed_units: int = 0
+    coalesced_units: int = 0  # misses that joined another request's in-flight prefill
+    fallbacks: int = 0  # remote fetches that failed and were computed instead
+    recomputed_tokens: int = 0  # tokens computed in the final extend pass
+    bytes_fetched: int = 0
+    completion_tokens: int = 0
+
+    def tokens_by_source(self) -> tuple[tuple[str, int], ...]:
+        """Prompt tokens by where their state came from: the ``source`` label of the token metrics."""
+        return (("prefix", self.prefix_cached_tokens), ("local", self.local_tokens), ("remote", self.remote_tokens),
+                ("computed", self.computed_unit_tokens), ("recomputed", self.recomputed_tokens))
+
+    def units_by_preparation(self) -> tuple[tuple[str, int], ...]:
+        return (("local", self.local_units), ("remote", self.remote_units), ("computed", self.computed_units))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose state was reused (OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
+        return self.prefix_cached_tokens + self.local_tokens + self.remote_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token; ``text`` is the text it adds (tokens may end mid-character)."""
+
+    version: int
+    token_id: int
+    text: str
+    logprob: float | None = None  # set iff the request asked for logprobs
+    top: tuple[TopLogprob, ...] = ()
+    # on the first token only: the prompt's preparation figures, so a reply the caller cuts
+    # short (stop string, disconnect) still has its usage
+    stats: RequestStats | None = None
+    kind: str = "token"
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    """The last event of a request that finished: why it stopped and its statistics."""
+
+    version: int
+    finish_reason: str  # "stop" or "length"
+    stats: RequestStats
+    kind: str = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    """The last event of a request that failed after its stream started."""
+
+    version: int
+    message: str
+    kind: str = "error"
+
+
+ExecuteEvent = TokenEvent | DoneEvent | ErrorEvent
+EXECUTE_EVENTS: dict[str, type[ExecuteEvent]] = {"token": TokenEvent, "done": DoneEvent, "error": ErrorEvent}

@@ -17,6 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tessera.errors import TesseraError
+
 log = logging.getLogger("tessera")
 
 
@@ -46,7 +48,12 @@ def run(main: Callable[[], Coroutine[Any, Any, int | None]]) -> int:
 async def serve(app: web.Application, host: str, port: int, *, name: str, drain_s: float = 10.0) -> int:
     """Serve ``app`` until SIGINT/SIGTERM, then drain and clean up. Returns the exit code."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=drain_s, access_log=None)
-    await runner.setup()
+    try:
+        await runner.setup()  # runs the cleanup_ctx start-ups
+    except (OSError, TesseraError) as exc:
+        log.error("%s cannot start: %s", name, exc)
+        await runner.cleanup()  # stops what did start, in reverse order
+        return 3
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
         await site.start()

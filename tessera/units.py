@@ -56,6 +56,15 @@ def unit_id_for(scope: str, token_ids: Sequence[int], fingerprint: ServingFinger
     return h.hexdigest()
 
 
+def unit_key(unit_id: str) -> bytes:
+    """16-byte digest of a unit id: what storage block headers carry to name their unit."""
+    return hashlib.blake2b(unit_id.encode(), digest_size=16).digest()
+
+
+def unit_key_hex(unit_id: str) -> str:
+    return unit_key(unit_id).hex()
+
+
 @dataclass(frozen=True, slots=True)
 class ContextUnit:
     """A retrieved (or caller-supplied) unit, tokenized and identified."""

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import types
 import typing
+from collections.abc import Mapping
 from functools import cache
 from typing import Any, TypeVar, Union, cast
 
@@ -142,3 +143,15 @@ def decode(cls: type[T], body: bytes | str) -> T:
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"body is not valid JSON: {exc}") from None
     return from_wire(cls, value)
+
+
+def decode_tagged(classes: Mapping[str, type[T]], body: bytes | str, tag: str = "kind") -> T:
+    """Decode one member of a tagged union: ``body[tag]`` names its class in ``classes``."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"body is not valid JSON: {exc}") from None
+    kind = value.get(tag) if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in classes:
+        raise _fail(tag, "one of " + ", ".join(repr(k) for k in classes), kind)
+    return from_wire(classes[kind], value)

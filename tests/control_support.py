@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tessera.config import ClusterConfig, ControlConfig, GenerationNodeConfig, KVPoolNodeConfig
+import support
+from support import Clock
+
+from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
 from tessera.messages import (
     LoadReport,
@@ -22,25 +25,11 @@ from tessera.wire import WIRE_VERSION
 B = 4  # block size of every test cluster
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def cluster_config(*, nodes: int = 2, local_blocks: int = 16, shared_blocks: int = 16,
                    kvpools: int = 1, **control: object) -> ClusterConfig:
-    gens = tuple(GenerationNodeConfig(f"gen{i}", port=7600 + i, local_capacity_blocks=local_blocks)
-                 for i in range(nodes))
-    pools = tuple(KVPoolNodeConfig(f"kv{i}", port=7500 + 2 * i, data_port=7501 + 2 * i, capacity_blocks=shared_blocks)
-                  for i in range(kvpools))
-    return ClusterConfig(block_tokens=B, control=ControlConfig(**control), kvpools=pools,  # type: ignore[arg-type]
-                         generation=gens)
+    """A small cluster (B = 4, 16 blocks per tier) for an in-process control plane."""
+    return support.cluster_config(nodes=nodes, local_blocks=local_blocks, kvpools=kvpools, kv_blocks=shared_blocks,
+                                  block_tokens=B, **control)
 
 
 def hello(name: str = "kv0", capacity: int = 16, boot: str = "boot-1") -> MemoryNodeHello:

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from tessera.config import ClusterConfig, CompositionConfig, GenerationNodeConfig, ModelConfig
-from tessera.engines.reference import ReferenceEngine
+from tessera.engines.base import ENGINES, EngineAdapter, KVSlots
+from tessera.engines.paged import PagedEngine
+from tessera.engines.reference import TorchSlots
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.messages import PromptLayout, Segment, SegmentKind
 
@@ -23,21 +25,38 @@ LLAMA3_SCALING = {
 }
 
 
+# engines that run on CPU and share the contract tests
+ENGINE_NAMES = ("reference", "paged")
+
+
 def tiny_config(source: Path, *, kv_dtype: str = "float32", unit_bos: bool = False, dtype: str = "float32",
-                threads: int = 2) -> ClusterConfig:
+                threads: int = 2, engine: str = "reference", device: str = "cpu",
+                kv_pool_tokens: int = 8192) -> ClusterConfig:
     return ClusterConfig(
         kv_dtype=kv_dtype,
-        model=ModelConfig(source=str(source), dtype=dtype, threads=threads),
+        # a small pool: the paged engine's default (4x the context) is more than the tests need
+        model=ModelConfig(source=str(source), dtype=dtype, threads=threads, engine=engine, device=device,
+                          kv_pool_tokens=kv_pool_tokens),
         composition=CompositionConfig(unit_bos=unit_bos),
         generation=(GenerationNodeConfig("gen0"),),
     )
 
 
 def tiny_engine(directory: Path, arch: str = "llama", *, prefix_cache_tokens: int = 4096,
-                checkpoint_opts: dict[str, Any] | None = None, **config_opts: Any) -> ReferenceEngine:
+                checkpoint_opts: dict[str, Any] | None = None, **config_opts: Any) -> Any:
+    """An engine (``engine=`` "reference" by default, or "paged") on a tiny random checkpoint."""
     if not (directory / "config.json").is_file():
         write_tiny_checkpoint(directory, arch, **(checkpoint_opts or {}))
-    return ReferenceEngine.from_config(tiny_config(directory, **config_opts), prefix_cache_tokens)
+    cfg = tiny_config(directory, **config_opts)
+    return ENGINES.get(cfg.model.engine).from_config(cfg, prefix_cache_tokens)
+
+
+def slot_kv(engine: EngineAdapter, slots: KVSlots) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-RoPE K and V of every slot of a request, ``[L, n_slots, H_kv, D]`` each (either engine)."""
+    if isinstance(slots, TorchSlots):
+        return slots.keys, slots.values
+    assert isinstance(engine, PagedEngine), type(engine).__name__
+    return engine.pool.read(slots, 0, slots.n_slots)  # type: ignore[arg-type]
 
 
 def random_tokens(n: int, seed: int, vocab: int = 49152) -> tuple[int, ...]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import urllib.error
@@ -12,32 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from support import free_port
+from support import cluster_config
 
 from tessera.config import ClusterConfig
-from tessera.config_file import load_config
 from tessera.launcher import LocalCluster
 from tessera.messages import PromptLayout, Segment, SegmentKind
 
-
-def cluster_config(model_source: str, *, nodes: int = 2, local_blocks: int = 1024, transport: str = "shm",
-                   max_inflight: int = 64, kv_blocks: int = 1024, threads: int = 1, **control: Any) -> ClusterConfig:
-    """The default cluster on free ports, with a chosen model and a few knobs."""
-    base = load_config()
-    gen_proto = base.generation[0]
-    return dataclasses.replace(
-        base,
-        model=dataclasses.replace(base.model, source=model_source, threads=threads),
-        control=dataclasses.replace(base.control, **control),
-        transport=dataclasses.replace(base.transport, name=transport, timeout_s=2.0),
-        retrieval=dataclasses.replace(base.retrieval, port=free_port()),
-        kvpools=tuple(dataclasses.replace(n, port=free_port(), data_port=free_port(), capacity_blocks=kv_blocks)
-                      for n in base.kvpools),
-        generation=tuple(
-            dataclasses.replace(gen_proto, name=f"gen{i}", port=free_port(), local_capacity_blocks=local_blocks,
-                                max_inflight=max_inflight)
-            for i in range(nodes)),
-    )
+__all__ = ["call", "chat", "cluster_config", "layout_from_trace", "node_metric", "running_cluster", "wait_for"]
 
 
 @contextmanager

@@ -1,20 +1,20 @@
-"""Shared test helpers: free ports, temp configs, real role processes on loopback."""
+"""Shared test helpers: free ports, the one config builder, the one fake clock, real role processes."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tessera.config import ClusterConfig
-from tessera.config_file import dump_toml
+from tessera.config_file import dump_toml, load_config
+from tessera.launcher import role_env, spawn_role, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,44 +32,26 @@ def write_config(directory: Path, config: ClusterConfig, name: str = "tessera.to
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment for child processes: import this checkout, never reach for a hub."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+    """Environment for child processes: a role's environment that imports this checkout."""
+    return role_env(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
 class RoleProcess:
-    """One ``tessera run --role ...`` process with its output captured to a log file."""
+    """One ``tessera run --role ...`` process (the launcher's own runner) with its output in a log file."""
 
     def __init__(self, role: str, config_path: Path, node: str | None = None, log_dir: Path | None = None) -> None:
         self.role = role
         self.node = node
-        log_dir = log_dir or config_path.parent
-        self.log_path = log_dir / f"{role}-{node or 'main'}.log"
-        cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path)]
-        if node:
-            cmd += ["--node", node]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env())
+        self.log_path = (log_dir or config_path.parent) / f"{role}-{node or 'main'}.log"
+        self.child = spawn_role(role, node, config_path, self.log_path, url="", env=child_env())
+        self.proc = self.child.proc
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, url: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.role} not healthy at {url} after {timeout}s:\n{self.log()}")
+        self.child.url = url
+        wait_healthy([self.child], timeout)
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, wait for a clean drain; SIGKILL if it hangs."""
@@ -80,21 +62,61 @@ class RoleProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        self.child.log_file.close()
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self._log.close()
+        self.child.log_file.close()
 
 
 @contextlib.contextmanager
-def running(role: str, config_path: Path, url: str, node: str | None = None, timeout: float = 60.0) -> Iterator[RoleProcess]:
+def running(role: str, config_path: Path, url: str, node: str | None = None,
+            timeout: float = 60.0) -> Iterator[RoleProcess]:
     proc = RoleProcess(role, config_path, node)
     try:
         proc.wait_healthy(url, timeout)
         yield proc
     finally:
         proc.stop()
+
+
+class Clock:
+    """The one fake clock of the tests: time moves only when a test advances it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def cluster_config(model_source: str | None = None, *, nodes: int = 2, local_blocks: int = 1024, kvpools: int = 1,
+                   kv_blocks: int = 1024, block_tokens: int | None = None, transport: str = "shm",
+                   max_inflight: int = 64, threads: int = 1, **control: Any) -> ClusterConfig:
+    """The embedded default cluster on free loopback ports, with a chosen model and a few knobs.
+
+    The one config builder of the tests: in-process control planes and real clusters alike.
+    """
+    base = load_config()
+    gen_proto, pool_proto = base.generation[0], base.kvpools[0]
+    return dataclasses.replace(
+        base,
+        block_tokens=block_tokens or base.block_tokens,
+        model=dataclasses.replace(base.model, source=model_source or base.model.source, threads=threads),
+        control=dataclasses.replace(base.control, **control),
+        transport=dataclasses.replace(base.transport, name=transport, timeout_s=2.0),
+        retrieval=dataclasses.replace(base.retrieval, port=free_port()),
+        kvpools=tuple(dataclasses.replace(pool_proto, name=f"kv{i}", port=free_port(), data_port=free_port(),
+                                          capacity_blocks=kv_blocks)
+                      for i in range(kvpools)),
+        generation=tuple(
+            dataclasses.replace(gen_proto, name=f"gen{i}", port=free_port(), local_capacity_blocks=local_blocks,
+                                max_inflight=max_inflight)
+            for i in range(nodes)),
+    )

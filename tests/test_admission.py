@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.config import ControlConfig
 from tessera.control.admission import (
+    ADMISSIONS,
     AdmissionPolicy,
     DemandAdmission,
     LruAdmission,
     admission_names,
     make_admission,
-    register_admission,
 )
 from tessera.control.local import LocalTier
 from tessera.errors import ConfigError
@@ -55,28 +57,38 @@ class Tier:
 # --- demand ------------------------------------------------------------------------------
 
 
-def test_a_unit_is_not_admitted_at_its_first_retrieval() -> None:
-    """With room to spare and θ = 0, the first retrieval still retains nothing."""
-    tier = Tier(100, theta=0.0)
-    assert tier.request({"a": 8}) == {"a": None}
-    assert tier.request({"a": 8}) == {"a": []}
+def test_free_space_is_taken_at_the_first_retrieval() -> None:
+    """With room to spare, a unit is admitted at first sight whatever its score or θ."""
+    tier = Tier(100, theta=10.0)
+    assert tier.request({"a": 8, "b": 4}) == {"a": [], "b": []}
+    assert tier.request({"a": 8, "b": 4}) == {"a": None, "b": None}  # held already
+    assert tier.resident() == {"a", "b"}
+
+
+def test_when_full_a_unit_is_not_admitted_at_its_first_retrieval() -> None:
+    """A full tier: the first retrieval evicts nothing, even of colder residents; the second may."""
+    tier = Tier(1, theta=0.0, window=1)
+    tier.request({"x": 4})  # free space: x resident
+    assert tier.request({"a": 4}) == {"a": None}  # s(x) fell to 0.5 < s(a) = 1.5, still refused
+    assert tier.request({"a": 4}) == {"a": ["x"]}
     assert tier.resident() == {"a"}
 
 
-def test_admit_first_admits_at_the_first_retrieval_when_the_score_reaches_theta() -> None:
-    """admit_first lifts only the first-retrieval rule; θ still applies."""
-    tier = Tier(100, theta=1.5, admit_first=True, w_recent=1.0, w_lifetime=0.5)
-    assert tier.request({"a": 8}) == {"a": []}
-    tier = Tier(100, theta=1.6, admit_first=True, w_recent=1.0, w_lifetime=0.5)
-    assert tier.request({"a": 8}) == {"a": None}
+def test_admit_first_lets_a_first_retrieval_evict_when_the_score_reaches_theta() -> None:
+    """admit_first lifts only the first-retrieval rule of eviction; θ still applies."""
+    for theta, admitted in ((1.5, True), (1.6, False)):
+        tier = Tier(1, theta=theta, admit_first=True, window=1, w_recent=1.0, w_lifetime=0.5)
+        tier.request({"x": 4})  # then s(x) = 0.5 once it leaves the window
+        assert tier.request({"a": 4}) == ({"a": ["x"]} if admitted else {"a": None})
 
 
 def test_a_unit_below_theta_is_not_a_candidate() -> None:
-    """Two retrievals score 3.0 with the default weights; θ = 3.5 needs a third."""
-    tier = Tier(100, theta=3.5)
+    """Full tier: two retrievals score 3.0 with the default weights; θ = 3.5 needs a third."""
+    tier = Tier(1, theta=3.5)
+    tier.request({"x": 4})  # free space: x resident with s = 1.5
     tier.request({"a": 4})
     assert tier.request({"a": 4}) == {"a": None}
-    assert tier.request({"a": 4}) == {"a": []}
+    assert tier.request({"a": 4}) == {"a": ["x"]}
 
 
 def test_capacity_is_counted_in_whole_blocks() -> None:
@@ -148,6 +160,34 @@ def test_ranked_lists_residents_in_eviction_order_with_exact_scores() -> None:
     policy.check_invariants()
 
 
+# --- the two regimes: demand never loses to LRU ------------------------------------------
+
+
+def _hits(tier: Tier, stream: list[dict[str, int]]) -> int:
+    """Units already held when their request arrives (reuse), over the stream."""
+    hits = 0
+    for request in stream:
+        hits += sum(tier.local.holds(u) for u in request)
+        tier.request(request)
+    return hits
+
+
+def test_tiers_holding_the_working_set_reuse_as_much_as_lru() -> None:
+    """Working set of 6 one-block units, capacity 8: after the first pass both policies hit everything."""
+    stream = [{u: 4 for u in "abcdef"[i % 3 * 2:i % 3 * 2 + 2]} for i in range(12)]
+    demand, lru = _hits(Tier(8), stream), _hits(Tier(8, admission="lru"), stream)
+    assert demand == lru == sum(len(r) for r in stream) - 6
+
+
+def test_tiers_smaller_than_the_working_set_keep_the_hot_units() -> None:
+    """Capacity 2 under a cyclic scan of 3 units: LRU always evicts the next one needed; demand keeps two."""
+    stream = [{u: 4} for u in "abc" * 8]
+    lru = _hits(Tier(2, admission="lru"), stream)
+    demand = _hits(Tier(2), stream)
+    assert lru == 0
+    assert demand >= 2 * 7 and demand > lru
+
+
 # --- lru ---------------------------------------------------------------------------------
 
 
@@ -172,14 +212,14 @@ def test_lru_skips_units_that_are_not_safe_to_reclaim() -> None:
 # --- registry ----------------------------------------------------------------------------
 
 
-def test_policies_are_found_by_name_and_new_ones_can_be_registered() -> None:
+def test_policies_are_found_by_name_and_new_ones_can_be_registered(register: Any) -> None:
     """The registry knows demand and lru, rejects unknown names, and accepts new policies."""
     assert {"demand", "lru"} <= set(admission_names())
     assert isinstance(make_admission("lru", ControlConfig()), LruAdmission)
     with pytest.raises(ConfigError, match="known: "):
         make_admission("nope", ControlConfig())
 
-    @register_admission("never")
+    @register(ADMISSIONS, "never")
     class Never(LruAdmission):
         def wants(self, unit_id: str) -> bool:
             return False
@@ -211,15 +251,18 @@ def test_capacity_is_never_exceeded(stream: list[dict[str, int]], capacity: int,
 
 @settings(max_examples=150, deadline=None)
 @given(stream=streams, capacity=st.integers(1, 8), window=st.integers(1, 6))
-def test_no_unit_is_admitted_at_its_first_retrieval_by_default(stream: list[dict[str, int]], capacity: int,
-                                                               window: int) -> None:
-    """Every admission under the demand policy is of a unit seen in an earlier request."""
+def test_a_first_retrieval_only_ever_takes_free_space_by_default(stream: list[dict[str, int]], capacity: int,
+                                                                 window: int) -> None:
+    """Under the demand policy a unit at its first retrieval is admitted only without victims.
+
+    (Was: never admitted at its first retrieval. Free space is now taken at first sight, issue 16.)
+    """
     tier = Tier(capacity, window=window, theta=0.0)
     seen: set[str] = set()
     for request in stream:
         for u, victims in tier.request(request).items():
-            if victims is not None:
-                assert u in seen, f"{u} admitted at its first retrieval"
+            if u not in seen:
+                assert not victims, f"{u} evicted {victims} at its first retrieval"
         seen.update(request)
 
 

@@ -17,6 +17,7 @@ from tessera.benchmark.workloads import DATA_DIR, Zipf, locomo_workload, rag_wor
 
 
 def test_zipf_prefers_low_ranks_over_a_fixed_permutation() -> None:
+    """Zipf draws favour the permutation's first rank by far; draw_distinct never repeats."""
     z = Zipf(50, 1.2, random.Random(1))
     draws = z.draw(4000)
     top = z.order[0]
@@ -26,6 +27,7 @@ def test_zipf_prefers_low_ranks_over_a_fixed_permutation() -> None:
 
 
 def test_synthetic_workload_is_deterministic_and_recurs_out_of_order() -> None:
+    """One seed gives one workload, and records recur at positions other than their first."""
     a, b = synthetic_workload(30, seed=4), synthetic_workload(30, seed=4)
     assert [r.context_units for r in a.requests] == [r.context_units for r in b.requests]
     seen: set[str] = set()
@@ -38,6 +40,7 @@ def test_synthetic_workload_is_deterministic_and_recurs_out_of_order() -> None:
 
 @pytest.mark.skipif(not (DATA_DIR / "locomo" / "locomo10.json").is_file(), reason="../shared/data is absent")
 def test_locomo_scopes_are_conversations_and_questions_keep_their_order() -> None:
+    """LoCoMo: one scope per conversation, categories 1-4 with answers, top-6 retrieval."""
     w = locomo_workload(0, conversations=2)
     scopes = {u.scope for u in w.corpus}
     assert scopes == {r.scope for r in w.requests} and len(scopes) == 2
@@ -47,6 +50,7 @@ def test_locomo_scopes_are_conversations_and_questions_keep_their_order() -> Non
 
 @pytest.mark.skipif(not (DATA_DIR / "musique" / "musique_s.json").is_file(), reason="../shared/data is absent")
 def test_rag_corpus_is_deduplicated_passages() -> None:
+    """MuSiQue passages appear once in the corpus, truncated to unit_words."""
     w = rag_workload(10, unit_words=20)
     texts = [u.text for u in w.corpus]
     assert len(texts) == len(set(texts)) and all(len(t.split()) <= 20 for t in texts)
@@ -62,20 +66,24 @@ def results(ttfts: list[float]) -> list[Result]:
 
 
 def test_summary_excludes_the_warm_up_share() -> None:
+    """The summary measures only the requests after the warm-up share, hit rates included."""
     s = summarize(results([9.0, 9.0, 1.0, 3.0]), 0.5, 1.0)
     assert s["requests"] == 2 and s["mean"] == pytest.approx(2.0)
     assert s["hit_rate"]["local"] == pytest.approx(0.75)
 
 
 def test_sustained_rate_interpolates_the_crossing() -> None:
+    """The sustained rate interpolates where mean TTFT crosses the bound, clamped to the swept rates."""
     assert sustained_rate([1, 2, 3], [1.0, 1.5, 3.0], 2.0) == pytest.approx(2 + 1 / 3)
     assert sustained_rate([1, 2], [1.0, 1.2], 2.0) == 2
     assert sustained_rate([1, 2], [5.0, 6.0], 2.0) == 1
 
 
 def test_compare_computes_both_targets() -> None:
+    """compare finds the baseline's 3x-unloaded knee, the TTFT ratio there and both sustained rates."""
     def sysrep(unloaded: float, means: list[float]) -> dict:
-        return {"unloaded": {"mean": unloaded}, "runs": [{"rate": r, "mean": m} for r, m in zip([1, 2, 3], means, strict=True)]}
+        return {"unloaded": {"mean": unloaded},
+                "runs": [{"rate": r, "mean": m} for r, m in zip([1, 2, 3], means, strict=True)]}
 
     report = {"systems": {"prefix": sysrep(1.0, [1.5, 3.0, 9.0]), "tessera": sysrep(0.5, [0.5, 0.6, 0.9])}}
     c = compare(report)
@@ -86,6 +94,7 @@ def test_compare_computes_both_targets() -> None:
 
 
 def test_compare_anchors_a_high_rate_sweep_at_the_unloaded_reference() -> None:
+    """A system swept only above the knee is interpolated from its unloaded reference at rate 0."""
     # tessera swept only above prefix's knee: its TTFT there comes from (0, unloaded)
     report = {"systems": {
         "prefix": {"unloaded": {"mean": 1.0}, "runs": [{"rate": 1, "mean": 1.5}, {"rate": 2, "mean": 4.0}]},
@@ -99,6 +108,7 @@ def test_compare_anchors_a_high_rate_sweep_at_the_unloaded_reference() -> None:
 
 
 def test_saturation_skips_only_past_the_factor() -> None:
+    """Higher rates are skipped only once the mean passes the factor times the unloaded TTFT."""
     from tessera.benchmark.report import table
     from tessera.benchmark.runner import _saturated
 
@@ -114,6 +124,7 @@ def test_saturation_skips_only_past_the_factor() -> None:
 
 
 async def test_drained_warm_up_finishes_before_the_first_measured_request() -> None:
+    """With the drain, every warm-up request ends before the first measured one starts."""
     import asyncio
     import time
 
@@ -163,6 +174,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_analyze_cli_prints_the_classification(tmp_path: Path) -> None:
+    """`tessera analyze` classifies a trace's unit tokens into repeat / prefix-covered / new."""
     trace = tmp_path / "t.jsonl"
     lines = [{"stream": "s", "tokens": [9, 1, 2, 3], "units": [[1, 4]]},
              {"stream": "s", "tokens": [8, 1, 2, 3], "units": [[1, 4]]}]
@@ -173,6 +185,7 @@ def test_analyze_cli_prints_the_classification(tmp_path: Path) -> None:
 
 
 def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:
+    """Bad configs, paths and options exit with code 2 and a message naming the problem."""
     bad = tmp_path / "bad.toml"
     bad.write_text("block_tokens = 0\n[[generation]]\nname = 'g'\n")
     out = run_cli("run", "--role", "generation", "--config", str(bad))
@@ -188,11 +201,14 @@ def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:
 
 
 def test_plot_writes_rate_curve_and_cdf(tmp_path: Path) -> None:
+    """plot writes the TTFT-vs-rate curve and the TTFT CDF as PNG files."""
     from tessera.benchmark.report import plot
 
     report = {"workload": "synthetic", "systems": {
-        "prefix": {"runs": [{"rate": 0.5, "mean": 1.0, "ttfts": [0.9, 1.1]}, {"rate": 1.0, "mean": 3.0, "ttfts": [2.0, 4.0]}]},
-        "tessera": {"runs": [{"rate": 0.5, "mean": 0.3, "ttfts": [0.2, 0.4]}, {"rate": 1.0, "mean": 0.4, "ttfts": [0.3, 0.5]}]},
+        "prefix": {"runs": [{"rate": 0.5, "mean": 1.0, "ttfts": [0.9, 1.1]},
+                            {"rate": 1.0, "mean": 3.0, "ttfts": [2.0, 4.0]}]},
+        "tessera": {"runs": [{"rate": 0.5, "mean": 0.3, "ttfts": [0.2, 0.4]},
+                             {"rate": 1.0, "mean": 0.4, "ttfts": [0.3, 0.5]}]},
     }}
     paths = plot(report, tmp_path, cdf_rate=1.0)
     assert [p.name for p in paths] == ["ttft_vs_rate.png", "ttft_cdf.png"]
@@ -201,6 +217,7 @@ def test_plot_writes_rate_curve_and_cdf(tmp_path: Path) -> None:
 
 
 def test_plot_handles_per_system_rates(tmp_path: Path) -> None:
+    """Systems swept at different rates, with skipped runs, still plot."""
     from tessera.benchmark.report import plot
 
     report = {"workload": "synthetic", "systems": {

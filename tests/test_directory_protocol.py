@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support import Clock
 
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory, EntryState
@@ -34,14 +35,6 @@ TRANSFER_TIMEOUT = 5.0  # a write lands at most this long after it started, or n
 RECLAIM_GRACE = 10.0  # the directory's grace must cover a transfer timeout
 WRITE_TIMEOUT = 30.0
 LEASE_TTL = 20.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -67,7 +60,7 @@ class InFlight:
 class DirectoryProtocol(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = Clock()
+        self.clock = Clock(0.0)
         self.allocator = BlockAllocator()
         for node in NODES:
             self.allocator.add_node(node, CAPACITY)
@@ -325,7 +318,7 @@ def _directory(clock: Clock, capacity: int = 2) -> Directory:
 def test_blocks_of_a_writer_declared_dead_stay_quarantined_until_its_deadline_passed() -> None:
     """Regression: forget_holder freed blocks after the grace although the writer (maybe just
     slow to heartbeat) could still start writes until its grant's deadline."""
-    clock = Clock()
+    clock = Clock(0.0)
     d = _directory(clock, capacity=1)
     grant = d.reserve("u0", 4, 1, "gen0")
     assert grant is not None
@@ -339,7 +332,7 @@ def test_blocks_of_a_writer_declared_dead_stay_quarantined_until_its_deadline_pa
 def test_surviving_blocks_of_a_pending_unit_wait_for_its_writer_when_a_node_dies() -> None:
     """Regression: drop_node freed the pending unit's blocks on the other node after the grace
     while its writer could still write them until the deadline."""
-    clock = Clock()
+    clock = Clock(0.0)
     d = _directory(clock, capacity=1)
     grant = d.reserve("u0", 8, 2, "gen0")
     assert grant is not None and {b.node for b in grant.blocks} == set(NODES)

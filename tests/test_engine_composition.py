@@ -8,20 +8,20 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import max_diff, random_layout, tiny_engine
+from engine_support import ENGINE_NAMES, max_diff, random_layout, tiny_engine
 
 from tessera.composition.layout import Ranges, placements, tokens_to_compute
 from tessera.composition.policies import (
+    POLICIES,
     CompositionPolicy,
     LegoLink,
     get_policy,
     policy_from_config,
     policy_names,
-    register_policy,
 )
 from tessera.config import CompositionConfig
+from tessera.engines.base import EngineAdapter
 from tessera.engines.offline import compose, prefill, prefill_units
-from tessera.engines.reference import ReferenceEngine
 from tessera.errors import ConfigError
 from tessera.messages import PromptLayout
 
@@ -34,9 +34,10 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiny")
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path) -> ReferenceEngine:
-    return tiny_engine(tiny_dir, "llama")
+@pytest.fixture(scope="module", params=ENGINE_NAMES)
+def engine(tiny_dir: Path, request: pytest.FixtureRequest) -> EngineAdapter:
+    """Every composition property holds for both CPU engines (reference and paged)."""
+    return tiny_engine(tiny_dir, "llama", engine=request.param)
 
 
 def test_epic_selects_all_text_and_the_first_k_tokens_of_every_unit() -> None:
@@ -54,7 +55,7 @@ def test_naive_selects_only_text_and_full_selects_everything() -> None:
     assert get_policy("full").select(layout) == ((0, 44),)
 
 
-def test_policies_are_registered_by_name_and_built_from_config() -> None:
+def test_policies_are_registered_by_name_and_built_from_config(register: Any) -> None:
     """tessera.toml names a policy; unknown names fail with the list of known ones."""
     assert {"epic", "naive", "full"} <= set(policy_names())
     epic = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=7))
@@ -62,7 +63,7 @@ def test_policies_are_registered_by_name_and_built_from_config() -> None:
     with pytest.raises(ConfigError, match=r"known: .*epic"):
         get_policy("cacheblend-typo")
 
-    @register_policy("test-first-unit-only")
+    @register(POLICIES, "test-first-unit-only")
     class FirstUnit(CompositionPolicy):
         def select(self, layout: PromptLayout) -> Ranges:
             return ((0, layout.n_tokens),)
@@ -93,7 +94,7 @@ def test_last_prompt_position_is_always_computed() -> None:
     assert placements(layout, get_policy("naive").select(layout), 4)[0].end == 11
 
 
-def test_full_composition_equals_plain_prefill(engine: ReferenceEngine, tiny_dir: Path) -> None:
+def test_full_composition_equals_plain_prefill(engine: EngineAdapter, tiny_dir: Path) -> None:
     """full over a prefix-cache hit gives the plain prefill's logits and transformers' (fp32 < 1e-3)."""
     from transformers import AutoModelForCausalLM
 
@@ -110,7 +111,7 @@ def test_full_composition_equals_plain_prefill(engine: ReferenceEngine, tiny_dir
     assert max_diff(hit.logits, theirs) < 1e-3
 
 
-def test_a_unit_at_offset_zero_composes_exactly(engine: ReferenceEngine) -> None:
+def test_a_unit_at_offset_zero_composes_exactly(engine: EngineAdapter) -> None:
     """With no preceding context a placed unit is exact, so naive equals prefill at every layer."""
     layout = random_layout([("unit", 60), ("text", 10)], seed=5)
     composed = compose(engine, layout, get_policy("naive"), prefill_units(engine, layout), max_new_tokens=5)
@@ -119,7 +120,7 @@ def test_a_unit_at_offset_zero_composes_exactly(engine: ReferenceEngine) -> None
     assert composed.generated == plain.generated
 
 
-def test_epic_computes_exactly_its_ranges_and_places_the_rest(engine: ReferenceEngine) -> None:
+def test_epic_computes_exactly_its_ranges_and_places_the_rest(engine: EngineAdapter) -> None:
     """The final extend covers text + unit heads; every other unit token comes from its state."""
     layout = random_layout([("text", 8), ("unit", 40), ("text", 2), ("unit", 30), ("text", 6)], seed=6)
     out = compose(engine, layout, get_policy("epic", recompute_tokens=16), prefill_units(engine, layout),
@@ -128,7 +129,7 @@ def test_epic_computes_exactly_its_ranges_and_places_the_rest(engine: ReferenceE
     assert out.n_placed == (40 - 16) + (30 - 16)
 
 
-def test_unit_states_are_unchanged_by_composition(engine: ReferenceEngine) -> None:
+def test_unit_states_are_unchanged_by_composition(engine: EngineAdapter) -> None:
     """Recomputed tokens live only in the request's slots; the reusable form is never written."""
     layout = random_layout([("text", 8), ("unit", 40), ("text", 2), ("unit", 30), ("text", 6)], seed=7)
     states = prefill_units(engine, layout)
@@ -169,7 +170,7 @@ def transformers_composition(model: Any, layout: PromptLayout, ranges: Ranges) -
 
 
 @pytest.mark.parametrize("policy", ["epic", "naive"])
-def test_composition_equals_an_independent_transformers_oracle(engine: ReferenceEngine, tiny_dir: Path,
+def test_composition_equals_an_independent_transformers_oracle(engine: EngineAdapter, tiny_dir: Path,
                                                               policy: str) -> None:
     """Placement + selective recompute give the logits transformers computes for the same composed cache."""
     from transformers import AutoModelForCausalLM

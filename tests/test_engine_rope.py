@@ -87,6 +87,19 @@ def test_torch_placement_handles_scattered_positions_and_strided_sources() -> No
     assert torch.count_nonzero(dst[:, untouched]) == 0
 
 
+def test_paged_placement_writes_rows_given_by_slots() -> None:
+    """With slots, position p's rotation lands in row slots[t] (a paged pool's physical slot)."""
+    g = torch.Generator().manual_seed(1)
+    angles = torch.randn(64, 4, generator=g)
+    cos, sin = torch.cat((angles.cos(),) * 2, 1), torch.cat((angles.sin(),) * 2, 1)
+    src = torch.randn(2, 6, 2, 8, generator=g)
+    positions, slots = torch.arange(10, 16), torch.tensor([33, 34, 35, 4, 5, 6])
+    dst = torch.zeros(2, 40, 2, 8)
+    rope_place(src, positions, cos, sin, dst, backend="torch", slots=slots)
+    assert max_diff(dst[:, slots], apply_rope(src, cos[positions][:, None], sin[positions][:, None])) < 1e-6
+    assert torch.count_nonzero(dst[:, 10:16]) == 0
+
+
 @pytest.mark.parametrize(
     ("src_shape", "dst_shape", "cos_dtype", "needle"),
     [
@@ -120,6 +133,12 @@ TRITON_CHECK = textwrap.dedent("""
             rope_place(src, positions, cos, sin, b, backend="torch")
             # bf16: the kernel rounds once from float32, torch rounds after each op (1 ulp apart)
             tol = 1e-6 if dst_dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+            # paged destination: rows given by slots, not by positions
+            slots = torch.randperm(128, generator=g)[:20]
+            a.zero_(), b.zero_()
+            rope_place(src, positions, cos, sin, a, backend="triton", slots=slots)
+            rope_place(src, positions, cos, sin, b, backend="torch", slots=slots)
             torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
     print("ok")
 """)

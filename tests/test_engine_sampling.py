@@ -1,4 +1,4 @@
-"""Sampling: greedy, seeded temperature/top-p, stop tokens, and parameter checks."""
+"""Sampling: greedy, seeded temperature/top-p, stop tokens, and the parameters' bounds."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tessera.engines.sampling import Sampler, greedy
-from tessera.errors import BadRequest
+from tessera.errors import DecodeError
 from tessera.messages import SamplingParams
+from tessera.wire import from_wire
 
 
 def flat_logits(seed: int = 0) -> torch.Tensor:
@@ -56,11 +57,17 @@ def test_stop_tokens_and_eos() -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "needle"),
-    [(SamplingParams(temperature=-1), "temperature"), (SamplingParams(top_p=0), "top_p"),
-     (SamplingParams(top_p=1.5), "top_p"), (SamplingParams(max_tokens=0), "max_tokens")],
+    ("fields", "needle"),
+    [({"temperature": -1}, "temperature"), ({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
+     ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"top_logprobs": 21}, "top_logprobs")],
 )
-def test_bad_parameters_are_client_errors(params: SamplingParams, needle: str) -> None:
-    """Unservable parameters raise BadRequest saying which field to fix."""
-    with pytest.raises(BadRequest, match=needle):
-        Sampler(params)
+def test_unservable_parameters_cannot_be_built(fields: dict[str, float], needle: str) -> None:
+    """SamplingParams refuses values the sampler cannot serve, naming the field."""
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def test_an_execute_request_with_bad_sampling_is_a_decode_error() -> None:
+    """A peer sending unservable sampling parameters gets a DecodeError (HTTP 400), not a crash."""
+    with pytest.raises(DecodeError, match="temperature"):
+        from_wire(SamplingParams, {"temperature": -1.0})

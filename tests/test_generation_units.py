@@ -11,7 +11,7 @@ import torch
 
 from tessera.engines.base import EngineAdapter, UnitState
 from tessera.generation.prefills import PrefillCoalescer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 
 
@@ -67,14 +67,12 @@ class CountingEngine(EngineAdapter):
 @contextlib.asynccontextmanager
 async def running_coalescer(engine: EngineAdapter) -> AsyncIterator[PrefillCoalescer]:
     """A coalescer over a real scheduler and engine thread, stopped afterwards."""
-    worker = EngineWorker(engine)
-    scheduler = Scheduler(worker, max_batch_tokens=64)
+    scheduler = Scheduler(engine, max_batch_tokens=64)
     scheduler.start()
     try:
         yield PrefillCoalescer(scheduler)
     finally:
         await scheduler.stop()
-        worker.close()
 
 
 async def test_concurrent_misses_of_one_unit_share_one_prefill() -> None:

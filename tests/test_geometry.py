@@ -8,8 +8,9 @@ import pytest
 from kvpool_support import TINY_CONFIG, tiny_checkpoint
 
 from tessera.config import ModelConfig
-from tessera.engines.checkpoint import resolve
+from tessera.engines.checkpoint import load_config_dict, resolve
 from tessera.engines.geometry import geometry_from_checkpoint, geometry_from_config_dict
+from tessera.engines.weights import ModelSpec
 from tessera.errors import ModelLoadError
 
 
@@ -46,3 +47,21 @@ def test_the_bundled_model_geometry() -> None:
     g = geometry_from_checkpoint(resolve(ModelConfig()), "float16")
     assert (g.n_layers, g.n_kv_heads, g.head_dim) == (30, 3, 64)
     assert g.block_payload_bytes(16) == 368640
+
+
+@pytest.mark.parametrize("source", ["tiny", "smollm2"])
+def test_the_engine_spec_and_the_geometry_read_the_same_shape(tmp_path: Path, source: str) -> None:
+    """One parser: ModelSpec (engine) and the geometry (memory nodes) agree on every shape field."""
+    checkpoint = resolve(ModelConfig(source=str(tiny_checkpoint(tmp_path)) if source == "tiny" else "smollm2"))
+    raw = load_config_dict(checkpoint)
+    spec = ModelSpec.from_config({"intermediate_size": 64, **raw})
+    g = geometry_from_config_dict(raw, "float16")
+    assert (spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size) == (
+        g.n_layers, g.n_kv_heads, g.head_dim, g.vocab_size)
+    assert spec.max_positions == g.max_context
+
+
+def test_the_engine_spec_refuses_a_broken_shape_field_like_the_geometry_does() -> None:
+    """A boolean layer count is refused by ModelSpec too (it used to be read as 1 layer)."""
+    with pytest.raises(ModelLoadError, match="num_hidden_layers"):
+        ModelSpec.from_config({**TINY_CONFIG, "intermediate_size": 64, "num_hidden_layers": True})

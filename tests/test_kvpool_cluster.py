@@ -174,7 +174,8 @@ async def test_a_unit_is_readable_only_once_its_writer_published_every_block(
         await pool.close()
 
 
-async def test_stale_second_or_partial_writers_cannot_publish(shared_cluster: Cluster, http: aiohttp.ClientSession) -> None:
+async def test_stale_second_or_partial_writers_cannot_publish(shared_cluster: Cluster,
+                                                             http: aiohttp.ClientSession) -> None:
     """The control plane answers 409 with the reason; the writer then publishes normally."""
     c = shared_cluster
     g = await granted(http, c, "unit-contested", 9)

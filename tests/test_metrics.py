@@ -1,25 +1,58 @@
-"""Prometheus text rendering of the serving metrics."""
+"""Prometheus exposition of a role's metrics (prometheus_client, one registry per role)."""
 
 from __future__ import annotations
 
-from tessera.metrics import Registry
+from prometheus_client.parser import text_string_to_metric_families
+
+from tessera.metrics import Metrics, counter, gauge
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_counters_gauges_and_histograms_render_as_prometheus_text() -> None:
-    reg = Registry()
-    c = reg.counter("t_requests_total", "Requests")
-    c.inc(labels={"status": "200"})
-    c.inc(2, labels={"status": "200"})
-    g = reg.gauge("t_inflight", "In flight")
-    g.set(3, {"node": 'g"0'})
-    h = reg.histogram("t_ttft_seconds", "TTFT", buckets=(0.1, 1.0))
+    """Labelled counters add up, gauges keep the last value, histogram buckets are cumulative."""
+    m = Metrics()
+    c = m.counter("t_requests_total", "Requests", ["status"])
+    c.labels(status="200").inc()
+    c.labels(status="200").inc(2)
+    m.gauge("t_inflight", "In flight", ["node"]).labels(node='g"0').set(3)
+    h = m.histogram("t_ttft_seconds", "TTFT", buckets=(0.1, 1.0))
     for v in (0.05, 0.5, 5.0):
         h.observe(v)
-    text = reg.render()
-    assert '# TYPE t_requests_total counter' in text
-    assert 't_requests_total{status="200"} 3' in text
-    assert 't_inflight{node="g\\"0"} 3' in text
-    assert 't_ttft_seconds_bucket{le="0.1"} 1' in text
-    assert 't_ttft_seconds_bucket{le="1"} 2' in text
-    assert 't_ttft_seconds_bucket{le="+Inf"} 3' in text
-    assert "t_ttft_seconds_count 3" in text and h.count() == 3
+    text = m.render().decode()
+    assert "# TYPE t_requests_total counter" in text
+    samples = _samples(text)
+    assert samples[("t_requests_total", (("status", "200"),))] == 3
+    assert samples[("t_inflight", (("node", 'g"0'),))] == 3
+    assert samples[("t_ttft_seconds_bucket", (("le", "0.1"),))] == 1
+    assert samples[("t_ttft_seconds_bucket", (("le", "1.0"),))] == 2
+    assert samples[("t_ttft_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert samples[("t_ttft_seconds_count", ())] == 3
+    assert "_created" not in text
+
+
+def test_two_registries_in_one_process_do_not_collide() -> None:
+    """Each role builds its own registry, so two apps in one test process may use the same names."""
+    first, second = Metrics(), Metrics()
+    first.counter("t_same_total", "Same name").inc()
+    second.counter("t_same_total", "Same name").inc(5)
+    assert _samples(first.render().decode())[("t_same_total", ())] == 1
+    assert _samples(second.render().decode())[("t_same_total", ())] == 5
+
+
+def test_scrape_time_figures_are_read_at_every_scrape() -> None:
+    """Figures owned by another component are read when scraped, not copied on the serving path."""
+    m = Metrics()
+    queued = {"gen0": 3.0, "gen1": 0.0}
+    published = [1]
+    m.read_at_scrape(lambda: [gauge("t_queued_tokens", "Queued", queued, label="node"),
+                              counter("t_published_total", "Published", published[0])])
+    assert _samples(m.render().decode())[("t_queued_tokens", (("node", "gen0"),))] == 3
+    queued["gen0"] = 7.0
+    published[0] = 4
+    samples = _samples(m.render().decode())
+    assert samples[("t_queued_tokens", (("node", "gen0"),))] == 7
+    assert samples[("t_published_total", ())] == 4

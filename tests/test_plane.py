@@ -13,19 +13,18 @@ from tessera.wire import WIRE_VERSION
 LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
 
 
-def test_a_first_retrieval_is_computed_and_not_retained() -> None:
-    """Nothing is cached yet and nothing is admitted at a unit's first retrieval."""
+def test_a_first_retrieval_is_computed_and_retained_in_free_space() -> None:
+    """Nothing is cached yet; both tiers have room, so both keep the units at first sight."""
     c = Cluster()
     plan = c.serve([("a", 10), ("b", 3)])
     assert preps(plan) == {"a": COMPUTE, "b": COMPUTE}
-    assert retentions(plan) == {"a": "neither", "b": "neither"}
+    assert retentions(plan) == {"a": "both", "b": "both"}
     assert plan.local_evict == ()
 
 
-def test_a_second_retrieval_on_the_same_node_is_retained_locally_and_shared() -> None:
-    """Local and shared admission both pass; the shared retention carries a reservation for the node."""
+def test_the_shared_retention_carries_a_reservation_for_the_node() -> None:
+    """The grant names the computing node as writer; the entry is PENDING until published."""
     c = Cluster(nodes=1)
-    c.serve([("a", 10)])
     plan = c.plan([("a", 10)])
     (unit,) = plan.units
     assert unit.preparation is COMPUTE and unit.retention.value == "both"
@@ -33,6 +32,23 @@ def test_a_second_retrieval_on_the_same_node_is_retained_locally_and_shared() ->
     assert grant is not None and grant.writer == plan.node and grant.unit_id == "a"
     assert len(grant.blocks) == blocks_for(10, B) == 3 and grant.n_tokens == 10
     assert c.plane.directory.get("a") is not None and c.plane.directory.ready("a") is None  # pending
+
+
+def test_the_second_identical_request_reuses_every_unit() -> None:
+    """Regression (demand lost to LRU when the tiers held the working set): no unit is computed twice."""
+    c = Cluster(nodes=2)
+    c.serve([("a", 10), ("b", 6)])
+    plan = c.serve([("a", 10), ("b", 6)])
+    assert set(preps(plan).values()) <= {LOCAL, REMOTE}
+
+
+def test_when_full_a_first_retrieval_evicts_nothing() -> None:
+    """Tiers full of other units: a unit seen once is computed and not retained (the demand rule)."""
+    c = Cluster(nodes=1, local_blocks=2, shared_blocks=2)
+    c.serve([("x", 8)])
+    plan = c.serve([("a", 8)])
+    assert preps(plan) == {"a": COMPUTE} and retentions(plan) == {"a": "neither"}
+    assert c.caches["gen0"] == {"x"} and c.plane.directory.ready("x") is not None
 
 
 def test_local_hits_come_only_from_the_snapshot() -> None:
@@ -57,25 +73,22 @@ def test_the_view_is_corrected_when_the_snapshot_lacks_a_unit() -> None:
 
 def test_a_remote_hit_carries_a_read_lease_on_the_ready_epoch() -> None:
     """Another node reads the published entry under a lease on its current epoch."""
-    c = Cluster(nodes=2)
-    assert c.serve([("a", 10)]).node == "gen0"
-    second = c.serve([("a", 10)])  # round-robin: gen1; shared stream saw 2 retrievals
-    assert second.node == "gen1" and retentions(second) == {"a": "shared"}
+    c = Cluster(nodes=2, routing="load")
+    assert c.serve([("a", 10)]).node == "gen0"  # computed, published, kept locally
     plan = c.plan([("a", 10)])
-    assert plan.node == "gen0"
+    assert plan.node == "gen1"
     (unit,) = plan.units
     entry = c.plane.directory.ready("a")
     assert unit.preparation is REMOTE and unit.lease is not None and entry is not None
     assert unit.lease.epoch == entry.epoch and unit.lease.blocks == entry.blocks
     assert unit.lease.lease_id in entry.leases
-    # gen0's own stream now has two retrievals: a remote hit may still be admitted locally
+    # gen1's local cache has room: a remote hit is also kept locally
     assert unit.retention.value == "local"
 
 
 def test_a_pending_entry_is_not_a_hit_and_gets_no_second_writer() -> None:
     """Before publication other requests compute the unit and receive no write permission."""
     c = Cluster(nodes=1)
-    c.serve([("a", 10)])
     writer = c.plan([("a", 10)])
     c.execute(writer, publish=False, complete=False)
     c.caches["gen0"].clear()
@@ -128,11 +141,15 @@ def test_without_the_lease_the_hotter_unit_does_replace_the_colder_one() -> None
 
 
 def test_shared_and_local_admission_use_their_own_streams() -> None:
-    """A unit retrieved on two nodes is shared-admitted (2 retrievals) but local nowhere (1 each)."""
-    c = Cluster(nodes=2, routing="load")
+    """Full tiers: a unit retrieved on two nodes may evict in the shared tier (2 retrievals) but
+    in neither local cache (1 retrieval each)."""
+    c = Cluster(nodes=2, routing="load", local_blocks=2, shared_blocks=2)
+    c.serve([("x", 8)])  # gen0: x local and shared (free space)
+    c.serve([("y", 8)])  # gen1: y local; the shared tier is full of x
     p1 = c.serve([("a", 8)])
     p2 = c.serve([("a", 8)])
     assert p1.node != p2.node
+    assert retentions(p1) == {"a": "neither"}
     assert retentions(p2) == {"a": "shared"}
 
 

@@ -23,7 +23,8 @@ from tessera.retrieval.limits import (
     check_prompt_chars,
 )
 from tessera.retrieval.node import RetrievalNode
-from tessera.units import TokenCache
+from tessera.retrieval.store import Ingested
+from tessera.units import ContextUnit, TokenCache
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-20, 1e-38, 1e-45])
@@ -87,10 +88,10 @@ class _SlowStore:
     def __init__(self) -> None:
         self.calls: list[int] = []
 
-    def ingest(self, items: list[Any], embeddings: Any) -> list[tuple[Any, bool]]:
+    def ingest(self, items: list[Any], embeddings: Any, external_ids: Any) -> Ingested:
         self.calls.append(len(items))
         time.sleep(0.02)
-        return [(item, True) for item in items]
+        return Ingested([(ContextUnit(f"{scope}:{text}", scope, text, ()), True) for scope, text, _ in items])
 
     def retrieve(self, scope: str, **kw: Any) -> list[Any]:
         return [f"hits of {scope}"]
@@ -108,7 +109,7 @@ async def test_a_big_ingest_runs_in_chunks_and_retrieval_is_served_between_them(
         await asyncio.sleep(0.05)
         assert await node.retrieve("s", query="q") == ["hits of s"]
         assert not ingest.done()  # the retrieve did not wait for the whole ingest
-        assert len(await ingest) == n
+        assert len((await ingest).units) == n
         assert max(store.calls) == INGEST_CHUNK_UNITS
     finally:
         node._executor.shutdown()

@@ -58,7 +58,7 @@ def pool(parts: tuple[UnitFactory, Embedder]) -> UnitStore:
 @pytest.fixture
 def docs(pool: UnitStore) -> dict[str, str]:
     """Topic -> unit id of the ingested passages (scope "docs")."""
-    done = pool.ingest([("docs", text, {"topic": topic}) for topic, text in PASSAGES.items()])
+    done = pool.ingest([("docs", text, {"topic": topic}) for topic, text in PASSAGES.items()]).units
     return {topic: unit.unit_id for topic, (unit, _) in zip(PASSAGES, done, strict=True)}
 
 
@@ -104,7 +104,7 @@ def test_reingesting_a_unit_indexes_nothing_new(pool: UnitStore, docs: dict[str,
     """Same scope and text: same id, new=False, index size unchanged (also within one batch)."""
     before = len(pool.index)
     done = pool.ingest([("docs", PASSAGES["eiffel"], {}), ("docs", "A brand new unit.", {}),
-                        ("docs", "A brand new unit.", {})])
+                        ("docs", "A brand new unit.", {})]).units
     assert [(u.unit_id == docs["eiffel"], new) for u, new in done][:1] == [(True, False)]
     assert [new for _, new in done[1:]] == [True, False]
     assert done[1][0].unit_id == done[2][0].unit_id
@@ -113,7 +113,7 @@ def test_reingesting_a_unit_indexes_nothing_new(pool: UnitStore, docs: dict[str,
 
 def test_scopes_are_isolated(pool: UnitStore, docs: dict[str, str]) -> None:
     """The same text in another scope is another unit, and queries never cross scopes."""
-    ((other, _),) = pool.ingest([("tenant-b", PASSAGES["eiffel"], {})])
+    ((other, _),) = pool.ingest([("tenant-b", PASSAGES["eiffel"], {})]).units
     assert other.unit_id != docs["eiffel"]
     hits = pool.retrieve("tenant-b", query=PARAPHRASES["eiffel"], top_k=5)
     assert [h.unit.unit_id for h in hits] == [other.unit_id]
@@ -166,7 +166,7 @@ def test_precomputed_unit_embeddings_are_indexed_as_given(pool: UnitStore,
                                                          parts: tuple[UnitFactory, Embedder]) -> None:
     """A unit ingested with its own vector is found by that vector (here: another text's embedding)."""
     decoy = parts[1].embed_one(PASSAGES["everest"]).tolist()
-    [(unit, new)] = pool.ingest([("own", "an unrelated note about kettles", {})], [decoy])
+    [(unit, new)] = pool.ingest([("own", "an unrelated note about kettles", {})], [decoy]).units
     assert new
     hits = pool.retrieve("own", query=PASSAGES["everest"], top_k=1)
     assert hits[0].unit.unit_id == unit.unit_id and hits[0].score > 0.99

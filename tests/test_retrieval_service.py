@@ -129,7 +129,8 @@ async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(s
     units = [{"unit_id": "u" * 32, "n_tokens": 10}]
 
     async def plan(rid: str, held: list[str] | None = None) -> RequestPlan:
-        status, routed = await call(service, "POST", "/control/route", {"version": V, "request_id": rid, "units": units})
+        status, routed = await call(service, "POST", "/control/route",
+                                    {"version": V, "request_id": rid, "units": units})
         assert status == 200 and routed["request_id"] == rid
         status, body = await call(service, "POST", "/control/plan",
                                   {"version": V, "request_id": rid, "node": routed["node"], "held": held or []})

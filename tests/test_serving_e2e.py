@@ -13,12 +13,12 @@ import torch
 from serving_support import (
     call,
     chat,
-    cluster_config,
     layout_from_trace,
     node_metric,
     running_cluster,
     wait_for,
 )
+from support import cluster_config
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
@@ -62,7 +62,8 @@ def engine(one_node: tuple[ClusterConfig, LocalCluster]) -> ReferenceEngine:
     return ReferenceEngine.from_config(one_node[0])
 
 
-def offline(engine: ReferenceEngine, cfg: ClusterConfig, response: dict[str, Any], n: int) -> tuple[list[int], torch.Tensor]:
+def offline(engine: ReferenceEngine, cfg: ClusterConfig, response: dict[str, Any],
+            n: int) -> tuple[list[int], torch.Tensor]:
     """The engine's own offline composition of the layout the server used."""
     layout = layout_from_trace(response["tessera_layout"])
     states = prefill_units(engine, layout)
@@ -89,9 +90,12 @@ def test_local_remote_and_missing_units_compose_like_the_offline_engine(one_node
     url = cfg.retrieval_url
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
     r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
-    assert r1["usage"]["tessera"]["computed_units"] == 2  # nothing is retained at a first retrieval
+    assert r1["usage"]["tessera"]["computed_units"] == 2  # nothing is cached yet
+    # free space is taken at first sight: A fills the local cache exactly, both go to the shared pool
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 2, what="writeback")
     r2 = chat(url, [UNIT_B, UNIT_A], "What grows on the hill?")
-    # second retrieval: A fits the local cache exactly, B only the shared pool; wait for both writebacks
+    t = r2["usage"]["tessera"]
+    assert (t["local_units"], t["remote_units"], t["computed_units"]) == (1, 1, 0), t
     wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 2, what="writeback")
     r3 = chat(url, [UNIT_B, UNIT_C, UNIT_A], "When does the ferry leave?")
     t = r3["usage"]["tessera"]
@@ -161,6 +165,15 @@ def test_metrics_are_prometheus_text(one_node: Any) -> None:
         assert name in text
 
 
+def test_the_openapi_schema_of_the_chat_endpoint_is_served(one_node: Any) -> None:
+    """GET /openapi.json describes POST /v1/chat/completions with its request schema."""
+    cfg, _ = one_node
+    status, doc = call(cfg.retrieval_url, "/openapi.json")
+    assert status == 200
+    assert "post" in doc["paths"]["/v1/chat/completions"]
+    assert "ChatCompletionRequest" in doc["components"]["schemas"]
+
+
 @pytest.fixture
 def tcp_cluster(tiny_model: Path, tmp_path: Path) -> Any:
     cfg = cluster_config(str(tiny_model), nodes=2, local_blocks=0, transport="tcp", max_inflight=2)
@@ -186,7 +199,7 @@ def test_killing_the_kvpool_mid_run_still_answers_every_request(tcp_cluster: Any
     url = cfg.retrieval_url
     units = [UNIT_A, UNIT_B]
     chat(url, units, "first")
-    chat(url, units, "second")  # second retrieval: both units go to the shared pool (no local cache)
+    chat(url, units, "second")  # both units are in the shared pool since the first (no local cache)
     wait_for(lambda: sum(node_metric(f"http://127.0.0.1:{g.port}", "tessera_node_writebacks_published_total")
                          for g in cfg.generation) >= 2, what="writeback")
     r = chat(url, units, "third")

@@ -70,7 +70,7 @@ def test_a_killed_generation_node_costs_no_request(cluster: tuple[ClusterConfig,
             assert status == 200, body
             assert body["usage"]["tessera"]["node"] == "gen1"
     finally:
-        c.restart(victim, wait_timeout=120)
+        c.restart_child(victim, wait_timeout=120)
         _back_to_normal(c)
     assert {chat(cfg.retrieval_url, [UNITS[i]], f"after {i}")["usage"]["tessera"]["node"] for i in range(4)} \
         == {"gen0", "gen1"}

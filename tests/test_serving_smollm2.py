@@ -6,7 +6,8 @@ import concurrent.futures
 from pathlib import Path
 
 import pytest
-from serving_support import chat, cluster_config, node_metric, running_cluster
+from serving_support import chat, node_metric, running_cluster
+from support import cluster_config
 
 pytestmark = pytest.mark.model
 
@@ -23,7 +24,8 @@ def test_smollm2_cluster_answers_from_units_and_prefills_a_shared_miss_once(tmp_
         questions = ["What is the vault code? Answer with the number only.", "Who knows the vault code?",
                      "How many rose bushes are there?", "When was the oak tree planted?"]
         with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
-            responses = list(pool.map(lambda q: chat(url, [VAULT, GARDEN], q, max_tokens=30, unit_placement="user"), questions))
+            responses = list(pool.map(
+                lambda q: chat(url, [VAULT, GARDEN], q, max_tokens=30, unit_placement="user"), questions))
         node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
         assert node_metric(node_url, "tessera_node_unit_prefills_total") == 2
         coalesced = sum(r["usage"]["tessera"]["coalesced_units"] for r in responses)

@@ -251,7 +251,7 @@ class ChaosRun:
         await asyncio.to_thread(child.proc.wait)
         await asyncio.sleep(down_s)
         # spawned from this (the main) thread: a child dies with the thread that started it
-        self.cluster.restart(child)
+        self.cluster.restart_child(child)
 
     async def _kill_generation(self) -> None:
         await self._kill_and_restart(self._pick("generation"), down_s=1.0)
@@ -286,7 +286,7 @@ class ChaosRun:
         down = time.monotonic() - self.t0
         os.kill(child.proc.pid, signal.SIGKILL)
         await asyncio.to_thread(child.proc.wait)
-        new = self.cluster.restart(child)
+        new = self.cluster.restart_child(child)
         await asyncio.to_thread(self.cluster._wait, [new], 120.0)
         await asyncio.to_thread(self.cluster._wait_heard, [g.name for g in self.config.generation], 60.0)
         self.retrieval_down.append((down, time.monotonic() - self.t0))
@@ -299,7 +299,7 @@ class ChaosRun:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.proc.pid, signal.SIGCONT)
             if child.proc.poll() is not None:
-                self.cluster.restart(child, wait_timeout=120)
+                self.cluster.restart_child(child, wait_timeout=120)
         for child in self.cluster.children:
             self.cluster._wait([child], 120)
         self.cluster._wait_heard([g.name for g in self.config.generation], 60)

@@ -125,7 +125,8 @@ def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tes
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput | ok/sent | unit tokens local/remote/computed |",
+    rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput | ok/sent "
+            "| unit tokens local/remote/computed |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, sysrep in report["systems"].items():
         unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
@@ -206,7 +207,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
                      f"tessera {f(c.get('system_unloaded_ttft'))}s")
         lines.append(f"rate where prefix reaches 3x its unloaded TTFT: {f(c.get('rate_baseline_at_3x_unloaded'))} "
                      f"req/s; there prefix {f(c.get('baseline_mean_at_knee'))}s vs tessera "
-                     f"{f(c.get('system_mean_at_knee'))}s -> {f(c.get('ttft_reduction_at_knee'))}x lower (target >= 4x)")
+                     f"{f(c.get('system_mean_at_knee'))}s -> {f(c.get('ttft_reduction_at_knee'))}x lower "
+                     "(target >= 4x)")
         lines.append(f"highest rate with mean TTFT <= 2x unloaded: prefix {f(c.get('baseline_sustained_rate'))}, "
                      f"tessera {f(c.get('system_sustained_rate'))} req/s -> {f(c.get('sustained_rate_ratio'))}x "
                      f"(target >= 3x)")
@@ -217,7 +219,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
 def format_demo(report: dict[str, Any]) -> list[str]:
     """The table, then one line per rate: how much lower Tessera's mean TTFT is than prefix caching's."""
     lines = [report["table"]]
-    means = {name: {r["rate"]: r["mean"] for r in rep["runs"] if "mean" in r} for name, rep in report["systems"].items()}
+    means = {name: {r["rate"]: r["mean"] for r in rep["runs"] if "mean" in r}
+             for name, rep in report["systems"].items()}
     for rate, base in means.get("prefix", {}).items():
         ours = means.get("tessera", {}).get(rate)
         if ours:

@@ -184,7 +184,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
         saturated_at: float | None = None
         for rate in rates:
             if saturated_at is not None:
-                sysrep["runs"].append({"rate": rate, "requests": 0, "ok": 0, "skipped": f"saturated at {saturated_at:g}"})
+                sysrep["runs"].append({"rate": rate, "requests": 0, "ok": 0,
+                                       "skipped": f"saturated at {saturated_at:g}"})
                 _say(f"[{system}] rate {rate:g}: skipped (saturated at {saturated_at:g} req/s)")
                 continue
             _say(f"[{system}] rate {rate:g} req/s: {len(workload.requests)} requests "

@@ -195,7 +195,13 @@ def locomo_workload(n_requests: int = 0, *, data_dir: Path = DATA_DIR, top_k: in
     return Workload("locomo", corpus, requests, {"conversations": len(data), "records": len(corpus)})
 
 
-_WORDS = ["alpha", "bravo", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp", "lumen", "meadow", "nickel", "onyx", "prairie", "quartz", "raven", "saffron", "timber", "umber", "velvet", "willow", "xenon", "yarrow", "zephyr", "amber", "basalt", "cedar", "dune", "estuary", "fern", "glacier", "heron", "iris", "jade", "kestrel", "lagoon", "maple", "nectar", "orchid", "pebble", "quill", "reef", "sierra", "thistle", "tundra", "valley", "walnut"]
+_WORDS = [
+    "alpha", "bravo", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
+    "lumen", "meadow", "nickel", "onyx", "prairie", "quartz", "raven", "saffron", "timber", "umber", "velvet",
+    "willow", "xenon", "yarrow", "zephyr", "amber", "basalt", "cedar", "dune", "estuary", "fern", "glacier",
+    "heron", "iris", "jade", "kestrel", "lagoon", "maple", "nectar", "orchid", "pebble", "quill", "reef",
+    "sierra", "thistle", "tundra", "valley", "walnut",
+]
 
 
 def synthetic_workload(n_requests: int, *, n_units: int = 200, unit_words: int = 120, units_per_request: int = 5,

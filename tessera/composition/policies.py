@@ -14,19 +14,24 @@ Contract of :meth:`CompositionPolicy.select`:
 * unit positions not covered are served from the unit's placed state; covered ones are
   recomputed for this request only and never written back into a unit state.
 
+Contract of :meth:`CompositionPolicy.inline`: it returns the layout with the units the policy
+would recompute (nearly) whole turned into TEXT; the serving path applies it before planning,
+so such a unit is neither prefilled as a miss, nor planned, nor retained for that request.
+
 Policies are registered by name (``composition.policy`` in tessera.toml). This module knows
 nothing about tensors or engines.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from tessera.composition.layout import Ranges, merge_ranges, text_ranges
 from tessera.config import CompositionConfig
 from tessera.errors import ConfigError
-from tessera.messages import PromptLayout
+from tessera.messages import PromptLayout, Segment, SegmentKind
 from tessera.registry import Registry
 
 
@@ -43,6 +48,10 @@ class CompositionPolicy(ABC):
     @abstractmethod
     def select(self, layout: PromptLayout) -> Ranges:
         """Ranges of prompt positions to compute; must cover every TEXT token. Pure."""
+
+    def inline(self, layout: PromptLayout) -> PromptLayout:
+        """``layout`` with the units this policy serves as plain text; by default none. Pure."""
+        return layout
 
 
 POLICIES: Registry[type[CompositionPolicy]] = Registry("composition.policy")
@@ -77,21 +86,52 @@ class NaiveConcat(CompositionPolicy):
 
 @register_policy("epic")
 class LegoLink(CompositionPolicy):
-    """EPIC LegoLink: recompute the first ``k`` tokens of every unit, plus all text.
+    """EPIC LegoLink: recompute the leading tokens of every unit, plus all text.
 
     The first tokens of an independently prefilled unit act as its attention sink; recomputing
-    them in context lets the unit's later tokens (reused) link to what precedes it.
+    them in context lets the unit's later tokens (reused) link to what precedes it. A unit of
+    ``n`` tokens recomputes ``min(k, ceil(fraction * n))`` (length-aware: a 25-token record is
+    not mostly recomputed when ``fraction < 1``). A unit whose recomputed share reaches
+    ``inline_share`` is plain text (:meth:`inline`): reusing its last few tokens would save
+    less than preparing, planning and retaining it costs.
     """
 
-    def __init__(self, recompute_tokens: int = 16) -> None:
+    def __init__(self, recompute_tokens: int = 16, recompute_fraction: float = 1.0, inline_share: float = 1.0) -> None:
         if recompute_tokens < 0:
             raise ConfigError(f"composition.recompute_tokens = {recompute_tokens} is invalid: expected >= 0")
+        if not 0.0 <= recompute_fraction <= 1.0 or not 0.0 < inline_share <= 1.0:
+            raise ConfigError(f"composition.recompute_fraction = {recompute_fraction} / inline_share = "
+                              f"{inline_share} are invalid: expected [0, 1] and (0, 1]")
         self.k = recompute_tokens
+        self.fraction = recompute_fraction
+        self.inline_share = inline_share
 
     @classmethod
     def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
-        return cls(config.recompute_tokens)
+        return cls(config.recompute_tokens, config.recompute_fraction, config.inline_share)
+
+    def recompute_count(self, n_tokens: int) -> int:
+        """Leading tokens recomputed of a unit of ``n_tokens`` tokens."""
+        return min(self.k, n_tokens, math.ceil(self.fraction * n_tokens - 1e-9))
 
     def select(self, layout: PromptLayout) -> Ranges:
-        heads = [(o, o + min(self.k, len(seg.token_ids))) for o, seg in layout.unit_offsets()]
+        heads = [(o, o + self.recompute_count(len(seg.token_ids))) for o, seg in layout.unit_offsets()]
         return merge_ranges([*text_ranges(layout), *heads])
+
+    def inline(self, layout: PromptLayout) -> PromptLayout:
+        def whole(seg: Segment) -> bool:
+            n = len(seg.token_ids)
+            return seg.kind is SegmentKind.UNIT and self.recompute_count(n) >= self.inline_share * n
+
+        if not any(whole(seg) for seg in layout.segments):
+            return layout
+        out: list[Segment] = []
+        for seg in layout.segments:
+            if whole(seg) or seg.kind is SegmentKind.TEXT:
+                if out and out[-1].kind is SegmentKind.TEXT:
+                    out[-1] = Segment(SegmentKind.TEXT, out[-1].token_ids + seg.token_ids)
+                else:
+                    out.append(Segment(SegmentKind.TEXT, seg.token_ids))
+            else:
+                out.append(seg)
+        return PromptLayout(tuple(out))

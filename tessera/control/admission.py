@@ -11,11 +11,14 @@ Contract of :class:`AdmissionPolicy` (register new ones with :func:`register_adm
 
 * ``observe(unit_ids)``: one request of the tier's stream (distinct ids), recorded before
   any decision for that request. May re-rank residents; mutates nothing else.
+* ``decide(unit_id, n_blocks, free_blocks, safe)``: the tiers' one question. The residents
+  to reclaim, in order, so that a unit of ``n_blocks`` is admitted (``[]``: it fits as is),
+  or ``None`` when it is not. Pure: the caller evicts (``discard``) the victims and then
+  ``add``s the unit. ``safe(v)`` is false for residents that cannot be reclaimed now
+  (leased, being written, pinned by the request). By default: ``victims`` for a unit that
+  ``wants`` it.
 * ``wants(unit_id)``: is the unit an admission candidate now? Pure.
-* ``victims(unit_id, n_blocks, free_blocks, safe)``: the residents to reclaim, in order, so
-  that a unit of ``n_blocks`` fits, or ``None`` when it must not be admitted. Pure: the
-  caller evicts (``discard``) the victims and then ``add``s the unit. ``safe(v)`` is false
-  for residents that cannot be reclaimed now (leased, being written, pinned by the request).
+* ``victims(unit_id, n_blocks, free_blocks, safe)``: what ``decide`` reclaims for a candidate.
 * ``add`` / ``discard``: keep the resident set equal to what the tier holds.
 
 Policies never raise on well-formed input; a broken caller trips an ``assert``.
@@ -55,7 +58,7 @@ class AdmissionPolicy(ABC):
         return {r.unit_id: r.blocks for r in self.records.values() if r.blocks}
 
     def __contains__(self, unit_id: object) -> bool:
-        return self.records.get(unit_id, NO_RECORD).blocks > 0  # type: ignore[call-overload]
+        return isinstance(unit_id, str) and self.records.get(unit_id, NO_RECORD).blocks > 0
 
     def __len__(self) -> int:
         return self._n_resident
@@ -91,6 +94,12 @@ class AdmissionPolicy(ABC):
     @abstractmethod
     def victims(self, unit_id: str, n_blocks: int, free_blocks: int, safe: Safe) -> list[str] | None: ...
 
+    def decide(self, unit_id: str, n_blocks: int, free_blocks: int, safe: Safe) -> list[str] | None:
+        """Victims that admit the unit (``[]``: it fits), or None: not admitted. Pure."""
+        if not self.wants(unit_id):
+            return None
+        return self.victims(unit_id, n_blocks, free_blocks, safe)
+
     def check_invariants(self) -> None:
         blocks = [r.blocks for r in self.records.values() if r.blocks]
         assert all(b > 0 for b in blocks), "a record holds a negative block count"
@@ -118,11 +127,15 @@ def make_admission(name: str, control: ControlConfig) -> AdmissionPolicy:
 
 @register_admission("demand")
 class DemandAdmission(AdmissionPolicy):
-    """Retrieval-aware admission (the paper's rule).
+    """Retrieval-aware admission (the paper's rule), which never loses to LRU on free space.
 
-    Candidate: s(u) >= θ and, unless ``admit_first``, u retrieved at least twice in this
-    tier's stream. If space is short, safe residents with *strictly lower* scores are taken
-    from the lowest score up; if they cannot free enough blocks, the candidate is refused.
+    A unit that fits in free blocks is admitted at first sight: filling free space costs
+    nobody anything, and refusing it made the second identical request compute every unit
+    again (C+S beat Tessera 0.90 s to 2.90 s mean TTFT when the tiers held the working set).
+    Only when admitting would evict does the score decide. Candidate: s(u) >= θ and, unless
+    ``admit_first``, u retrieved at least twice in this tier's stream. Safe residents with
+    *strictly lower* scores are taken from the lowest score up; if they cannot free enough
+    blocks, the candidate is refused.
 
     Residents are ranked in :class:`ScoreBuckets` by the score they were keyed at; among
     equal scores, the one keyed earliest goes first. Invariant: a key never *over*estimates
@@ -155,6 +168,11 @@ class DemandAdmission(AdmissionPolicy):
 
     def score(self, unit_id: str) -> float:
         return self.demand.score(unit_id)
+
+    def decide(self, unit_id: str, n_blocks: int, free_blocks: int, safe: Safe) -> list[str] | None:
+        if n_blocks <= free_blocks:
+            return []  # free space: admit at first sight, whatever the score
+        return super().decide(unit_id, n_blocks, free_blocks, safe)
 
     def wants(self, unit_id: str) -> bool:
         return self.demand.admissible(unit_id, self.min_retrievals, self.theta)

@@ -3,7 +3,7 @@
 Memory nodes hold payloads only; which arena slot belongs to which unit is decided here, in
 the control plane. A unit's blocks may come from several memory nodes.
 
-Verbs: ``add_node / remove_node / allocate / free``. This module knows nothing about units,
+Verbs: ``add_node / remove_node / allocate / claim / free``. This module knows nothing about units,
 epochs or leases (see :mod:`tessera.control.directory`).
 """
 
@@ -47,6 +47,16 @@ class NodeBlocks:
             out.append(ref)
         return out
 
+    def all_free(self, indices: list[int]) -> bool:
+        return len(set(indices)) == len(indices) and set(self._free).issuperset(indices)
+
+    def claim(self, indices: list[int]) -> None:
+        """Take these exact free slots (recovery; check ``all_free`` first)."""
+        assert self.all_free(indices), (self.name, indices)
+        taken = set(indices)
+        self._free = [i for i in self._free if i not in taken]
+        self._used.update(taken)
+
     def free(self, indices: list[int]) -> None:
         used = self._used
         before = len(used)
@@ -69,9 +79,6 @@ class BlockAllocator:
     @property
     def nodes(self) -> list[str]:
         return list(self._nodes)
-
-    def has_node(self, name: str) -> bool:
-        return name in self._nodes
 
     def add_node(self, name: str, capacity: int) -> None:
         assert name not in self._nodes, f"memory node {name} added twice"
@@ -102,6 +109,22 @@ class BlockAllocator:
         assert remaining == 0, remaining
         self.free_blocks -= n
         return tuple(out)
+
+    def claim(self, blocks: tuple[BlockRef, ...]) -> bool:
+        """Take these exact blocks if all are free (entries recovered from a memory node)."""
+        by_node: dict[str, list[int]] = {}
+        for b in blocks:
+            by_node.setdefault(b.node, []).append(b.index)
+        nodes: list[NodeBlocks] = []
+        for name, indices in by_node.items():
+            node = self._nodes.get(name)
+            if node is None or not node.all_free(indices):
+                return False
+            nodes.append(node)
+        for node in nodes:
+            node.claim(by_node[node.name])
+        self.free_blocks -= len(blocks)
+        return True
 
     def take_all(self, name: str) -> tuple[BlockRef, ...]:
         """Every free block of one node (to fence a node that came back)."""

@@ -6,6 +6,7 @@ Other roles call the control plane only through these classes (JSON over aiohttp
     POST /control/cancel         CancelRequest   -> Ack
     POST /control/release        ReleaseRequest  -> Ack
     POST /control/kvpool/hello   MemoryNodeHello -> Ack   (registration and heartbeat)
+    POST /control/kvpool/inventory  MemoryNodeInventory -> InventoryResult (recovery)
     GET  /control/kvpool                         -> [MemoryNodeHello]
 
 Control messages are small and rare (one per unit, not per block), so aiohttp is fine here;
@@ -23,12 +24,15 @@ import aiohttp
 import orjson
 
 from tessera.errors import ControlPlaneError, PublishRejected
+from tessera.http import LazySession
 from tessera.messages import (
     Ack,
     CancelRequest,
     InvalidateRequest,
+    InventoryResult,
     LoadReport,
     MemoryNodeHello,
+    MemoryNodeInventory,
     PublishRequest,
     ReleaseRequest,
     ResidencyReport,
@@ -45,24 +49,16 @@ class ControlClient:
 
     def __init__(self, base_url: str, timeout_s: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
-        return self._session
+        self._session = LazySession(aiohttp.ClientTimeout(total=timeout_s))
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._session.close()
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         url = self.base_url + path
         data = None if body is None else encode(body)
         try:
-            async with self._http().request(
+            async with self._session.get().request(
                 method, url, data=data, headers={"Content-Type": "application/json"}
             ) as resp:
                 raw = await resp.read()
@@ -114,6 +110,13 @@ class ControlClient:
     async def hello(self, msg: MemoryNodeHello) -> Ack:
         return await self._ack("/control/kvpool/hello", msg)
 
+    async def inventory(self, msg: MemoryNodeInventory) -> InventoryResult:
+        """A memory node's verified blocks after the control plane restarted (recovery)."""
+        status, payload = await self._call("POST", "/control/kvpool/inventory", msg)
+        if status != 200:
+            raise ControlPlaneError(f"POST /control/kvpool/inventory: HTTP {status}: {self._reason(payload)}")
+        return from_wire(InventoryResult, payload)
+
     async def memory_nodes(self) -> list[MemoryNodeHello]:
         status, payload = await self._call("GET", "/control/kvpool")
         if status != 200:
@@ -148,8 +151,16 @@ class NodeControl(ControlClient):
         except ControlPlaneError as exc:
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
-    async def load(self, inflight: int, queued_tokens: int, tokens_per_s: float = 0.0) -> None:
-        await self._ack("/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, tokens_per_s))
+    async def load(self, inflight: int, queued_tokens: int, tokens_per_s: float = 0.0) -> Ack:
+        """The heartbeat; an ack with reason "resync" asks for :meth:`resync`."""
+        return await self._ack(
+            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, tokens_per_s))
+
+    async def resync(self, units: Sequence[tuple[str, int]]) -> None:
+        """Report the whole local cache, (unit, blocks) each, to a control plane that restarted."""
+        if units:
+            await self._ack("/control/residency", ResidencyReport(
+                WIRE_VERSION, self.node, tuple(u for u, _ in units), (), blocks=tuple(b for _, b in units)))
 
     async def give_up(self, grant: WriteGrant) -> None:
         try:

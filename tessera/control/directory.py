@@ -15,6 +15,9 @@ An entry is PENDING from reservation until its writer publishes, then READY. Rul
 * An entry a reader found corrupt is dropped at once (:meth:`invalidate`): it is never
   leased again, and its blocks are quarantined until its outstanding leases have expired
   (+ grace), so no reader still copying can see them reused.
+* A revoked unit's entry takes no new lease; a READY one is evicted as soon as its read
+  leases drain (:meth:`release` / :meth:`expire`), a PENDING one is dropped at once so its
+  writer's publish is refused (its blocks quarantined like a cancelled reservation).
 * A memory node that dies or restarts empty takes its entries with it (:meth:`drop_node`).
   When it (re)joins (:meth:`add_node`), its slots stay fenced until no write under a grant of
   its lost incarnation can land anymore, so such a write never hits a newly reserved slot.
@@ -61,6 +64,7 @@ class Entry:
     writer: str
     deadline: float  # PENDING only: publish must happen before this clock time
     leases: dict[str, Lease] = field(default_factory=dict)
+    revoked: bool = False  # READY, its unit was deleted: no new leases, dropped once the last drains
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Directory:
         self._quarantine: list[tuple[float, int, tuple[BlockRef, ...]]] = []
         # memory node -> until when writes under grants of its lost incarnation may land
         self._fences: dict[str, float] = {}
+        self._fenced_until: dict[str, float] = {}  # the same, kept after the node joined (recovery waits)
         self._qseq = itertools.count()
 
     # --- queries -------------------------------------------------------------------------
@@ -178,7 +183,7 @@ class Directory:
     def lease(self, unit_id: str, holder: str) -> ReadLease | None:
         """Read lease on the current epoch of a READY entry; None for pending or absent units."""
         entry = self._entries.get(unit_id)
-        if entry is None or entry.state is not EntryState.READY:
+        if entry is None or entry.state is not EntryState.READY or entry.revoked:
             return None
         lease = Lease(f"L{next(self._lease_ids)}", unit_id, entry.epoch, holder, self.clock() + self.lease_ttl_s)
         entry.leases[lease.lease_id] = lease
@@ -192,6 +197,22 @@ class Directory:
         entry = self._entries.get(lease.unit_id)
         if entry is not None and entry.epoch == lease.epoch:
             entry.leases.pop(lease_id, None)
+            if entry.revoked and not entry.leases:
+                self.evict(entry.unit_id)
+        return True
+
+    def revoke(self, unit_id: str) -> bool:
+        """The unit was deleted: drop its entry now, or once its leases drain. True if dropped now."""
+        entry = self._entries.get(unit_id)
+        if entry is None:
+            return False
+        if entry.state is EntryState.PENDING:
+            self._drop_pending(entry, self.clock())  # publish finds no reservation
+            return True
+        if entry.leases:
+            entry.revoked = True
+            return False
+        self.evict(unit_id)
         return True
 
     def invalidate(self, unit_id: str, epoch: int) -> bool:
@@ -252,6 +273,34 @@ class Directory:
                 report.reservations.append((entry.unit_id, entry.epoch))
         return report
 
+    def begin_epochs(self, base: int) -> None:
+        """Epochs from now on are > ``base`` (a new incarnation never repeats an old epoch)."""
+        assert not self._entries, "begin_epochs before any reservation"
+        self._epochs = itertools.count(base + 1)
+
+    def fence(self, node: str, until: float) -> None:
+        """No slot of ``node`` is handed out before ``until`` (a write granted elsewhere may land)."""
+        self._fences[node] = max(until, self._fences.get(node, until))
+        self._fenced_until[node] = self._fences[node]
+
+    def fenced_for(self, node: str) -> float:
+        """Seconds until the node's fence ends (0: none); its slots are quarantined until then."""
+        return max(0.0, self._fenced_until.get(node, 0.0) - self.clock())
+
+    def adopt(self, unit_id: str, epoch: int, blocks: tuple[BlockRef, ...], n_tokens: int) -> bool:
+        """Recovery: a READY entry for blocks a memory node verified; False if a block is not free.
+
+        Only called once the node's fence ended, so no write of an earlier incarnation can
+        still land in these blocks; a free block is one no current grant or lease covers.
+        """
+        if unit_id in self._entries:
+            return False
+        self._reclaim_due(self.clock())
+        if not self.allocator.claim(blocks):
+            return False
+        self._entries[unit_id] = Entry(unit_id, epoch, EntryState.READY, blocks, n_tokens, "", float("inf"))
+        return True
+
     def add_node(self, node: str, capacity: int) -> None:
         """A memory node joins (or comes back empty); fenced slots return when writes are done."""
         self.allocator.add_node(node, capacity)
@@ -290,6 +339,7 @@ class Directory:
         heapq.heapify(self._quarantine)
         if fence > now:
             self._fences[node] = max(fence, self._fences.get(node, fence))
+            self._fenced_until[node] = self._fences[node]
         self.allocator.remove_node(node)
         return dropped
 
@@ -336,4 +386,5 @@ class Directory:
         assert not (owned & quarantined), "a block is both owned and quarantined"
         for lease in self._leases.values():
             holder_entry = self._entries.get(lease.unit_id)
-            assert holder_entry is not None and lease.lease_id in holder_entry.leases, f"dangling lease {lease.lease_id}"
+            assert holder_entry is not None and lease.lease_id in holder_entry.leases, \
+                f"dangling lease {lease.lease_id}"

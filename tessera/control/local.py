@@ -66,14 +66,12 @@ class LocalTier:
         policy = self.policy
         if policy.records.get(unit_id, NO_RECORD).blocks or n_blocks > self.capacity:
             return None  # resident already (or planned by another request), or never fits
-        if not policy.wants(unit_id):
-            return None
         planned = self.planned
 
         def safe(v: str) -> bool:
             return v not in pinned and v not in planned
 
-        victims = policy.victims(unit_id, n_blocks, self.capacity - policy.used_blocks, safe)
+        victims = policy.decide(unit_id, n_blocks, self.capacity - policy.used_blocks, safe)
         if victims is None:
             return None
         evicting = self.evicting
@@ -157,6 +155,13 @@ class LocalTier:
             if by in request_ids:
                 del self.planned[u]
                 self._discard(u)
+
+    def revoke(self, unit_ids: Iterable[str]) -> None:
+        """These units were deleted: the node is told to drop them; the view forgets them now."""
+        for u in unit_ids:
+            self.planned.pop(u, None)
+            self.evicting.pop(u, None)
+            self._discard(u)
 
     def clear(self) -> None:
         """The node is gone; if it comes back, it comes back empty."""

@@ -68,6 +68,10 @@ class MemoryNodes:
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
 
+    def boot_id(self, name: str) -> str | None:
+        node = self._nodes.get(name)
+        return None if node is None else node.hello.boot_id
+
     def hellos(self) -> list[MemoryNodeHello]:
         return [n.hello for n in self._nodes.values()]
 

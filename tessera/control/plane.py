@@ -14,6 +14,11 @@ the retrieval role before the plane is asked):
 (its caller died) expires after ``control.request_ttl_s``; ``suspect(node)`` takes a node
 that could not be reached out of routing until it is heard again.
 
+Revocation (``revoke``): a deleted or replaced unit is *revoked*. From then on every plan
+computes it from text and retains it nowhere, whatever a node's snapshot says (a node that
+missed the drop order cannot get it used); its shared entry takes no new lease and goes
+once its leases drain; a pending reservation of it is dropped, so its publish is refused.
+
 The plane never touches payload bytes or tensors, and never waits on the network: every
 method is synchronous and cheap enough to run on the event loop.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
@@ -31,6 +36,7 @@ from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
 from tessera.control.membership import GenerationNode, HelloOutcome, MemoryNodes
 from tessera.control.planner import Planner, RoutedRequest
+from tessera.control.recovery import Reassembly
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
@@ -39,8 +45,10 @@ from tessera.messages import (
     Ack,
     CancelRequest,
     InvalidateRequest,
+    InventoryResult,
     LoadReport,
     MemoryNodeHello,
+    MemoryNodeInventory,
     PublishRequest,
     ReleaseRequest,
     RequestPlan,
@@ -100,7 +108,10 @@ class ControlPlane:
         self.invalidated = 0  # shared entries a reader found corrupt
         self.refused_overload = 0  # requests refused because every node's queue was too long
         self._requests: dict[str, RoutedRequest] = {}
-        self.planner = Planner(self.directory, self.shared, self.stats)
+        self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
+        self.planner = Planner(self.directory, self.shared, self.stats, self.revoked)
+        self._reassembly = Reassembly(self.block_tokens)  # recovery: reported blocks, not complete yet
+        self._draining: set[str] = set()  # revoked units whose shared entry waits for its leases
 
     # --- the request path ----------------------------------------------------------------
 
@@ -221,6 +232,8 @@ class ControlPlane:
     def release(self, msg: ReleaseRequest) -> Ack:
         check_version(msg.version)
         unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
+        if self._draining:
+            self._forget_drained()
         return Ack(WIRE_VERSION, True, f"already released or expired: {', '.join(unknown)}" if unknown else "")
 
     def invalidate(self, msg: InvalidateRequest) -> Ack:
@@ -237,21 +250,27 @@ class ControlPlane:
         check_version(msg.version)
         node = self.generation_node(msg.node)
         self._heard(node)
+        for u, b in zip(msg.inserted, msg.blocks, strict=False):
+            self.planner.admitted_blocks.setdefault(u, b)  # a re-report after this plane restarted
         node.local.drop(msg.evicted)
         node.local.keep(msg.kept)
-        node.local.confirm(msg.inserted, self.planner.admitted_blocks)
+        revoked = self.revoked
+        node.local.confirm([u for u in msg.inserted if u not in revoked] if revoked else msg.inserted,
+                           self.planner.admitted_blocks)
         return Ack(WIRE_VERSION, True)
 
     def load(self, msg: LoadReport) -> Ack:
         """Load figures and the generation node's heartbeat."""
         check_version(msg.version)
         node = self.generation_node(msg.node)
+        first = node.last_seen is None
         self._heard(node)
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
         node.tokens_per_s = msg.tokens_per_s
         node.routed_tokens = 0  # the node's queue now includes what was routed before the report
-        return Ack(WIRE_VERSION, True)
+        # first report to this plane (a new incarnation): ask for the whole local cache
+        return Ack(WIRE_VERSION, True, "resync" if first else "")
 
     def generation_node(self, name: str) -> GenerationNode:
         node = self.nodes.get(name)
@@ -265,6 +284,52 @@ class ControlPlane:
             node.alive = True
             self._live = [n for n in self.nodes.values() if n.alive]
 
+    # --- revocation ----------------------------------------------------------------------
+
+    def revoke(self, unit_ids: Collection[str]) -> None:
+        """These units were deleted or replaced: no plan made from now on may use their KV.
+
+        The caller tells the generation nodes to drop their copies (best effort: plans
+        ignore a node's copy of a revoked unit anyway).
+        """
+        fresh = [u for u in unit_ids if u not in self.revoked]
+        self.revoked.update(fresh)
+        directory = self.directory
+        dropped = []
+        for u in fresh:
+            if directory.revoke(u):
+                dropped.append(u)
+            elif u in directory:
+                self._draining.add(u)
+        self.planner.forget(fresh)
+        self.shared.forget(dropped)
+        for gen in self.nodes.values():
+            gen.local.revoke(fresh)
+
+    def reinstate(self, unit_ids: Collection[str]) -> None:
+        """These units were ingested again (same scope and tokens): they may be cached again."""
+        self.revoked.difference_update(unit_ids)
+
+    def begin_incarnation(self, incarnation: int) -> None:
+        """This plane is the ``incarnation``-th start of its data directory (1 = the first).
+
+        Storage epochs start above every epoch an earlier incarnation could have granted, and
+        if there was one, every memory node's slots are fenced until no write or read under
+        its grants and leases can still be in flight.
+        """
+        directory = self.directory
+        directory.begin_epochs(incarnation << 32)
+        if incarnation > 1:
+            until = self.clock() + max(directory.write_timeout_s, directory.lease_ttl_s) + directory.reclaim_grace_s
+            for k in self.config.kvpools:
+                directory.fence(k.name, until)
+
+    def _forget_drained(self) -> None:
+        directory = self.directory
+        drained = [u for u in self._draining if u not in directory]
+        self._draining.difference_update(drained)
+        self.shared.forget(drained)
+
     # --- memory nodes --------------------------------------------------------------------
 
     def hello(self, msg: MemoryNodeHello) -> Ack:
@@ -276,6 +341,32 @@ class ControlPlane:
         if outcome is not HelloOutcome.HEARTBEAT:
             self.directory.add_node(msg.name, msg.capacity_blocks)
         return Ack(WIRE_VERSION, True, outcome.value)
+
+    def adopt(self, msg: MemoryNodeInventory, units: Mapping[str, tuple[str, int]]) -> InventoryResult:
+        """Recovery: rebuild READY entries from the verified blocks a memory node still holds.
+
+        ``units`` maps a unit key (hex digest) to (unit_id, n_tokens) for the units that still
+        exist in the store. A unit is adopted when every one of its blocks was reported at one
+        epoch, with the token counts its length implies, in slots that are free now; blocks of
+        units that are gone, revoked or incomplete are simply left free (reclaimed). A unit
+        whose blocks span several memory nodes is adopted once the last of them reported.
+        """
+        check_version(msg.version)
+        if self.memory.boot_id(msg.name) != msg.boot_id:
+            raise BadRequest(f"memory node {msg.name!r} (boot {msg.boot_id}) must say hello before its inventory", 409)
+        wait = self.directory.fenced_for(msg.name)
+        if wait > 0:
+            return InventoryResult(WIRE_VERSION, (), wait)
+        revoked, directory = self.revoked, self.directory
+        found = ((blk, units.get(blk.unit_key)) for blk in msg.blocks)
+        self._reassembly.add(msg.name, ((blk, *u) for blk, u in found
+                                        if u is not None and u[0] not in revoked and u[0] not in directory))
+        adopted: list[str] = []
+        for unit_id, epoch, blocks, n in self._reassembly.complete():
+            if unit_id not in revoked and directory.adopt(unit_id, epoch, blocks, n):
+                self.shared.policy.add(unit_id, len(blocks))
+                adopted.append(unit_id)
+        return InventoryResult(WIRE_VERSION, tuple(adopted))
 
     def memory_nodes(self) -> list[MemoryNodeHello]:
         return self.memory.hellos()
@@ -293,6 +384,8 @@ class ControlPlane:
             if node.alive and node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s:
                 self._declare_dead(node)
         self._expire_requests(now)
+        if self._draining:
+            self._forget_drained()
 
     def _expire_requests(self, now: float) -> None:
         """Forget requests routed longer than ``request_ttl_s`` ago and never completed.

@@ -49,8 +49,11 @@ class RoutedRequest:
 class Planner:
     """Finalizes plans; owns the interned plans and the block counts of local admissions."""
 
-    def __init__(self, directory: Directory, shared: SharedTier, stats: PlaneStats) -> None:
+    def __init__(self, directory: Directory, shared: SharedTier, stats: PlaneStats,
+                 revoked: Container[str] = frozenset()) -> None:
         self.directory = directory
+        # deleted or replaced units (owned by the plane): always COMPUTE, retained nowhere
+        self.revoked = revoked
         self.shared = shared
         self.stats = stats
         # block counts of units admitted locally: a late ResidencyReport may re-add one the
@@ -59,6 +62,13 @@ class Planner:
         # interned UnitPlans by kind: held (LOCAL, NEITHER), computed and kept (COMPUTE, LOCAL),
         # computed (COMPUTE, NEITHER); keyed by unit
         self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
+
+    def forget(self, unit_ids: Collection[str]) -> None:
+        """Drop what the planner remembers of these units (revoked: their plans must change)."""
+        for u in unit_ids:
+            self.admitted_blocks.pop(u, None)
+            for interned in self._interned:
+                interned.pop(u, None)
 
     def plan(self, request_id: str, r: RoutedRequest, held: Collection[str], live: Container[str]) -> RequestPlan:
         """Step 4 for a routed request; ``live``: ids of requests still outstanding."""
@@ -69,6 +79,9 @@ class Planner:
         pairs = r.pairs
         ids = tuple(tokens)
         held_set = held if isinstance(held, (set, frozenset)) else set(held)
+        revoked = self.revoked
+        if revoked and not all(u not in revoked for u in held_set):
+            held_set = {u for u in held_set if u not in revoked}  # a node that missed the drop order may hold it
         local.reconcile(pairs, held_set, live)
         local.policy.observe(ids)
         shared = self.shared
@@ -76,12 +89,16 @@ class Planner:
         directory = self.directory
         # preparation first: every lease exists before any eviction of this plan is decided
         leases: list[ReadLease | None] = [None if u in held_set else directory.lease(u, node) for u, _ in pairs]
+        # (directory.lease refuses revoked units: their entries are gone or draining)
         plans: list[UnitPlan] = []
         evict: list[str] = []
         held_plans, kept_plans, computed_plans = self._interned
         hits = kept_local = kept_shared = 0
         for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
+            if u in revoked:
+                plans.append(UnitPlan(u, n, COMPUTE, Retention.NEITHER))
+                continue
             if u in held_set:
                 prep = LOCAL
                 keep_local = False

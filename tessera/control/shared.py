@@ -40,21 +40,20 @@ class SharedTier:
     def admit(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
         """Reserve a PENDING entry for ``writer`` if the unit passes shared admission.
 
-        Evicts strictly-lower-scored, safe entries when space is short. Returns the grant,
-        or None (already has an entry, not a candidate, or no room).
+        Free space is taken at first sight; when space is short the policy decides (demand:
+        strictly-lower-scored, safe entries are evicted). Returns the grant, or None (already
+        has an entry, not admitted, or no room).
         """
         directory = self.directory
         if unit_id in directory:
             return None
         policy = self.policy
-        if not policy.wants(unit_id):
-            return None
         if policy.records.get(unit_id, NO_RECORD).blocks:  # the directory dropped it, nobody told us yet
             policy.discard(unit_id)
         allocator = directory.allocator
         if n_blocks > allocator.capacity:
             return None
-        victims = policy.victims(unit_id, n_blocks, allocator.free_blocks, directory.can_evict)
+        victims = policy.decide(unit_id, n_blocks, allocator.free_blocks, directory.can_evict)
         if victims is None:
             return None
         for v in victims:
@@ -71,11 +70,6 @@ class SharedTier:
         for u in unit_ids:
             if u not in self.directory:
                 self.policy.discard(u)
-
-    def sync(self) -> None:
-        """Drop residents the directory no longer has (after bulk events)."""
-        directory = self.directory
-        self.forget([u for u in self.policy.resident if u not in directory])
 
     def check_invariants(self) -> None:
         entries = {e.unit_id: len(e.blocks) for e in self.directory.entries()}

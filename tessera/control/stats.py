@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from tessera.metrics import Metric, gauge
+
+if TYPE_CHECKING:
+    from tessera.control.plane import ControlPlane
+
 
 class PlaneStats:
     """Monotonic counters; ``snapshot()`` returns them as a plain dict."""
@@ -31,3 +38,16 @@ class PlaneStats:
 
     def snapshot(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+def plane_metrics(plane: ControlPlane) -> list[Metric]:
+    """The plane's occupancy gauges, read when ``/metrics`` is scraped."""
+    nodes = plane.nodes.values()
+    return [
+        gauge("tessera_shared_entries", "Units in the shared KV pool directory", len(plane.directory)),
+        gauge("tessera_shared_free_blocks", "Free blocks in the shared KV pool", plane.allocator.free_blocks),
+        gauge("tessera_node_inflight", "In-flight requests per generation node (control plane view)",
+              {n.name: n.inflight for n in nodes}, label="node"),
+        gauge("tessera_node_queued_tokens", "Tokens queued on each generation node (from its heartbeat)",
+              {n.name: n.queued_tokens for n in nodes}, label="node"),
+    ]

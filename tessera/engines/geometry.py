@@ -1,6 +1,7 @@
 """Model geometry from a checkpoint's ``config.json``, without loading any weights.
 
-Memory nodes size their block arena from the geometry, and a memory node must never pay
+:class:`ConfigShape` is the one parser of the shape fields of ``config.json``. Memory nodes
+size their block arena from the geometry, and a memory node must never pay
 for (or hold) the model weights, so everything here reads the transformers config file
 only. Generation nodes get the same numbers from their loaded engine; both must agree or
 the block layout differs, which is why there is exactly one place that derives them.
@@ -9,6 +10,7 @@ the block layout differs, which is why there is exactly one place that derives t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tessera.engines.base import DTYPES, ModelGeometry
@@ -23,36 +25,67 @@ def _int_field(raw: Mapping[str, Any], key: str, where: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class ConfigShape:
+    """The fields of ``config.json`` that the block layout and every engine read.
+
+    This is the one parser of them: :func:`geometry_from_config_dict` (memory nodes, the
+    retrieval role's context limit) and :class:`tessera.engines.weights.ModelSpec` (the
+    reference engine) both start from it, so their numbers cannot drift apart.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int  # 0 when the config gives head_dim and no hidden_size
+    vocab_size: int
+    max_positions: int  # 0 when the config has no max_position_embeddings
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], where: str = "config.json") -> ConfigShape:
+        """Llama-style field names.
+
+        ``head_dim`` is taken when present, else ``hidden_size / num_attention_heads``;
+        ``num_key_value_heads`` defaults to ``num_attention_heads`` (plain multi-head attention).
+        """
+        # multimodal checkpoints nest the language model's config
+        if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), Mapping):
+            raw = raw["text_config"]
+        n_heads = _int_field(raw, "num_attention_heads", where)
+        hidden = _int_field(raw, "hidden_size", where) if raw.get("hidden_size") is not None else 0
+        if raw.get("head_dim") is not None:
+            head_dim = _int_field(raw, "head_dim", where)
+        else:
+            hidden = _int_field(raw, "hidden_size", where)
+            if hidden % n_heads:
+                raise ModelLoadError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {n_heads}")
+            head_dim = hidden // n_heads
+        return cls(
+            n_layers=_int_field(raw, "num_hidden_layers", where),
+            n_heads=n_heads,
+            n_kv_heads=_int_field(raw, "num_key_value_heads", where)
+            if raw.get("num_key_value_heads") is not None else n_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            vocab_size=_int_field(raw, "vocab_size", where),
+            max_positions=_int_field(raw, "max_position_embeddings", where)
+            if raw.get("max_position_embeddings") is not None else 0,
+        )
+
+
 def geometry_from_config_dict(
     raw: Mapping[str, Any], kv_dtype: str, max_context: int = 0, where: str = "config.json"
 ) -> ModelGeometry:
-    """Geometry from a transformers config mapping (Llama-style field names).
-
-    ``head_dim`` is taken when present, else ``hidden_size / num_attention_heads``;
-    ``num_key_value_heads`` defaults to ``num_attention_heads`` (plain multi-head attention).
-    ``max_context`` of 0 means the model's own ``max_position_embeddings``.
-    """
+    """Geometry from a transformers config mapping; ``max_context`` of 0 means the model's own
+    ``max_position_embeddings``."""
     if kv_dtype not in DTYPES:
         raise ModelLoadError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(DTYPES)}")
-    # multimodal checkpoints nest the language model's config
-    if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), Mapping):
-        raw = raw["text_config"]
-    n_layers = _int_field(raw, "num_hidden_layers", where)
-    n_heads = _int_field(raw, "num_attention_heads", where)
-    n_kv_heads = _int_field(raw, "num_key_value_heads", where) if "num_key_value_heads" in raw else n_heads
-    if raw.get("head_dim") is not None:
-        head_dim = _int_field(raw, "head_dim", where)
-    else:
-        hidden = _int_field(raw, "hidden_size", where)
-        if hidden % n_heads:
-            raise ModelLoadError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {n_heads}")
-        head_dim = hidden // n_heads
-    vocab = _int_field(raw, "vocab_size", where)
-    own_max = _int_field(raw, "max_position_embeddings", where) if "max_position_embeddings" in raw else 0
-    context = max_context or own_max
+    shape = ConfigShape.parse(raw, where)
+    context = max_context or shape.max_positions
     if context <= 0:
         raise ModelLoadError(f"{where} has no max_position_embeddings; set model.max_context")
-    return ModelGeometry(n_layers, n_kv_heads, head_dim, vocab, context, kv_dtype)
+    return ModelGeometry(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.vocab_size, context, kv_dtype)
 
 
 def geometry_from_checkpoint(checkpoint: Checkpoint, kv_dtype: str, max_context: int = 0) -> ModelGeometry:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.engines.rope import RopeTable
-from tessera.engines.weights import LayerWeights, ModelSpec, Weights, load_weights
+from tessera.engines.weights import LayerWeights, ModelSpec, Weights, checkpoint_weights
 from tessera.kernels.rope import rotate_into
 
 
@@ -71,7 +71,7 @@ class Model:
     @classmethod
     def load(cls, path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
              max_positions: int = 0) -> Model:
-        return cls(spec, load_weights(path, spec, dtype, device), dtype, device, max_positions)
+        return cls(spec, checkpoint_weights(path, spec, dtype, device), dtype, device, max_positions)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -121,11 +121,25 @@ class Model:
             x = self._layer(layer, lw, x, cos, sin, items, plans)
         if not logit_rows:
             return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
-        h = self._norm(x[logit_rows], self.w.norm)
-        return F.linear(h, self.w.lm_head).float()
+        return self.logits(x[logit_rows])
 
     def _layer(self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                items: Sequence[Item], plans: list[_Plan]) -> torch.Tensor:
+        h = self.spec.n_heads
+        raw, qk, v = self.attention_inputs(lw, x, cos, sin)
+        for it, p in zip(items, plans, strict=True):
+            if it.capture is not None:  # the reusable form: keys before RoPE, values
+                it.capture[0][layer].copy_(raw[p.start + it.capture_from:p.end, h:])
+                it.capture[1][layer].copy_(v[p.start + it.capture_from:p.end])
+        q, k = qk[:, :h], qk[:, h:]
+        attn = torch.empty((x.shape[0], h, self.spec.head_dim), dtype=x.dtype, device=x.device)
+        for p in plans:
+            attn[p.start:p.end] = self._attend(layer, q, k, v, p)
+        return self.attention_output(lw, x, attn)
+
+    def attention_inputs(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q|k before RoPE ``[N, H + H_kv, D]`` (q/k-normed), the same rotated, and v ``[N, H_kv, D]``."""
         s = self.spec
         n_tok, d, h, hk = x.shape[0], s.head_dim, s.n_heads, s.n_kv_heads
         qkv = F.linear(self._norm(x, lw.attn_norm), lw.wqkv, lw.bqkv)  # [N, (H + 2 H_kv) * D]
@@ -133,16 +147,13 @@ class Model:
         v = qkv[:, (h + hk) * d:].view(n_tok, hk, d)
         if lw.q_norm is not None and lw.k_norm is not None:
             qk = torch.cat((self._norm(qk[:, :h], lw.q_norm), self._norm(qk[:, h:], lw.k_norm)), dim=1)
-        for it, p in zip(items, plans, strict=True):
-            if it.capture is not None:  # the reusable form: keys before RoPE, values
-                it.capture[0][layer].copy_(qk[p.start + it.capture_from:p.end, h:])
-                it.capture[1][layer].copy_(v[p.start + it.capture_from:p.end])
-        qk = rotate_into(qk, cos, sin, torch.empty_like(qk, memory_format=torch.contiguous_format))
-        q, k = qk[:, :h], qk[:, h:]
-        attn = torch.empty((n_tok, h, d), dtype=x.dtype, device=x.device)
-        for p in plans:
-            attn[p.start:p.end] = self._attend(layer, q, k, v, p)
-        x = torch.addmm(x, attn.view(n_tok, h * d), lw.wo.t())
+        rotated = rotate_into(qk, cos, sin, torch.empty_like(qk, memory_format=torch.contiguous_format))
+        return qk, rotated, v
+
+    def attention_output(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection and MLP, both residual: the rest of the layer after attention ``[N, H, D]``."""
+        s = self.spec
+        x = torch.addmm(x, attn.view(x.shape[0], -1), lw.wo.t())
         if lw.bo is not None:
             x += lw.bo
         gate_up = F.linear(self._norm(x, lw.mlp_norm), lw.w_gate_up, lw.b_gate_up)
@@ -152,6 +163,10 @@ class Model:
         if lw.b_down is not None:
             x += lw.b_down
         return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[R, vocab]`` of hidden rows ``[R, hidden]``."""
+        return F.linear(self._norm(x, self.w.norm), self.w.lm_head).float()
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Plan) -> torch.Tensor:
         qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -59,6 +59,19 @@ def greedy_continue(engine: EngineAdapter, slots: KVSlots, logits: torch.Tensor,
     return out
 
 
+def teacher_force(engine: EngineAdapter, slots: KVSlots, logits: torch.Tensor, position: int,
+                  tokens: Sequence[int]) -> list[torch.Tensor]:
+    """Logits before each of ``tokens`` when they are fed in order (the first goes to ``position``):
+    ``[logits, after tokens[0], ...]``, one per token. Scores a composition on a fixed answer."""
+    out = [logits]
+    for i, token in enumerate(tokens[:-1]):
+        step = Extend(slots, [token], [position + i])
+        engine.decode([step])
+        assert step.logits is not None
+        out.append(step.logits)
+    return out[:len(tokens)]
+
+
 def prefill_units(engine: EngineAdapter, layout: PromptLayout) -> dict[str, UnitState]:
     """Independently prefill every distinct unit of ``layout`` in one step."""
     work = {seg.unit_id: UnitPrefill(seg.token_ids) for _, seg in layout.unit_offsets()}
@@ -73,14 +86,17 @@ class Composition:
     prefix_len: int = 0  # positions served by the exact-prefix cache
     computed: Ranges = ()  # positions computed by the final extend
     n_placed: int = 0  # unit tokens served from states
+    forced_logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] before each forced token
 
 
 def compose(engine: EngineAdapter, layout: PromptLayout, policy: CompositionPolicy,
             states: Mapping[str, UnitState], *, max_new_tokens: int = 0, stop_ids: Sequence[int] = (),
-            use_prefix_cache: bool = True, insert_prefix: bool = False) -> Composition:
+            use_prefix_cache: bool = True, insert_prefix: bool = False, forced: Sequence[int] = ()) -> Composition:
+    """Compose ``layout`` and greedy-continue ``max_new_tokens``, or (``forced``) score a fixed answer."""
     n = layout.n_tokens
     assert n > 0, "empty prompt"
-    slots = engine.allocate(n + max_new_tokens)
+    assert not (forced and max_new_tokens), "greedy continuation and a forced answer are exclusive"
+    slots = engine.allocate(n + max(max_new_tokens, len(forced)))
     try:
         prefix_len = engine.match_prefix(slots, leading_text_tokens(layout)[:n - 1]) if use_prefix_cache else 0
         ranges = policy.select(layout)
@@ -93,8 +109,9 @@ def compose(engine: EngineAdapter, layout: PromptLayout, policy: CompositionPoli
         if insert_prefix:
             engine.insert_prefix(slots, leading_text_tokens(layout))
         generated = greedy_continue(engine, slots, final.logits, n, max_new_tokens, stop_ids)
+        scored = teacher_force(engine, slots, final.logits, n, forced) if forced else []
         return Composition(final.logits, generated, prefix_len, computed_ranges(layout, ranges, prefix_len),
-                           n_placed)
+                           n_placed, scored)
     finally:
         engine.free(slots)
 

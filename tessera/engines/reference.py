@@ -27,6 +27,7 @@ from tessera.engines.base import (
     UnitState,
 )
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
+from tessera.engines.device import check_state, to_device
 from tessera.engines.model import Item, Model
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
@@ -69,13 +70,8 @@ class ReferenceEngine(EngineAdapter):
     def from_config(cls, cfg: ClusterConfig,
                     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> ReferenceEngine:
         """Load the configured model (``model.threads`` also sets torch's intra-op threads)."""
-        torch.set_num_threads(cfg.model.threads)
-        checkpoint: Checkpoint = resolve(cfg.model)
-        spec = ModelSpec.from_config(load_config_dict(checkpoint))
-        device = torch.device(cfg.model.device)
-        model = Model.load(checkpoint.path, spec, DTYPES[cfg.model.dtype], device, cfg.model.max_context)
-        tokenizer = load_tokenizer(checkpoint)
-        return cls(model, tokenizer, serving_fingerprint(cfg, checkpoint, tokenizer), kv_dtype=cfg.kv_dtype,
+        model, tokenizer, fingerprint = load_model(cfg)
+        return cls(model, tokenizer, fingerprint, kv_dtype=cfg.kv_dtype,
                    unit_bos=cfg.composition.unit_bos, prefix_cache_tokens=prefix_cache_tokens)
 
     # --- slots ----------------------------------------------------------------------------
@@ -101,6 +97,9 @@ class ReferenceEngine(EngineAdapter):
             raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {s.n_slots} slots")
         if n == 0:
             return
+        # the adapter boundary: a state from the cache, the pool or a prefill must fit this engine
+        check_state(state, self.geometry, self.kv_dtype, s.keys.device)
+        state = to_device(state, s.keys.device)
         self.model.rope.ensure(offset + n)
         positions = torch.arange(offset, offset + n, device=s.keys.device)
         rope_place(state.keys, positions, self.model.rope.cos, self.model.rope.sin, s.keys)
@@ -165,6 +164,20 @@ class ReferenceEngine(EngineAdapter):
 
     def decode_tokens(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+
+def load_model(cfg: ClusterConfig) -> tuple[Model, Tokenizer, ServingFingerprint]:
+    """The configured model on its device, its tokenizer and the serving fingerprint (any torch engine)."""
+    torch.set_num_threads(cfg.model.threads)
+    checkpoint: Checkpoint = resolve(cfg.model)
+    spec = ModelSpec.from_config(load_config_dict(checkpoint))
+    device = torch.device(cfg.model.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device = {cfg.model.device!r} but this torch has no CUDA "
+                          f"({torch.__version__}); use \"cpu\" or install a CUDA build of torch")
+    model = Model.load(checkpoint.path, spec, DTYPES[cfg.model.dtype], device, cfg.model.max_context)
+    tokenizer = load_tokenizer(checkpoint)
+    return model, tokenizer, serving_fingerprint(cfg, checkpoint, tokenizer)
 
 
 def _torch_slots(slots: KVSlots) -> TorchSlots:

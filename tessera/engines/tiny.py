@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from tessera.config import ModelConfig
-from tessera.engines.checkpoint import resolve
+from tessera.engines.checkpoint import resolve_bundled
 
 ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -69,7 +68,8 @@ def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     def w(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) / cols ** 0.5
+        out: torch.Tensor = torch.randn(rows, cols, generator=g) / cols ** 0.5
+        return out
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g)
@@ -100,7 +100,7 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0, 
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    bundled = resolve(ModelConfig()).path
+    bundled = resolve_bundled()
     base = json.loads((bundled / "config.json").read_text())
     config = tiny_config(arch, base["vocab_size"], bos_token_id=base.get("bos_token_id", 1),
                          eos_token_id=base.get("eos_token_id", 2), **config_opts)

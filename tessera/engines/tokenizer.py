@@ -45,7 +45,8 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; send a plain prompt instead")
-        return str(self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt))
+        return str(self.hf.apply_chat_template(list(messages), tokenize=False,
+                                               add_generation_prompt=add_generation_prompt))
 
 
 def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:

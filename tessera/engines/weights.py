@@ -1,17 +1,20 @@
 """Model geometry and weights read straight from a checkpoint directory.
 
-``config.json`` becomes a frozen :class:`ModelSpec`; ``*.safetensors`` become plain tensors in
+``config.json`` becomes a frozen :class:`ModelSpec` (its shape fields through the one parser,
+:class:`~tessera.engines.geometry.ConfigShape`); ``*.safetensors`` become plain tensors in
 the compute dtype on the compute device, with the projections that read the same input fused
 (q|k|v and gate|up) so each layer runs one matmul per input. Tied embeddings reuse the
 embedding matrix as the LM head.
 
 Supported: Llama (Llama 2/3, SmolLM2), Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm), SiLU MLPs,
 full (non-sliding) attention. Anything else raises :class:`ModelLoadError` with the reason.
+A random-shape checkpoint (:mod:`tessera.engines.shapes`) gets seeded random weights instead.
 This module knows nothing about attention or caches.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tessera.engines.geometry import ConfigShape
 from tessera.engines.rope import RopeSpec
 from tessera.errors import ModelLoadError
 
@@ -59,19 +63,21 @@ class ModelSpec:
         layer_types = set(config.get("layer_types") or [])
         if config.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise ModelLoadError("sliding-window attention is not supported; use a full-attention checkpoint")
-        n_heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
+        shape = ConfigShape.parse(config)
+        if not shape.hidden_size:
+            raise ModelLoadError("config.json: hidden_size is missing; expected a positive integer")
+        head_dim = shape.head_dim
         return cls(
             arch=arch,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
             intermediate_size=int(config["intermediate_size"]),
-            n_layers=int(config["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            n_layers=shape.n_layers,
+            n_heads=shape.n_heads,
+            n_kv_heads=shape.n_kv_heads,
             head_dim=head_dim,
             rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_positions=int(config.get("max_position_embeddings", 4096)),
+            max_positions=shape.max_positions or 4096,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope=RopeSpec.from_config(config, head_dim),
         )
@@ -113,7 +119,8 @@ class _Reader:
         self._where: dict[str, Any] = {}
         for f in files:
             handle = safe_open(str(f), framework="pt", device="cpu")
-            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+            # safe_open handles are not iterable, and their stubs leave keys() untyped
+            for name in handle.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118
                 self._where[name] = handle
 
     def has(self, name: str) -> bool:
@@ -175,3 +182,43 @@ def load_weights(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.
     else:
         raise ModelLoadError("lm_head.weight is missing and tie_word_embeddings is false")
     return Weights(embed=embed, layers=layers, norm=put(r.get("model.norm.weight", (hd,))), lm_head=lm_head)
+
+
+def checkpoint_weights(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Weights:
+    """The checkpoint's weights: read from safetensors, or made at random for a random shape."""
+    from tessera.engines.shapes import random_seed
+
+    seed = random_seed(json.loads((path / "config.json").read_text()))
+    return load_weights(path, spec, dtype, device) if seed is None else random_weights(spec, dtype, device, seed)
+
+
+def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int) -> Weights:
+    """Seeded N(0, 1/fan_in) projections and ~1 norms, made on ``device`` in ``dtype`` (no host copy)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    hd, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q_rows, kv_rows = spec.n_heads * d, spec.n_kv_heads * d
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g, dtype=dtype, device=device).mul_(cols ** -0.5)
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g, dtype=dtype, device=device).mul_(0.1).add_(1.0)
+
+    bias = spec.arch == "qwen2"  # Qwen2 always has q/k/v biases
+    layers = [LayerWeights(
+        attn_norm=norm(hd),
+        wqkv=w(q_rows + 2 * kv_rows, hd),
+        bqkv=torch.randn(q_rows + 2 * kv_rows, generator=g, dtype=dtype, device=device).mul_(0.1) if bias else None,
+        wo=w(hd, q_rows),
+        bo=None,
+        q_norm=norm(d) if spec.qk_norm else None,
+        k_norm=norm(d) if spec.qk_norm else None,
+        mlp_norm=norm(hd),
+        w_gate_up=w(2 * inter, hd),
+        b_gate_up=None,
+        w_down=w(hd, inter),
+        b_down=None,
+    ) for _ in range(spec.n_layers)]
+    embed = w(spec.vocab_size, hd)
+    lm_head = embed if spec.tie_embeddings else w(spec.vocab_size, hd)
+    return Weights(embed=embed, layers=layers, norm=norm(hd), lm_head=lm_head)

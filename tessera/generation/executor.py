@@ -7,8 +7,9 @@
     final extend: the policy's recomputed tokens + the remaining text, in one batch item
     sample, then decode until a stop token or max_tokens
 
-A remote fetch that fails, times out or fails its checksum falls back to computing the unit
-from text; the request still succeeds. Nothing here knows about HTTP.
+A remote fetch that fails, times out or fails its checksum, and a local or fetched state that
+cannot be copied to the device or placed (:class:`PlacementError`), fall back to computing
+the unit from text; the request still succeeds. Nothing here knows about HTTP.
 """
 
 from __future__ import annotations
@@ -17,24 +18,36 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from tessera.composition.layout import Placement, leading_text_tokens, placements, tokens_to_compute
 from tessera.composition.policies import CompositionPolicy
-from tessera.engines.base import EngineAdapter, KVSlots, UnitState
-from tessera.engines.offline import place_units
+from tessera.engines.base import KVSlots, UnitState
 from tessera.engines.sampling import Sampler
-from tessera.errors import TransferError
+from tessera.errors import Overloaded, PlacementError, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import ExecuteRequest, Preparation, ReadLease, UnitPlan
+from tessera.messages import (
+    DoneEvent,
+    ExecuteRequest,
+    Preparation,
+    PromptLayout,
+    ReadLease,
+    RequestStats,
+    TokenEvent,
+    TopLogprob,
+    UnitPlan,
+)
+from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
+ALLOCATE_WAIT_S = 30.0  # a request waits this long for KV pages before it fails as Overloaded
+ALLOCATE_POLL_S = 0.005
 
 
 class SharedReader(Protocol):
@@ -43,47 +56,26 @@ class SharedReader(Protocol):
 
 
 @dataclass
-class RequestStats:
-    prompt_tokens: int = 0
-    prefix_cached_tokens: int = 0  # served by the exact prefix cache
-    local_tokens: int = 0  # unit tokens whose state came from the local cache
-    remote_tokens: int = 0  # ... from the shared KV Pool
-    computed_unit_tokens: int = 0  # ... prefilled from text on this node
-    local_units: int = 0
-    remote_units: int = 0
-    computed_units: int = 0
-    coalesced_units: int = 0  # misses that joined another request's in-flight prefill
-    fallbacks: int = 0  # remote fetches that failed and were computed instead
-    recomputed_tokens: int = 0  # tokens computed in the final extend pass
-    bytes_fetched: int = 0
-    completion_tokens: int = 0
+class Run:
+    """One planned request while it executes on this node."""
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    text: str
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-    # on the first token only: the prompt's preparation figures, so a reply the caller cuts
-    # short (stop string) still has its usage
-    stats: RequestStats | None = None
-
-
-@dataclass
-class Finished:
-    finish_reason: str
+    req: ExecuteRequest
+    slots: KVSlots
+    received_at: float  # when the plan arrived: lease TTLs and grant deadlines count from here
     stats: RequestStats
+    # read leases of the plan not yet consumed; whatever is left goes back when the run ends
+    unreleased: set[str] = field(default_factory=set)
+
+    @property
+    def layout(self) -> PromptLayout:
+        return self.req.layout
 
 
 class Executor:
+    """Runs planned requests; every engine call goes through the scheduler."""
+
     def __init__(
         self,
-        engine: EngineAdapter,
-        worker: EngineWorker,
         scheduler: Scheduler,
         prefills: PrefillCoalescer,
         cache: LocalUnitCache,
@@ -93,8 +85,6 @@ class Executor:
         policy: CompositionPolicy,
         mode: str,
     ) -> None:
-        self.engine = engine
-        self.worker = worker
         self.scheduler = scheduler
         self.prefills = prefills
         self.cache = cache
@@ -104,120 +94,144 @@ class Executor:
         self.policy = policy
         self.mode = mode
 
-    async def run(self, req: ExecuteRequest) -> AsyncGenerator[TokenEvent | Finished, None]:
+    async def run(self, req: ExecuteRequest) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         received_at = time.monotonic()
-        layout, sp = req.layout, req.sampling
-        sampler = Sampler(sp, self.engine.eos_token_ids)
-        stats = RequestStats(prompt_tokens=layout.n_tokens)
-        unreleased = {u.lease.lease_id for u in req.plan.units if u.lease is not None}
-        slots = await self.worker.call(self.engine.allocate, layout.n_tokens + sp.max_tokens)
+        sp = req.sampling
+        sampler = Sampler(sp, self.scheduler.eos_token_ids)
+        slots = await self._allocate(req.layout.n_tokens + sp.max_tokens)
+        run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
+                  {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
-            logits = await self._prefill(req, slots, stats, unreleased, received_at)
-            position = layout.n_tokens
+            logits = await self._prefill(run)
+            position = req.layout.n_tokens
             generated: list[int] = []
             text = ""
             while True:
                 token = sampler.pick(logits)
                 stop = sampler.is_stop(token)
-                stats.completion_tokens += 1
+                run.stats.completion_tokens += 1
                 if not stop:
                     generated.append(token)
-                    decoded = self.engine.decode_tokens(generated)
-                    event = TokenEvent(token, decoded[len(text):], stats=stats if len(generated) == 1 else None)
+                    decoded = self.scheduler.detokenize(generated)
+                    first = run.stats if len(generated) == 1 else None
                     if sp.top_logprobs >= 0:
-                        event.logprob, event.top = _logprobs(logits, token, sp.top_logprobs)
-                    yield event
+                        logprob, top = _logprobs(logits, token, sp.top_logprobs)
+                        yield TokenEvent(WIRE_VERSION, token, decoded[len(text):], logprob, top, stats=first)
+                    else:
+                        yield TokenEvent(WIRE_VERSION, token, decoded[len(text):], stats=first)
                     text = decoded
                 if stop or len(generated) >= sp.max_tokens:
-                    yield Finished("stop" if stop else "length", stats)
+                    yield DoneEvent(WIRE_VERSION, "stop" if stop else "length", run.stats)
                     return
                 logits = await self.scheduler.decode(slots, token, position)
                 position += 1
         finally:
             # leases not consumed (e.g. the request was aborted before its fetch) go back now
-            for lease_id in unreleased:
+            for lease_id in run.unreleased:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
-            await self.worker.call(self.engine.free, slots)
+            await self.scheduler.free(slots)
 
-    async def _prefill(self, req: ExecuteRequest, slots: KVSlots, stats: RequestStats,
-                       unreleased: set[str], received_at: float) -> torch.Tensor:
-        layout = req.layout
-        if self.mode == "prefix" or not req.plan.units:
+    async def _allocate(self, n_slots: int) -> KVSlots:
+        """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""
+        deadline = time.monotonic() + ALLOCATE_WAIT_S
+        while True:
+            try:
+                return await self.scheduler.allocate(n_slots)
+            except Overloaded:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(ALLOCATE_POLL_S)  # pages come back when a request ends
+
+    async def _prefill(self, run: Run) -> torch.Tensor:
+        layout, slots, stats = run.layout, run.slots, run.stats
+        if self.mode == "prefix" or not run.req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
-            matched = await self.worker.call(self.engine.match_prefix, slots, prompt[:-1])
+            matched = await self.scheduler.match_prefix(slots, prompt[:-1])
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)))
-            await self.worker.call(self.engine.insert_prefix, slots, prompt)
+            await self.scheduler.insert_prefix(slots, prompt)
             return logits
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
-        matched = await self.worker.call(self.engine.match_prefix, slots, lead) if lead else 0
+        matched = await self.scheduler.match_prefix(slots, lead) if lead else 0
         stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)
-        plans = {u.unit_id: u for u in req.plan.units}
+        plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
         # the three preparation paths overlap; each unit is placed as soon as it is ready.
         # units the policy recomputes entirely need no state at all.
-        await asyncio.gather(*(
-            self._prepare(slots, tokens[uid], plans[uid], unit_spans, req.plan.local_evict, stats, unreleased,
-                          received_at)
-            for uid, unit_spans in spans.items()
-        ))
+        await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans)
+                               for uid, unit_spans in spans.items()))
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
         stats.recomputed_tokens = len(token_ids)
         logits = await self.scheduler.extend(slots, token_ids, positions)
         if lead and matched < len(lead):
-            await self.worker.call(self.engine.insert_prefix, slots, lead)
+            await self.scheduler.insert_prefix(slots, lead)
         return logits
 
-    async def _prepare(self, slots: KVSlots, token_ids: Sequence[int], plan: UnitPlan, spans: list[Placement],
-                       local_evict: Sequence[str], stats: RequestStats, unreleased: set[str],
-                       received_at: float) -> None:
-        state: UnitState | None = None
+    async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement]) -> None:
+        stats = run.stats
         n = len(token_ids)
-        if plan.preparation is Preparation.LOCAL:
-            state = self.cache.get(plan.unit_id)  # pinned since the snapshot
-            if state is not None:
-                stats.local_tokens += n
-                stats.local_units += 1
-        elif plan.preparation is Preparation.REMOTE and plan.lease is not None:
-            lease = plan.lease
+        state = await self._reuse(run, plan, n)
+        if state is not None:
             try:
-                if self.reader is None:
-                    raise TransferError("this node has no KV pool client")
-                # the lease's TTL runs from when the plan arrived, not from when this fetch starts
-                state = await self.reader.fetch(lease, n, release=False, received_at=received_at)
-                stats.remote_tokens += n
-                stats.remote_units += 1
-                stats.bytes_fetched += state.nbytes()
-            except TransferError as exc:
-                log.warning("fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
+                await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
+            except PlacementError as exc:
+                # a state that cannot be copied or placed only costs its prefill
+                log.warning("placing unit %s (%s) failed (%s); computing it instead", plan.unit_id,
+                            plan.preparation, exc)
                 stats.fallbacks += 1
-            finally:
-                unreleased.discard(lease.lease_id)
-                self.release_lease(lease.lease_id)
+                state = None
+            else:
+                if plan.preparation is Preparation.LOCAL:
+                    stats.local_tokens += n
+                    stats.local_units += 1
+                else:
+                    stats.remote_tokens += n
+                    stats.remote_units += 1
+                    stats.bytes_fetched += state.nbytes()
         if state is None:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
-        await self.worker.call(place_units, self.engine, slots, spans, {plan.unit_id: state})
+            await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
         # retention happens off the critical path; a local hit is already retained locally
         self.retainer.retain(plan.unit_id, state,
                              plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                             plan.grant, local_evict, received_at)
+                             plan.grant, run.req.plan.local_evict, run.received_at)
+
+    async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
+        """The unit's state from the local cache or the KV Pool, or None (compute it)."""
+        if plan.preparation is Preparation.LOCAL:
+            return self.cache.get(plan.unit_id)  # pinned since the snapshot
+        if plan.preparation is not Preparation.REMOTE or plan.lease is None:
+            return None
+        lease = plan.lease
+        try:
+            if self.reader is None:
+                raise TransferError("this node has no KV pool client")
+            # the lease's TTL runs from when the plan arrived, not from when this fetch starts
+            return await self.reader.fetch(lease, n, release=False, received_at=run.received_at)
+        except TransferError as exc:
+            log.warning("fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
+            run.stats.fallbacks += 1
+            return None
+        finally:
+            run.unreleased.discard(lease.lease_id)
+            self.release_lease(lease.lease_id)
 
 
-def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[TopLogprob, ...]]:
     """Log-probability of the chosen token and of the k most likely ones (unscaled logits)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    top: list[tuple[int, float]] = []
+    top: tuple[TopLogprob, ...] = ()
     if k > 0:
         values, ids = lp.topk(k)
-        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        top = tuple(TopLogprob(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
     return float(lp[token]), top

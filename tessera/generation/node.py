@@ -4,9 +4,10 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
 
     GET  /health                        200 once the engine is loaded
     POST /v1/snapshot   SnapshotRequest -> SnapshotResponse   (pins the held units)
-    POST /v1/execute    ExecuteRequest  -> NDJSON stream of {"token", "text"} lines, then
-                                           {"done": true, "finish_reason", "stats"}
+    POST /v1/execute    ExecuteRequest  -> NDJSON stream of TokenEvent lines, then one
+                                           DoneEvent (or ErrorEvent)
     POST /v1/abort      {"request_id"}
+    POST /v1/revoke     RevokeRequest -> {"dropped": n}   (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
 
 Only the retrieval role calls these. The node never decides admission or eviction itself;
@@ -30,15 +31,24 @@ from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
+from tessera.engines.device import is_cuda
 from tessera.errors import BadRequest, TesseraError
-from tessera.generation.executor import Executor, Finished, TokenEvent
+from tessera.generation.executor import Executor
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
-from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse, check_version
-from tessera.metrics import Registry
+from tessera.messages import (
+    DoneEvent,
+    ErrorEvent,
+    ExecuteRequest,
+    RevokeRequest,
+    SnapshotRequest,
+    SnapshotResponse,
+    check_version,
+)
+from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.wire import WIRE_VERSION, decode, encode
 
@@ -60,19 +70,11 @@ class GenerationNode:
         control = config.control
         self.pin_timeout_s = control.connect_timeout_s + control.first_token_timeout_s
         self.background = BackgroundTasks(f"generation {name}")
-        self.metrics = Registry()
-        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome")
-        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source")
-        # read from the components at scrape time
-        self.g_state = {name: self.metrics.gauge(name, help_text) for name, help_text in (
-            ("tessera_node_inflight", "Requests admitted and not finished"),
-            ("tessera_node_queued_tokens", "Tokens waiting for the engine"),
-            ("tessera_node_local_cache_blocks", "Blocks used in the local unit cache"),
-            ("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit"),
-            ("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)"),
-            ("tessera_node_writebacks_published_total", "Shared writebacks published"),
-            ("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)"),
-        )}
+        self.metrics = Metrics()
+        self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome",
+                                               ["outcome"])
+        self.m_tokens = self.metrics.counter("tessera_node_prompt_tokens_total", "Prompt tokens by source", ["source"])
+        self.metrics.read_at_scrape(self._scrape)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -82,8 +84,7 @@ class GenerationNode:
         self.engine = await asyncio.to_thread(load_engine, self.config, self.cfg.prefix_cache_tokens)
         log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
         self.control = NodeControl(self.config.retrieval_url, self.name, timeout_s=self.config.transport.timeout_s)
-        self.worker = EngineWorker(self.engine)
-        self.scheduler = Scheduler(self.worker, self.cfg.max_batch_tokens)
+        self.scheduler = Scheduler(self.engine, self.cfg.max_batch_tokens)
         self.scheduler.start()
         self.prefills = PrefillCoalescer(self.scheduler)
         self.cache = LocalUnitCache(self.cfg.local_capacity_blocks, self.config.block_tokens)
@@ -93,14 +94,15 @@ class GenerationNode:
             from tessera.transport.blocks import BlockLayout
 
             layout = BlockLayout(self.engine.geometry, self.config.block_tokens)
-            self.pool = KVPoolClient(self.config, layout, control=self.control, reader=self.name)
+            self.pool = KVPoolClient(self.config, layout, control=self.control, reader=self.name,
+                                     pin_memory=is_cuda(self.config.model.device))
         self.retainer = Retainer(
             self.cache, self.pool, self.control,
             staging_bytes=self.config.transport.writeback_staging_bytes,
             outstanding=self.config.transport.writeback_outstanding,
         )
         self.executor = Executor(
-            self.engine, self.worker, self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
+            self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
             self.control.release_later, policy_from_config(self.config.composition), self.config.control.mode,
         )
         self.background.spawn(self._heartbeat(), name="heartbeat")
@@ -112,7 +114,6 @@ class GenerationNode:
             await self.retainer.drain(timeout=10.0)
             await self.background.drain(timeout=1.0)
             await self.scheduler.stop()
-            self.worker.close()
             if self.pool is not None:
                 await self.pool.close()
             await self.control.close()
@@ -120,7 +121,10 @@ class GenerationNode:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.control.load(len(self.inflight), self.scheduler.queued_tokens, self.scheduler.tokens_per_s)
+                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens,
+                                              self.scheduler.tokens_per_s)
+                if ack.reason == "resync":
+                    await self.control.resync(self.cache.residency())
             except TesseraError as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
             await asyncio.sleep(HEARTBEAT_S)
@@ -168,10 +172,10 @@ class GenerationNode:
         try:
             async with contextlib.aclosing(self.executor.run(msg)) as run:
                 async for event in run:
-                    if isinstance(event, Finished):
+                    if isinstance(event, DoneEvent):
                         self._count(event)
                         outcome = "ok"
-                    await resp.write(orjson.dumps(_event_line(event)) + b"\n")
+                    await resp.write(encode(event) + b"\n")
         except asyncio.CancelledError:
             outcome = "aborted"
             raise
@@ -183,20 +187,18 @@ class GenerationNode:
         except Exception as exc:
             log.exception("%s: request %s failed", self.name, msg.request_id)
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}) + b"\n")
+                await resp.write(encode(ErrorEvent(WIRE_VERSION, f"{type(exc).__name__}: {exc}")) + b"\n")
         finally:
-            self.m_requests.inc(labels={"outcome": outcome})
+            self.m_requests.labels(outcome=outcome).inc()
             self._tasks.pop(msg.request_id, None)
             self.inflight.discard(msg.request_id)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp
 
-    def _count(self, event: Finished) -> None:
-        s = event.stats
-        for source, n in (("prefix", s.prefix_cached_tokens), ("local", s.local_tokens), ("remote", s.remote_tokens),
-                          ("computed", s.computed_unit_tokens), ("recomputed", s.recomputed_tokens)):
-            self.m_tokens.inc(n, labels={"source": source})
+    def _count(self, event: DoneEvent) -> None:
+        for source, n in event.stats.tokens_by_source():
+            self.m_tokens.labels(source=source).inc(n)
 
     async def abort(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read() or b"{}")
@@ -210,37 +212,35 @@ class GenerationNode:
             self._expire_pins(request_id)
         return web.json_response({"aborted": task is not None})
 
+    async def revoke(self, request: web.Request) -> web.Response:
+        msg = decode(RevokeRequest, await request.read())
+        check_version(msg.version)
+        return web.json_response({"dropped": self.cache.revoke(msg.unit_ids)})
+
     async def health(self, request: web.Request) -> web.Response:
         if not self.ready:
             return web.json_response({"node": self.name, "ready": False}, status=503)
         return web.json_response({"node": self.name, "ready": True, "inflight": len(self.inflight),
                                   "fingerprint": self.engine.fingerprint.digest.hex()})
 
+    def _scrape(self) -> list[Metric]:
+        """Figures the components own, read at scrape time (none before the engine is loaded)."""
+        if not self.ready:
+            return []
+        return [
+            gauge("tessera_node_inflight", "Requests admitted and not finished", len(self.inflight)),
+            gauge("tessera_node_queued_tokens", "Tokens waiting for the engine", self.scheduler.queued_tokens),
+            gauge("tessera_node_local_cache_blocks", "Blocks used in the local unit cache", self.cache.used_blocks),
+            counter("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit",
+                    self.prefills.coalesced),
+            counter("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)", self.prefills.started),
+            counter("tessera_node_writebacks_published_total", "Shared writebacks published", self.retainer.published),
+            counter("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)",
+                    self.retainer.write_failures),
+        ]
+
     async def metrics_text(self, request: web.Request) -> web.Response:
-        for name, value in (
-            ("tessera_node_inflight", len(self.inflight)),
-            ("tessera_node_queued_tokens", self.scheduler.queued_tokens),
-            ("tessera_node_local_cache_blocks", self.cache.used_blocks),
-            ("tessera_node_coalesced_prefills_total", self.prefills.coalesced),
-            ("tessera_node_unit_prefills_total", self.prefills.started),
-            ("tessera_node_writebacks_published_total", self.retainer.published),
-            ("tessera_node_writeback_failures_total", self.retainer.write_failures),
-        ):
-            self.g_state[name].set(value)
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
-
-
-def _event_line(event: TokenEvent | Finished) -> dict[str, Any]:
-    """One NDJSON line of the execute stream."""
-    if isinstance(event, Finished):
-        return {"done": True, "finish_reason": event.finish_reason, "stats": event.stats.as_dict()}
-    line: dict[str, Any] = {"token": event.token_id, "text": event.text}
-    if event.logprob is not None:
-        line["logprob"] = event.logprob
-        line["top"] = event.top
-    if event.stats is not None:
-        line["stats"] = event.stats.as_dict()
-    return line
+        return self.metrics.response()
 
 
 GENERATION_NODE = web.AppKey("generation_node", GenerationNode)
@@ -255,6 +255,7 @@ def build_app(config: ClusterConfig, name: str) -> web.Application:
     app.router.add_post("/v1/snapshot", node.snapshot)
     app.router.add_post("/v1/execute", node.execute)
     app.router.add_post("/v1/abort", node.abort)
+    app.router.add_post("/v1/revoke", node.revoke)
     app.router.add_get("/metrics", node.metrics_text)
     return app
 

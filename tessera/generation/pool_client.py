@@ -52,9 +52,12 @@ class KVPoolClient:
         control: ControlClient | None = None,
         endpoints: EndpointBook | None = None,
         reader: str = "",
+        pin_memory: bool = False,
     ) -> None:
         self.layout = layout
         self.reader = reader
+        # fetched states land in pinned buffers when the engine copies them to a CUDA device
+        self.pin_memory = pin_memory
         self.transport = transport or create_transport(config.transport)
         self.control = control or ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
         self.endpoints = endpoints or EndpointBook.from_config(config)
@@ -94,7 +97,8 @@ class KVPoolClient:
             await self._move(lease.blocks, views, write=False)
             try:
                 return await self._maybe_offload(
-                    len(whole), lambda: self.layout.decode(views, lease.unit_id, lease.epoch, n_tokens))
+                    len(whole), lambda: self.layout.decode(views, lease.unit_id, lease.epoch, n_tokens,
+                                                    pin_memory=self.pin_memory))
             except ChecksumMismatch as exc:
                 for node in {ref.node for ref in lease.blocks}:  # a restarted node shows up as this
                     self.endpoints.forget(node)
@@ -126,13 +130,16 @@ class KVPoolClient:
             f"unit {grant.unit_id}: state of {n} tokens does not match the grant "
             f"({grant.n_tokens} tokens, {len(grant.blocks)} blocks)"
         )
+        assert state.keys.device.type == "cpu", (
+            f"unit {grant.unit_id}: state.keys is on {state.keys.device}; the retainer stages it to host first")
         if time.monotonic() > received + grant.deadline_s:
             await self._cancel(grant, 0.0)
             raise TransferError(f"unit {grant.unit_id}: write grant of epoch {grant.epoch} expired before writing")
         restarted = sorted({b.node for b in grant.blocks if self.endpoints.restarted_since(b.node, received)})
         if restarted:
             await self._cancel(grant, 0.0)
-            raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} restarted after the grant")
+            raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} "
+                                "restarted after the grant")
         views = await self._maybe_offload(
             state.nbytes(), lambda: self.layout.encode(state, grant.unit_id, grant.epoch))
         try:

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from tessera.engines.base import UnitState
-from tessera.errors import TesseraError
+from tessera.engines.device import host_copy
+from tessera.errors import PlacementError, TesseraError
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import WriteGrant
 from tessera.runtime import BackgroundTasks
@@ -69,6 +70,10 @@ class Retainer:
 
         ``received_at`` is when the plan arrived: the grant's deadline counts from then.
         """
+        if state.keys.device.type != "cpu" and (local or grant is not None):
+            self.tasks.spawn(self._retain_from_device(unit_id, state, local, grant, evict, received_at),
+                             name=f"stage-{unit_id[:8]}")
+            return
         if local:
             self._insert_local(unit_id, state, evict)
         if grant is not None:
@@ -89,6 +94,19 @@ class Retainer:
         self.writing += 1
         self.staged += nbytes
         return True
+
+    async def _retain_from_device(self, unit_id: str, state: UnitState, local: bool, grant: WriteGrant | None,
+                                  evict: Sequence[str], received_at: float) -> None:
+        try:
+            host = await host_copy(state)
+        except PlacementError as exc:
+            log.warning("staging unit %s to host memory failed (%s); not retaining it", unit_id, exc)
+            if local:
+                self.tasks.spawn(self.control.residency([], [unit_id]), name="residency")
+            if grant is not None:
+                self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
+            return
+        self.retain(unit_id, host, local, grant, evict, received_at)
 
     def _insert_local(self, unit_id: str, state: UnitState, evict: Sequence[str]) -> None:
         # a plain dict update on the event loop: cheap, and it keeps the cache single-threaded

@@ -11,6 +11,10 @@ keeps serving HTTP, transfers and other requests while a forward pass runs. The
 Unit prefills (internal requests for missing units) and requests' final extends join the
 same batches; a request that waits for its unit states is simply not in the queue yet, so
 it never blocks anyone.
+
+The scheduler is the executor's only way to the engine: besides batched extends, decodes
+and unit prefills it offers the per-request calls (allocate / free slots, match / insert an
+exact prefix, place unit states), each run on the engine thread.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from tessera.composition.layout import Placement
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
+from tessera.engines.offline import place_units
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,8 +67,9 @@ class _Job:
 class Scheduler:
     """Queues extend/decode work and runs it in batches on the engine worker."""
 
-    def __init__(self, worker: EngineWorker, max_batch_tokens: int) -> None:
-        self.worker = worker
+    def __init__(self, engine: EngineAdapter, max_batch_tokens: int) -> None:
+        self.engine = engine
+        self.worker = EngineWorker(engine)
         self.max_batch_tokens = max_batch_tokens
         self._extends: deque[_Job] = deque()
         self._decodes: deque[_Job] = deque()
@@ -96,6 +103,31 @@ class Scheduler:
         logits: torch.Tensor = await self._submit(Extend(slots, [token_id], [position]), decode=True)
         return logits
 
+    # --- per-request engine calls (on the engine thread, outside the batches) -------------
+
+    async def allocate(self, n_slots: int) -> KVSlots:
+        return await self.worker.call(self.engine.allocate, n_slots)
+
+    async def free(self, slots: KVSlots) -> None:
+        await self.worker.call(self.engine.free, slots)
+
+    async def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
+        return await self.worker.call(self.engine.match_prefix, slots, token_ids)
+
+    async def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
+        await self.worker.call(self.engine.insert_prefix, slots, token_ids)
+
+    async def place(self, slots: KVSlots, spans: Sequence[Placement], states: dict[str, UnitState]) -> None:
+        await self.worker.call(place_units, self.engine, slots, spans, states)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of generated tokens (the tokenizer only; safe beside a running forward)."""
+        return self.engine.decode_tokens(token_ids)
+
     @property
     def queued_tokens(self) -> int:
         return sum(j.tokens for j in self._extends) + len(self._decodes)
@@ -107,6 +139,7 @@ class Scheduler:
         self._task = asyncio.create_task(self._loop(), name="scheduler")
 
     async def stop(self) -> None:
+        """Stop the loop, fail the work still queued, then shut the engine thread down."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -117,6 +150,7 @@ class Scheduler:
                 job.future.set_exception(RuntimeError("generation node is shutting down"))
         self._extends.clear()
         self._decodes.clear()
+        self.worker.close()
 
     def _next_batch(self) -> list[_Job]:
         # drop work whose requester went away (client disconnected)
@@ -150,7 +184,7 @@ class Scheduler:
                 continue
             started = time.perf_counter()
             try:
-                await self.worker.call(self.worker.engine.step, [j.item for j in batch])
+                await self.worker.call(self.engine.step, [j.item for j in batch])
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d items", len(batch))
                 for j in batch:

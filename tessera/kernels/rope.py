@@ -3,9 +3,11 @@
 ``rope_place(src, positions, cos, sin, dst)`` computes, for every layer ``l``, token ``t`` and
 KV head ``h``::
 
-    dst[l, positions[t], h, :] = src[l, t, h, :] * cos[p] + rotate_half(src[l, t, h, :]) * sin[p]
+    dst[l, slots[t], h, :] = src[l, t, h, :] * cos[p] + rotate_half(src[l, t, h, :]) * sin[p]
 
-with ``p = positions[t]`` (position p lives in slot p). ``src`` is in the storage dtype of the
+with ``p = positions[t]``. ``slots`` defaults to ``positions`` (position p lives in slot p, as
+in the reference engine's per-request slots); a paged KV pool passes the physical slot of
+each position instead. ``src`` is in the storage dtype of the
 reusable form, ``dst`` and the tables in the compute dtype; the conversion happens on the fly,
 so no widened copy of the unit is ever materialised. cos/sin come from
 :class:`tessera.engines.rope.RopeTable`, which already carries any rope scaling.
@@ -26,7 +28,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     dst: torch.Tensor) -> None:
+                     dst: torch.Tensor, slots: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` naming the offending argument unless the launch is well-formed."""
     if src.dim() != 4 or dst.dim() != 4:
         raise ValueError(f"src and dst must be [L, T, H, D] / [L, S, H, D]; got {tuple(src.shape)}, {tuple(dst.shape)}")
@@ -36,7 +38,8 @@ def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
     if positions.shape != (n_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 of shape ({n_tokens},); got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(f"positions must be int32/int64 of shape ({n_tokens},); "
+                         f"got {positions.dtype} {tuple(positions.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
         raise ValueError(f"cos/sin must be [P, {head_dim}]; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if src.dtype not in FLOAT_DTYPES or dst.dtype not in FLOAT_DTYPES:
@@ -45,15 +48,22 @@ def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         raise ValueError(f"cos/sin must be in the compute dtype {dst.dtype}; got {cos.dtype}")
     if src.stride(-1) != 1 or dst.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("the head dimension must be contiguous (stride 1) in src, dst, cos and sin")
-    devices = {t.device for t in (src, positions, cos, sin, dst)}
+    if slots is not None and (slots.shape != (n_tokens,) or slots.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"slots must be int32/int64 of shape ({n_tokens},); got {slots.dtype} {tuple(slots.shape)}")
+    devices = {t.device for t in (src, positions, cos, sin, dst, *(() if slots is None else (slots,)))}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
 def rope_place_torch(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     dst: torch.Tensor) -> None:
+                     dst: torch.Tensor, slots: torch.Tensor | None = None) -> None:
     """Torch reference (and the CPU path): writes through views of ``dst``, no widened temporaries."""
     n = src.shape[1]
+    if slots is not None:
+        out = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=dst.dtype, device=dst.device)
+        rotate_into(src, cos[positions, None], sin[positions, None], out)
+        dst.index_copy_(1, slots.to(torch.int64), out)
+        return
     start = int(positions[0]) if n else 0
     contiguous = n > 0 and int(positions[-1]) - start == n - 1 and bool(
         (positions == torch.arange(start, start + n, device=positions.device)).all())
@@ -93,7 +103,7 @@ def _triton_kernel() -> Any:
         return None
 
     @triton.jit
-    def rope_place_kernel(src, pos, cos, sin, dst, n_tokens,
+    def rope_place_kernel(src, pos, slot, cos, sin, dst, n_tokens,
                           s_l, s_t, s_h, d_l, d_s, d_h, c_p,
                           N_HEADS: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -102,6 +112,7 @@ def _triton_kernel() -> Any:
         layer = row // n_tokens
         tok = row % n_tokens
         p = tl.load(pos + tok).to(tl.int64)
+        q = tl.load(slot + tok).to(tl.int64)  # destination row (== p unless the KV is paged)
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < N_HEADS) & (d < HALF)
@@ -110,7 +121,7 @@ def _triton_kernel() -> Any:
         x2 = tl.load(base + HALF, mask=mask).to(tl.float32)
         c = tl.load(cos + p * c_p + d, mask=d < HALF).to(tl.float32)
         s = tl.load(sin + p * c_p + d, mask=d < HALF).to(tl.float32)
-        out = dst + layer.to(tl.int64) * d_l + p * d_s + h * d_h + d
+        out = dst + layer.to(tl.int64) * d_l + q * d_s + h * d_h + d
         tl.store(out, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=mask)
         tl.store(out + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=mask)
 
@@ -122,7 +133,7 @@ def triton_available() -> bool:
 
 
 def rope_place_triton(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      dst: torch.Tensor) -> None:
+                      dst: torch.Tensor, slots: torch.Tensor | None = None) -> None:
     kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("triton is not installed; use backend='torch'")
@@ -134,8 +145,10 @@ def rope_place_triton(src: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     if cos.stride(0) != sin.stride(0):
         raise ValueError("cos and sin must share their row stride")
     half = head_dim // 2
+    positions = positions.contiguous()
+    slots = positions if slots is None else slots.contiguous()
     kernel[(n_layers * n_tokens,)](
-        src, positions, cos, sin, dst, n_tokens,
+        src, positions, slots, cos, sin, dst, n_tokens,
         src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2), cos.stride(0),
         N_HEADS=n_heads, HALF=half,
         BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(half),
@@ -143,15 +156,15 @@ def rope_place_triton(src: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
 
 
 def rope_place(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               dst: torch.Tensor, backend: str = "auto") -> None:
+               dst: torch.Tensor, backend: str = "auto", slots: torch.Tensor | None = None) -> None:
     """Checked entry point. ``backend``: ``auto`` (Triton on CUDA when available, else torch),
-    ``triton`` or ``torch``."""
-    check_place_args(src, positions, cos, sin, dst)
+    ``triton`` or ``torch``. ``slots``: destination rows of ``dst`` (default: ``positions``)."""
+    check_place_args(src, positions, cos, sin, dst, slots)
     if backend == "auto":
         backend = "triton" if dst.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        rope_place_triton(src, positions, cos, sin, dst)
+        rope_place_triton(src, positions, cos, sin, dst, slots)
     elif backend == "torch":
-        rope_place_torch(src, positions, cos, sin, dst)
+        rope_place_torch(src, positions, cos, sin, dst, slots)
     else:
         raise ValueError(f"backend must be auto, triton or torch; got {backend!r}")

@@ -9,6 +9,9 @@ A memory node owns one block arena in POSIX shared memory and serves it:
 * ``GET /health`` and ``GET /info`` (a :class:`NodeEndpoint`) on the control port;
 * it says hello to the control plane at start and then as a heartbeat. Every start has a
   new random ``boot_id``: a restarted node is empty, and the directory drops what it held.
+* when a control plane answers "joined" (it restarted, or had declared this node dead), the
+  node scans its arena and reports the verified blocks it holds (kvpool/inventory.py), so
+  the plane can make them READY entries again instead of recomputing them.
 
 Memory nodes hold payloads only: which slot belongs to which unit and epoch is known to the
 control plane alone. The arena is sized from the model geometry (read from the checkpoint's
@@ -33,7 +36,8 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import ControlPlaneError, TesseraError
 from tessera.http import application
-from tessera.messages import MemoryNodeHello
+from tessera.kvpool.inventory import scan
+from tessera.messages import MemoryNodeHello, MemoryNodeInventory
 from tessera.runtime import BackgroundTasks, serve
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import ArenaExport, NodeEndpoint, transport_class
@@ -42,10 +46,16 @@ from tessera.transport.tcp_server import BlockServer
 from tessera.wire import WIRE_VERSION, to_wire
 
 log = logging.getLogger("tessera.kvpool")
+INVENTORY_CHUNK = 2048  # blocks per inventory message (~250 KB of JSON)
 
 
 class MemoryNode:
-    """Arena + data server (+ engine export) + heartbeats. ``start``/``stop`` are symmetric."""
+    """Arena + data server (+ engine export) + heartbeats.
+
+    The arena is created (and sized) with the node, so a node that cannot commit its memory
+    refuses to start before it listens; everything else starts and stops in the app's
+    ``cleanup_ctx`` (:meth:`lifecycle`), like the other roles.
+    """
 
     def __init__(self, config: ClusterConfig, node: KVPoolNodeConfig, layout: BlockLayout) -> None:
         self.config = config
@@ -59,6 +69,8 @@ class MemoryNode:
         self.control = ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")
         self.hellos_acked = 0
+        self.adopted = 0  # units a restarted control plane took back from this arena
+        self._inventory: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start(self.node.host, self.node.data_port)
@@ -98,6 +110,8 @@ class MemoryNode:
                 ack = await self.control.hello(self.hello())
                 if not ack.ok:
                     log.warning("control plane refused hello of %s: %s", self.node.name, ack.reason)
+                elif ack.reason == "joined" and (self._inventory is None or self._inventory.done()):
+                    self._inventory = self.tasks.spawn(self.report_inventory(), name="inventory")
                 self.hellos_acked += 1
                 warned = False
             except ControlPlaneError as exc:
@@ -106,19 +120,54 @@ class MemoryNode:
                     warned = True
             await asyncio.sleep(interval)
 
+    async def report_inventory(self) -> None:
+        """Report the verified blocks until the plane is past its fence and has adopted what it wants.
+
+        Sent in chunks (request bodies are bounded); the plane keeps partial units across them.
+        """
+        while True:
+            blocks = await asyncio.to_thread(scan, self.arena, self.layout)
+            adopted = 0
+            retry = 0.0
+            try:
+                for i in range(0, len(blocks), INVENTORY_CHUNK):
+                    result = await self.control.inventory(MemoryNodeInventory(
+                        WIRE_VERSION, self.node.name, self.boot_id, tuple(blocks[i : i + INVENTORY_CHUNK])))
+                    adopted += len(result.adopted)
+                    retry = result.retry_after_s
+                    if retry > 0:
+                        break
+            except ControlPlaneError as exc:
+                log.warning("kvpool %s: inventory not delivered (its entries are lost): %s", self.node.name, exc)
+                return
+            if retry <= 0:
+                self.adopted += adopted
+                if blocks:
+                    log.info("kvpool %s: control plane took back %d units from %d verified blocks",
+                             self.node.name, adopted, len(blocks))
+                return
+            await asyncio.sleep(retry + 0.05)
+
     # --- control endpoints ---------------------------------------------------------------
+
+    async def lifecycle(self, _: web.Application) -> AsyncIterator[None]:
+        await self.start()
+        log.info("kvpool %s: %d slots x %d B (%.1f MiB) in /dev/shm/%s, tcp data on %s:%d, transport %s",
+                 self.node.name, self.node.capacity_blocks, self.layout.slot_bytes, self.arena.nbytes / 2**20,
+                 self.arena.name, self.node.host, self.server.port, self.config.transport.name)
+        self.tasks.spawn(self.heartbeat(), name=f"hello-{self.node.name}")
+        try:
+            yield
+        finally:
+            await self.stop()  # the heartbeat loop never ends by itself: stop cancels it
+            self.close_arena()
 
     def app(self) -> web.Application:
         app = application()
+        app[KVPOOL_NODE] = self
+        app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
-
-        async def heartbeats(_: web.Application) -> AsyncIterator[None]:
-            self.tasks.spawn(self.heartbeat(), name=f"hello-{self.node.name}")
-            yield
-            await self.tasks.drain(timeout=0)  # the heartbeat loop never ends by itself
-
-        app.cleanup_ctx.append(heartbeats)
         return app
 
     async def _health(self, _: web.Request) -> web.Response:
@@ -129,8 +178,11 @@ class MemoryNode:
         body["geometry"] = asdict(self.layout.geometry)
         body["block_tokens"] = self.layout.block_tokens
         body["transport"] = self.config.transport.name
-        body["stats"] = {**self.server.stats(), "hellos_acked": self.hellos_acked}
+        body["stats"] = {**self.server.stats(), "hellos_acked": self.hellos_acked, "adopted": self.adopted}
         return web.json_response(body)
+
+
+KVPOOL_NODE = web.AppKey("kvpool_node", MemoryNode)
 
 
 def pick_node(config: ClusterConfig, name: str | None) -> KVPoolNodeConfig:
@@ -140,22 +192,6 @@ def pick_node(config: ClusterConfig, name: str | None) -> KVPoolNodeConfig:
             raise TesseraError(f"pass --node NAME: the config declares these kvpool nodes: {known}")
         return config.kvpools[0]
     return config.kvpool_node(name)
-
-
-async def _serve(node: MemoryNode) -> int:
-    try:
-        await node.start()
-    except (OSError, TesseraError) as exc:
-        log.error("kvpool %s cannot start its data path: %s", node.node.name, exc)
-        await node.stop()
-        return 3
-    log.info("kvpool %s: %d slots x %d B (%.1f MiB) in /dev/shm/%s, tcp data on %s:%d, transport %s",
-             node.node.name, node.node.capacity_blocks, node.layout.slot_bytes, node.arena.nbytes / 2**20,
-             node.arena.name, node.node.host, node.server.port, node.config.transport.name)
-    try:
-        return await serve(node.app(), node.node.host, node.node.port, name=f"kvpool {node.node.name}")
-    finally:
-        await node.stop()
 
 
 def run_memory_node(config: ClusterConfig, name: str | None) -> int:
@@ -170,6 +206,6 @@ def run_memory_node(config: ClusterConfig, name: str | None) -> int:
         log.error("kvpool cannot start: %s", exc)
         return 2
     try:
-        return run(lambda: _serve(node))
+        return run(lambda: serve(node.app(), node_cfg.host, node_cfg.port, name=f"kvpool {node_cfg.name}"))
     finally:
-        node.close_arena()
+        node.close_arena()  # when the app never started; closing twice is harmless

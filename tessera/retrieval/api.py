@@ -18,6 +18,8 @@ class IngestUnit:
     metadata: dict[str, Any] = field(default_factory=dict)
     # a precomputed embedding (the embedder's dimension); computed here when absent
     embedding: tuple[float, ...] | None = None
+    # caller's key, unique per scope: new text under a known key replaces (revokes) its old unit
+    external_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,36 @@ class IngestedUnit:
 class IngestResponse:
     version: int
     units: tuple[IngestedUnit, ...]
+    revoked: tuple[str, ...] = ()  # units replaced by a new text under their external_id
+
+
+@dataclass(frozen=True, slots=True)
+class StoredUnitBody:
+    """``GET /v1/units/{unit_id}``."""
+
+    version: int
+    unit_id: str
+    scope: str
+    text: str
+    n_tokens: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    external_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteRequest:
+    """``POST /v1/units/delete``: every unit of ``scope`` whose metadata has all of ``filter``."""
+
+    version: int
+    scope: str
+    filter: dict[str, Any] = field(default_factory=dict)  # {} deletes the whole scope
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResponse:
+    version: int
+    deleted: tuple[str, ...]  # revoked by this call
+    already: tuple[str, ...] = ()  # revoked earlier (deletes are idempotent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,12 @@ plane + unit store) starts and stops in the app's ``cleanup_ctx``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from tessera.config import ClusterConfig
 from tessera.control.routes import STATS_EXTRA, add_control_routes
-from tessera.errors import ModelLoadError
 from tessera.http import application
 from tessera.retrieval.chat import add_chat_routes
 from tessera.retrieval.node import RetrievalNode
@@ -45,11 +43,8 @@ def run_retrieval_role(config: ClusterConfig) -> int:
     """Entry point of ``tessera run --role retrieval``."""
 
     async def main() -> int:
+        # a model that fails to load (in the app's start-up) is exit code 3, logged by serve
         app = build_retrieval_app(config)
         return await serve(app, config.retrieval.host, config.retrieval.port, name="retrieval", drain_s=30.0)
 
-    try:
-        return run(main)
-    except ModelLoadError as exc:
-        print(f"tessera retrieval: {exc}", file=sys.stderr)
-        return 3
+    return run(main)

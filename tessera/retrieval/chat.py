@@ -4,6 +4,7 @@
                                 retrieval / context_units extensions (see chat_request.py)
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text
+    GET  /openapi.json          OpenAPI 3.1 schema of the chat endpoint (from the pydantic models)
 
 Request flow (paper §4): retrieve (or take the caller's units) → identify → render the
 layout → route → snapshot of the chosen node → finalize the per-unit plan → execute on
@@ -22,17 +23,17 @@ from collections.abc import AsyncIterator, Awaitable
 import orjson
 from aiohttp import web
 
+from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
+from tessera.control.plane import ControlPlane
+from tessera.control.stats import plane_metrics
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.metrics import Registry
+from tessera.metrics import Metrics
 from tessera.retrieval.chat_call import ChatCall, ClientGone, Outcome, collect, usage
-from tessera.retrieval.chat_request import (
-    completion_body,
-    error_body,
-    parse_chat_request,
-)
+from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.chat_response import completion_body, error_body, openapi_document, to_json
 from tessera.retrieval.chat_stream import stream_reply
 from tessera.retrieval.generation_client import NodeClients, NodeUnavailable
 from tessera.retrieval.limits import check_body_size
@@ -42,32 +43,34 @@ from tessera.retrieval.routes import RETRIEVAL_NODE
 from tessera.units import TokenCache
 
 SERVING: web.AppKey[Serving]
-TIERS = ("prefix", "local", "remote", "computed")
 DISCONNECT_POLL_S = 0.25  # how often a waiting chat call checks that its client is still there
 
 
 class Serving:
     """Per-process serving state: node clients, prompt builder, metrics."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, plane: ControlPlane) -> None:
         self.config = config
         self.nodes = NodeClients(config)
+        self.policy = policy_from_config(config.composition)
         self.builder: PromptBuilder | None = None
         self.max_context = 0
         self.capacity = sum(n.max_inflight for n in config.generation)
         self.pending = 0
-        m = self.metrics = Registry()
-        self.m_requests = m.counter("tessera_requests_total", "Chat requests by HTTP status")
+        m = self.metrics = Metrics()
+        self.m_requests = m.counter("tessera_requests_total", "Chat requests by HTTP status", ["status"])
         self.m_ttft = m.histogram("tessera_ttft_seconds", "Time to first token at the server")
         self.m_tokens = m.counter("tessera_prompt_tokens_total", "Prompt tokens by where their state came from "
-                                  "(prefix cache, local unit cache, shared KV pool, computed unit, recomputed)")
-        self.m_units = m.counter("tessera_units_total", "Context units by preparation outcome")
+                                  "(prefix cache, local unit cache, shared KV pool, computed unit, recomputed)",
+                                  ["source"])
+        self.m_units = m.counter("tessera_units_total", "Context units by preparation outcome", ["preparation"])
         self.m_fallbacks = m.counter("tessera_fetch_fallbacks_total", "Remote fetches that failed and were computed")
-        self.m_coalesced = m.counter("tessera_coalesced_prefills_total", "Missing units that joined an in-flight prefill")
+        self.m_coalesced = m.counter("tessera_coalesced_prefills_total",
+                                     "Missing units that joined an in-flight prefill")
         self.m_bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
         self.m_completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
         self.g_pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
-        self.g_inflight = m.gauge("tessera_node_inflight", "In-flight requests per generation node (control plane view)")
+        m.read_at_scrape(lambda: plane_metrics(plane))
 
     def builder_for(self, node: RetrievalNode) -> PromptBuilder:
         if self.builder is None:
@@ -81,22 +84,21 @@ class Serving:
 
     def record(self, outcome: Outcome) -> None:
         s = outcome.stats
-        for tier, key in (("prefix", "prefix_cached_tokens"), ("local", "local_tokens"), ("remote", "remote_tokens"),
-                          ("computed", "computed_unit_tokens"), ("recomputed", "recomputed_tokens")):
-            self.m_tokens.inc(s.get(key, 0), {"source": tier})
-        for tier in ("local", "remote", "computed"):
-            self.m_units.inc(s.get(f"{tier}_units", 0), {"preparation": tier})
-        self.m_fallbacks.inc(s.get("fallbacks", 0))
-        self.m_coalesced.inc(s.get("coalesced_units", 0))
-        self.m_bytes.inc(s.get("bytes_fetched", 0))
-        self.m_completion.inc(s.get("completion_tokens", 0))
+        for source, n in s.tokens_by_source():
+            self.m_tokens.labels(source=source).inc(n)
+        for preparation, n in s.units_by_preparation():
+            self.m_units.labels(preparation=preparation).inc(n)
+        self.m_fallbacks.inc(s.fallbacks)
+        self.m_coalesced.inc(s.coalesced_units)
+        self.m_bytes.inc(s.bytes_fetched)
+        self.m_completion.inc(s.completion_tokens)
 
 
 SERVING = web.AppKey("serving", Serving)
 
 
 def _json_error(message: str, status: int) -> web.Response:
-    return web.Response(body=orjson.dumps(error_body(message, status)), status=status, content_type="application/json")
+    return web.Response(body=to_json(error_body(message, status)), status=status, content_type="application/json")
 
 
 async def _until_disconnect(request: web.Request, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
@@ -127,7 +129,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _until_disconnect(request, _chat_completions(request))
     except ClientGone:
         # counted apart from 200: the reply never reached the client
-        serving.m_requests.inc(labels={"status": "cancelled"})
+        serving.m_requests.labels(status="cancelled").inc()
         return web.Response(status=499)
 
 
@@ -145,7 +147,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     except orjson.JSONDecodeError as exc:
         return _json_error(f"body is not valid JSON: {exc}", 400)
     if serving.pending >= serving.capacity:
-        serving.m_requests.inc(labels={"status": "503"})
+        serving.m_requests.labels(status="503").inc()
         return _json_error(f"the cluster has {serving.pending} requests in flight, its capacity "
                            f"(sum of max_inflight) is {serving.capacity}; retry later", 503)
     serving.pending += 1
@@ -157,30 +159,27 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         call = ChatCall(serving, node, chat)
         layout = await call.prepare()
         trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") \
-            if body.get("return_layout") is True else None
+            if chat.return_layout else None
         if chat.stream:
             return await stream_reply(request, serving, call, layout, trace)
         outcome = await collect(serving, call, layout)
-        serving.m_requests.inc(labels={"status": "200"})
-        stats = outcome.stats if outcome.first_token_at is None else \
-            {**outcome.stats, "ttft_ms": round((outcome.first_token_at - call.started) * 1000)}
+        serving.m_requests.labels(status="200").inc()
+        ttft_ms = None if outcome.first_token_at is None else round((outcome.first_token_at - call.started) * 1000)
         payload = completion_body(call.request_id, chat.model, outcome.text, outcome.finish_reason,
-                                  usage(layout, stats, call.target),
-                                  outcome.logprobs if chat.top_logprobs >= 0 else None)
-        if trace is not None:
-            payload["tessera_layout"] = trace
-        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+                                  usage(layout, outcome.stats, call.target, ttft_ms),
+                                  outcome.logprobs if chat.top_logprobs >= 0 else None, trace)
+        return web.Response(body=to_json(payload), content_type="application/json")
     except BadRequest as exc:
-        serving.m_requests.inc(labels={"status": str(exc.status)})
+        serving.m_requests.labels(status=str(exc.status)).inc()
         return _json_error(str(exc), exc.status)
     except Overloaded as exc:
-        serving.m_requests.inc(labels={"status": "429"})
+        serving.m_requests.labels(status="429").inc()
         refused = _json_error(str(exc), 429)
         if exc.retry_after_s is not None:
             refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
         return refused
     except (NodeUnavailable, TesseraError) as exc:
-        serving.m_requests.inc(labels={"status": "503"})
+        serving.m_requests.labels(status="503").inc()
         return _json_error(str(exc), 503)
     finally:
         serving.pending -= 1
@@ -193,30 +192,12 @@ async def models(request: web.Request) -> web.Response:
         {"id": serving.config.model.source, "object": "model", "owned_by": "tessera"}]})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document("Tessera"))
+
+
 async def metrics(request: web.Request) -> web.Response:
-    serving = request.app[SERVING]
-    node = request.app[RETRIEVAL_NODE]
-    for name, gen in node.plane.nodes.items():
-        serving.g_inflight.set(gen.inflight, {"node": name})
-    text = serving.metrics.render() + _plane_metrics(node)
-    return web.Response(text=text, content_type="text/plain")
-
-
-def _plane_metrics(node: RetrievalNode) -> str:
-    stats = node.stats()
-    lines = [
-        "# HELP tessera_shared_entries Units in the shared KV pool directory",
-        "# TYPE tessera_shared_entries gauge",
-        f"tessera_shared_entries {stats['shared_entries']}",
-        "# HELP tessera_shared_free_blocks Free blocks in the shared KV pool",
-        "# TYPE tessera_shared_free_blocks gauge",
-        f"tessera_shared_free_blocks {stats['shared_free_blocks']}",
-        "# HELP tessera_node_queued_tokens Tokens queued on each generation node (from its heartbeat)",
-        "# TYPE tessera_node_queued_tokens gauge",
-    ]
-    for name, gen in node.plane.nodes.items():
-        lines.append(f'tessera_node_queued_tokens{{node="{name}"}} {getattr(gen, "queued_tokens", 0)}')
-    return "\n".join(lines) + "\n"
+    return request.app[SERVING].metrics.response()
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -225,9 +206,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def add_chat_routes(app: web.Application, config: ClusterConfig) -> None:
-    app[SERVING] = Serving(config)
+    app[SERVING] = Serving(config, app[RETRIEVAL_NODE].plane)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
 

@@ -13,6 +13,7 @@ strings; the streaming and non-streaming replies are built from them in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,19 +24,25 @@ from typing import TYPE_CHECKING, Any
 from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
 from tessera.messages import (
     CancelRequest,
+    DoneEvent,
+    ErrorEvent,
+    ExecuteEvent,
     ExecuteRequest,
     PromptLayout,
     ReleaseRequest,
     RequestPlan,
-    SamplingParams,
+    RequestStats,
     SegmentKind,
+    TokenEvent,
+    check_version,
 )
 from tessera.retrieval.chat_request import ChatRequest
+from tessera.retrieval.chat_response import PromptTokensDetails, Usage
 from tessera.retrieval.generation_client import NodeUnavailable
 from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
 from tessera.units import ContextUnit
-from tessera.wire import WIRE_VERSION
+from tessera.wire import WIRE_VERSION, to_wire
 
 if TYPE_CHECKING:
     from tessera.retrieval.chat import Serving
@@ -51,7 +58,7 @@ class ClientGone(Exception):
 class Outcome:
     text: str = ""
     finish_reason: str = "stop"
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     first_token_at: float | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0  # token events received (the usage of a reply cut short by a stop string)
@@ -77,16 +84,13 @@ async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextU
     return []
 
 
-def usage(layout: PromptLayout, stats: dict[str, int], node: str) -> dict[str, Any]:
-    cached = stats.get("prefix_cached_tokens", 0) + stats.get("local_tokens", 0) + stats.get("remote_tokens", 0)
-    completion = stats.get("completion_tokens", 0)
-    return {
-        "prompt_tokens": layout.n_tokens,
-        "completion_tokens": completion,
-        "total_tokens": layout.n_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "tessera": {**stats, "node": node},
-    }
+def usage(layout: PromptLayout, stats: RequestStats, node: str, ttft_ms: int | None = None) -> Usage:
+    completion = stats.completion_tokens
+    extra: dict[str, Any] = {"node": node} if ttft_ms is None else {"node": node, "ttft_ms": ttft_ms}
+    return Usage(prompt_tokens=layout.n_tokens, completion_tokens=completion,
+                 total_tokens=layout.n_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
+                 tessera={**to_wire(stats), **extra})
 
 
 class ChatCall:
@@ -111,13 +115,16 @@ class ChatCall:
         check_prompt_chars([*texts, *(u.text for u in units)], limit)
         # tokenizing runs on the retrieval worker thread, never on the event loop
         layout = await self.node.in_worker(builder.build, self.chat.messages, units, self.chat.placement)
+        if self.node.config.control.mode == "compose":
+            # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
+            layout = self.serving.policy.inline(layout)
         if layout.n_tokens + self.chat.max_tokens > limit:
             raise BadRequest(
                 f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {self.chat.max_tokens}, "
                 f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
         return layout
 
-    async def run(self, layout: PromptLayout) -> AsyncGenerator[dict[str, Any], None]:
+    async def run(self, layout: PromptLayout) -> AsyncGenerator[ExecuteEvent, None]:
         """Route, plan and execute, on another node while nothing was streamed; yields the node's events."""
         refs: dict[str, int] = {}
         if self.node.config.control.mode == "compose":
@@ -149,7 +156,7 @@ class ChatCall:
                 log.info("request %s: %s; trying another node (attempt %d of %d)",
                          self.request_id, exc, attempt + 1, attempts)
 
-    async def _attempt(self, layout: PromptLayout, refs: Mapping[str, int]) -> AsyncGenerator[dict[str, Any], None]:
+    async def _attempt(self, layout: PromptLayout, refs: Mapping[str, int]) -> AsyncGenerator[ExecuteEvent, None]:
         """One routed attempt: snapshot, plan, execute. Always completes the route; aborts an unfinished run."""
         plane, nodes, target = self.node.plane, self.serving.nodes, self.target
         self.plan = None
@@ -161,15 +168,13 @@ class ChatCall:
                 plane.suspect(target)
                 raise
             self.plan = plane.finalize(self.request_id, target, snap.held)
-            sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
-                                      (), self.chat.ignore_eos, self.chat.top_logprobs)
-            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling)
             delivered = False
             try:
                 async with contextlib.aclosing(nodes.execute(target, msg)) as node_events:
                     async for event in node_events:
                         delivered = True
-                        finished = bool(event.get("done")) or "error" in event
+                        finished = isinstance(event, DoneEvent | ErrorEvent)
                         yield event
                 finished = True
             except (NodeUnavailable, Overloaded) as exc:
@@ -203,9 +208,9 @@ def _token_entry(node: RetrievalNode, token_id: int, logprob: float) -> dict[str
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token_id}
 
 
-def _logprob_entry(node: RetrievalNode, event: dict[str, Any]) -> dict[str, Any]:
-    entry = _token_entry(node, int(event["token"]), float(event["logprob"]))
-    entry["top_logprobs"] = [_token_entry(node, int(t), float(lp)) for t, lp in event.get("top") or []]
+def _logprob_entry(node: RetrievalNode, event: TokenEvent, logprob: float) -> dict[str, Any]:
+    entry = _token_entry(node, event.token_id, logprob)
+    entry["top_logprobs"] = [_token_entry(node, t.token_id, t.logprob) for t in event.top]
     return entry
 
 
@@ -222,21 +227,22 @@ async def events(serving: Serving, call: ChatCall, layout: PromptLayout) -> Asyn
     # whenever the garbage collector finalizes the generator
     async with contextlib.aclosing(call.run(layout)) as node_events:
         async for event in node_events:
-            if "error" in event:
-                raise TesseraError(f"generation node {call.target} failed: {event['error']}")
-            if event.get("done"):
-                outcome.finish_reason = event["finish_reason"]
-                outcome.stats = event["stats"]
+            check_version(event.version)
+            if isinstance(event, ErrorEvent):
+                raise TesseraError(f"generation node {call.target} failed: {event.message}")
+            if isinstance(event, DoneEvent):
+                outcome.finish_reason = event.finish_reason
+                outcome.stats = event.stats
                 break
             if outcome.first_token_at is None:
                 outcome.first_token_at = time.perf_counter()
                 serving.m_ttft.observe(outcome.first_token_at - call.started)
-            if "stats" in event:  # the first token carries the prompt's preparation figures
-                outcome.stats = dict(event["stats"])
+            if event.stats is not None:  # the first token carries the prompt's preparation figures
+                outcome.stats = dataclasses.replace(event.stats)
             outcome.tokens += 1
-            delta = event["text"]
-            if "logprob" in event:
-                outcome.logprobs.append(_logprob_entry(call.node, event))
+            delta = event.text
+            if event.logprob is not None:
+                outcome.logprobs.append(_logprob_entry(call.node, event, event.logprob))
             if stops:
                 cut = _stop_at(outcome.text + delta, stops)
                 if cut >= 0:
@@ -244,7 +250,7 @@ async def events(serving: Serving, call: ChatCall, layout: PromptLayout) -> Asyn
                     outcome.text += delta
                     outcome.finish_reason = "stop"
                     # the node never sends its final figures: the tokens it sent are the completion
-                    outcome.stats = {**outcome.stats, "completion_tokens": outcome.tokens}
+                    outcome.stats.completion_tokens = outcome.tokens
                     serving.record(outcome)
                     yield delta, outcome
                     return

@@ -1,4 +1,11 @@
-"""OpenAI-compatible chat request/response shapes, plus Tessera's extension fields.
+"""The OpenAI-compatible chat request: one pydantic schema, one validator, one error shape.
+
+:class:`ChatCompletionRequest` is the body of ``POST /v1/chat/completions`` as a pydantic
+model (as in vLLM and SGLang), so the API can serve its schema (``GET /openapi.json``) and
+every validation error becomes one OpenAI-shaped 400 naming each field to fix.
+:func:`parse_chat_request` validates a body and resolves the config's defaults into a
+:class:`ChatRequest`, which carries the :class:`~tessera.messages.SamplingParams` sent to
+the generation node; no other code checks sampling bounds.
 
 Extensions (sent by the official client through ``extra_body``):
 
@@ -6,25 +13,153 @@ Extensions (sent by the official client through ``extra_body``):
 * ``context_units: [{text, scope?} | "text", ...]`` — the caller brings recalled records;
 * ``unit_placement: "system" | "user"`` — after the system prompt, or inside the newest user
   message as a ``<relevant-memories>`` block;
-* ``scope`` — default sharing scope of ``context_units``.
+* ``scope`` — default sharing scope of ``context_units``;
+* ``return_layout`` — the response carries the prompt layout (``tessera_layout``).
 
-Parsing is strict where a mistake would silently change the answer (unknown roles, wrong
-types, both retrieval and context units) and lenient where OpenAI clients send fields we
-do not use (``user``, ``logprobs: false`` ...).
+Validation is strict where a mistake would silently change the answer (unknown roles, wrong
+types, ``true`` for a number, both retrieval and context units) and ignores fields OpenAI
+clients send that we do not use (``user``, ``frequency_penalty`` ...).
 """
 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tessera.errors import BadRequest
+from tessera.messages import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
 
-ROLES = ("system", "user", "assistant")
+Role = Literal["system", "user", "assistant"]
+Placement = Literal["system", "user"]
 SCOPE_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
 MAX_UNITS = 64
+DEFAULT_MAX_TOKENS = 16
+
+
+def _scope(value: str | None) -> str | None:
+    if value is not None and not SCOPE_RE.match(value):
+        raise ValueError(f"scope must be 1-128 characters of letters, digits and _.:-/, got {value!r}")
+    return value
+
+
+class _Strict(BaseModel):
+    # strict: `true` is not a number, "3" is not an integer; unknown fields are ignored
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str = ""
+
+
+class ChatMessage(_Strict):
+    role: Role
+    # the OpenAI content-parts form [{"type": "text", "text": ...}] is joined into one string
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class RetrievalOptions(_Strict):
+    query: str = Field(min_length=1)
+    top_k: int | None = Field(None, ge=1, le=MAX_UNITS)
+    scope: str | None = None
+    embedding: list[float] | None = None  # a precomputed query embedding (then query is informative)
+
+    _check_scope = field_validator("scope")(_scope)
+
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("expected a non-empty string")
+        return value
+
+
+class ContextUnitInput(_Strict):
+    text: str
+    scope: str | None = None
+
+    _check_scope = field_validator("scope")(_scope)
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("expected a non-empty string")
+        return value
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    """The body of ``POST /v1/chat/completions``: OpenAI's fields that we serve, plus Tessera's."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    ignore_eos: bool = False
+    # Tessera's extensions
+    retrieval: RetrievalOptions | None = None
+    context_units: list[ContextUnitInput] | None = Field(None, max_length=MAX_UNITS)
+    unit_placement: Placement | None = None
+    scope: str | None = None
+    return_layout: bool = False
+
+    _check_scope = field_validator("scope")(_scope)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("context_units", mode="before")
+    @classmethod
+    def _bare_texts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        for i, u in enumerate(value):
+            if not isinstance(u, (str, dict)):
+                raise ValueError(f"context_units[{i}]: expected a string or an object {{text, scope}}")
+        return [{"text": u} if isinstance(u, str) else u for u in value]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.n != 1:
+            raise ValueError("n: only n = 1 is supported")
+        if self.retrieval is not None and self.context_units is not None:
+            raise ValueError("send either retrieval or context_units, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def sampling(self) -> SamplingParams:
+        """The generation node's sampling parameters (bounds already checked by this model)."""
+        return SamplingParams(
+            max_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            top_logprobs=(self.top_logprobs or 0) if self.logprobs else -1,
+        )
 
 
 @dataclass(frozen=True)
@@ -43,185 +178,70 @@ class RetrievalSpec:
 
 @dataclass(frozen=True)
 class ChatRequest:
+    """A validated chat request with the cluster's defaults resolved."""
+
     model: str
     messages: list[dict[str, str]]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
     stop: tuple[str, ...]
     placement: str
     retrieval: RetrievalSpec | None = None
     units: tuple[UnitInput, ...] = ()
-    ignore_eos: bool = False
-    top_logprobs: int = -1  # -1: none (OpenAI logprobs=false)
+    return_layout: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def top_logprobs(self) -> int:
+        """-1: no logprobs (OpenAI ``logprobs: false``)."""
+        return self.sampling.top_logprobs
 
 
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise BadRequest(f"{key}: expected {getattr(types, '__name__', types)}, got {value!r}")
-    if not isinstance(value, types):
-        raise BadRequest(f"{key}: expected {getattr(types, '__name__', types)}, got {type(value).__name__}")
-    return value
+def _where(loc: tuple[int | str, ...]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _scope(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not SCOPE_RE.match(value):
-        raise BadRequest(f"{where}: scope must be 1-128 characters of letters, digits and _.:-/, got {value!r}")
-    return value
-
-
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    # the OpenAI content-parts form: [{"type": "text", "text": "..."}]
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)
-    raise BadRequest(f"{where}.content: expected a string or a list of text parts")
+def validation_message(exc: ValidationError) -> str:
+    """Every error of one validation, each naming its field, in one message."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        where = _where(err["loc"])
+        parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
+    return "; ".join(parts)
 
 
 def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str, served_model: str) -> ChatRequest:
+    """Validate a decoded JSON body (BadRequest naming every field to fix) and resolve the defaults."""
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
-    messages_raw = body.get("messages")
-    if not isinstance(messages_raw, list) or not messages_raw:
-        raise BadRequest("messages: expected a non-empty array of {role, content}")
-    messages: list[dict[str, str]] = []
-    for i, m in enumerate(messages_raw):
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}]: expected an object with role and content")
-        role = m.get("role")
-        if role not in ROLES:
-            raise BadRequest(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}")
-        messages.append({"role": role, "content": _content(m.get("content"), f"messages[{i}]")})
-    max_tokens = _get(body, "max_completion_tokens", int, None) or _get(body, "max_tokens", int, 16)
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens: expected an integer >= 1, got {max_tokens}")
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if not 0.0 <= temperature <= 2.0:
-        raise BadRequest(f"temperature: expected 0..2, got {temperature}")
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"top_p: expected a number in (0, 1], got {top_p}")
-    if _get(body, "n", int, 1) != 1:
-        raise BadRequest("n: only n = 1 is supported")
-    stop_raw = body.get("stop")
-    stop: tuple[str, ...] = ()
-    if isinstance(stop_raw, str):
-        stop = (stop_raw,)
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-        stop = tuple(stop_raw)
-    elif stop_raw is not None:
-        raise BadRequest("stop: expected a string or an array of strings")
-    stream = bool(_get(body, "stream", bool, False))
-    stream_options = _get(body, "stream_options", dict, {})
-    placement = _get(body, "unit_placement", str, default_placement)
-    if placement not in ("system", "user"):
-        raise BadRequest(f'unit_placement: expected "system" or "user", got {placement!r}')
-    default_scope = _scope(_get(body, "scope", str, "default"), "scope")
-
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise BadRequest(validation_message(exc)) from None
+    scope = req.scope or "default"
     retrieval = None
-    if body.get("retrieval") is not None:
-        r = body["retrieval"]
-        if not isinstance(r, dict):
-            raise BadRequest("retrieval: expected an object {query, top_k, scope}")
-        query = r.get("query")
-        if not isinstance(query, str) or not query.strip():
-            raise BadRequest("retrieval.query: expected a non-empty string")
-        top_k = r.get("top_k", default_top_k)
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_UNITS:
-            raise BadRequest(f"retrieval.top_k: expected an integer 1..{MAX_UNITS}, got {top_k!r}")
-        embedding = r.get("embedding")
-        if embedding is not None and (not isinstance(embedding, list) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in embedding)):
-            raise BadRequest("retrieval.embedding: expected an array of numbers")
-        retrieval = RetrievalSpec(query, top_k, _scope(r.get("scope", default_scope), "retrieval.scope"),
-                                  None if embedding is None else tuple(float(x) for x in embedding))
-
-    units: list[UnitInput] = []
-    raw_units = body.get("context_units")
-    if raw_units is not None:
-        if retrieval is not None:
-            raise BadRequest("send either retrieval or context_units, not both")
-        if not isinstance(raw_units, list):
-            raise BadRequest("context_units: expected an array of strings or {text, scope} objects")
-        if len(raw_units) > MAX_UNITS:
-            raise BadRequest(f"context_units: at most {MAX_UNITS} units per request, got {len(raw_units)}")
-        for i, u in enumerate(raw_units):
-            text: Any
-            if isinstance(u, str):
-                text, scope = u, default_scope
-            elif isinstance(u, dict):
-                text = u.get("text")
-                scope = _scope(u.get("scope", default_scope), f"context_units[{i}].scope")
-            else:
-                raise BadRequest(f"context_units[{i}]: expected a string or an object {{text, scope}}")
-            if not isinstance(text, str) or not text.strip():
-                raise BadRequest(f"context_units[{i}].text: expected a non-empty string")
-            units.append(UnitInput(text, scope))
-    top_logprobs = -1
-    if _get(body, "logprobs", bool, False):
-        top_logprobs = _get(body, "top_logprobs", int, 0)
-        if not 0 <= top_logprobs <= 20:
-            raise BadRequest(f"top_logprobs: expected an integer 0..20, got {top_logprobs}")
-    elif body.get("top_logprobs") is not None:
-        raise BadRequest("top_logprobs needs logprobs: true")
+    if req.retrieval is not None:
+        r = req.retrieval
+        retrieval = RetrievalSpec(r.query, r.top_k or default_top_k, r.scope or scope,
+                                  None if r.embedding is None else tuple(r.embedding))
     return ChatRequest(
-        model=str(body.get("model") or served_model),
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=_get(body, "seed", int, None),
-        stream=stream,
-        include_usage=bool(stream_options.get("include_usage", False)),
-        stop=stop,
-        placement=placement,
+        model=req.model or served_model,
+        messages=[{"role": m.role, "content": m.text} for m in req.messages],
+        sampling=req.sampling(),
+        stream=req.stream,
+        include_usage=req.stream_options is not None and req.stream_options.include_usage,
+        stop=tuple(req.stop or ()),
+        placement=req.unit_placement or default_placement,
         retrieval=retrieval,
-        units=tuple(units),
-        ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
-        top_logprobs=top_logprobs,
+        units=tuple(UnitInput(u.text, u.scope or scope) for u in req.context_units or ()),
+        return_layout=req.return_layout,
     )
-
-
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict[str, Any],
-                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "finish_reason": finish_reason}
-    if logprobs is not None:
-        choice["logprobs"] = {"content": logprobs}
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
-def chunk_body(
-    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None, usage: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
-
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 429:
-        kind = "rate_limit_error"
-    return {"error": {"message": message, "type": kind, "code": status}}

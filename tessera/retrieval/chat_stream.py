@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
+from pydantic import BaseModel
 
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.messages import PromptLayout
 from tessera.retrieval.chat_call import ChatCall, ClientGone, Outcome, events, usage
-from tessera.retrieval.chat_request import chunk_body, error_body
+from tessera.retrieval.chat_response import Delta, chunk_body, error_body, to_json
 
 if TYPE_CHECKING:
     from tessera.retrieval.chat import Serving
@@ -27,8 +27,8 @@ async def stream_reply(request: web.Request, serving: Serving, call: ChatCall, l
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     model = call.chat.model
 
-    async def send(obj: dict[str, Any]) -> None:
-        await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+    async def send(body: BaseModel) -> None:
+        await resp.write(b"data: " + to_json(body) + b"\n\n")
 
     outcome = Outcome()
     status = "200"
@@ -39,22 +39,15 @@ async def stream_reply(request: web.Request, serving: Serving, call: ChatCall, l
             if first:
                 # headers go out with the first token, so errors before it are still a clean 4xx/5xx
                 await resp.prepare(request)
-                await send(chunk_body(call.request_id, model, {"role": "assistant", "content": ""}, None))
+                await send(chunk_body(call.request_id, model, Delta(role="assistant", content=""), None))
                 first = False
-            chunk = chunk_body(call.request_id, model, {"content": delta}, None)
-            if call.chat.top_logprobs >= 0 and outcome.logprobs:
-                chunk["choices"][0]["logprobs"] = {"content": [outcome.logprobs[-1]]}
-            await send(chunk)
+            logprobs = outcome.logprobs[-1:] if call.chat.top_logprobs >= 0 and outcome.logprobs else None
+            await send(chunk_body(call.request_id, model, Delta(content=delta), None, logprobs=logprobs))
         if first:
             await resp.prepare(request)
-        final = chunk_body(call.request_id, model, {}, outcome.finish_reason)
-        if trace is not None:
-            final["tessera_layout"] = trace
-        await send(final)
+        await send(chunk_body(call.request_id, model, Delta(), outcome.finish_reason, layout=trace))
         if call.chat.include_usage:
-            usage_chunk = chunk_body(call.request_id, model, {}, None, usage(layout, outcome.stats, call.target))
-            usage_chunk["choices"] = []
-            await send(usage_chunk)
+            await send(chunk_body(call.request_id, model, None, None, usage(layout, outcome.stats, call.target)))
         await resp.write(b"data: [DONE]\n\n")
     except (ConnectionError, asyncio.CancelledError) as exc:
         status = ""  # the client went away mid-stream: counted as cancelled by the caller, not as 200
@@ -69,7 +62,7 @@ async def stream_reply(request: web.Request, serving: Serving, call: ChatCall, l
             await send(error_body(str(exc), 503))
     finally:
         if status:
-            serving.m_requests.inc(labels={"status": status})
+            serving.m_requests.labels(status=status).inc()
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write_eof()
     return resp

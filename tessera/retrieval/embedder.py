@@ -54,9 +54,10 @@ class Embedder:
             from transformers import AutoModel, AutoTokenizer
             from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
             self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
-            self._model: Any = AutoModel.from_pretrained(str(path)).eval()
+            # float32 whatever the stored dtype (a half-precision copy travels to GPU machines)
+            self._model: Any = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
         except Exception as exc:
             raise ModelLoadError(f"cannot load the embedder from {path}: {exc}") from exc
         self._torch = torch

@@ -12,16 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
 
 import aiohttp
 import orjson
 
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.messages import ExecuteRequest, SnapshotRequest, SnapshotResponse
+from tessera.http import LazySession
+from tessera.messages import EXECUTE_EVENTS, ExecuteEvent, ExecuteRequest, SnapshotRequest, SnapshotResponse
 from tessera.runtime import BackgroundTasks
-from tessera.wire import WIRE_VERSION, encode, from_wire
+from tessera.wire import WIRE_VERSION, decode_tagged, encode, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +39,15 @@ class NodeClients:
         self.idle_timeout_s = control.idle_timeout_s
         # no total timeout: a long generation is fine; connecting, the first token and every
         # gap between tokens are bounded per call below
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=control.connect_timeout_s,
-                                             sock_connect=control.connect_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._session = LazySession(
+            aiohttp.ClientTimeout(total=None, connect=control.connect_timeout_s,
+                                  sock_connect=control.connect_timeout_s),
+            connection_limit=0)
         self.aborts = BackgroundTasks("aborts")
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
-        return self._session
 
     async def close(self) -> None:
         await self.aborts.drain(timeout=self.connect_timeout_s)
-        if self._session is not None:
-            await self._session.close()
+        await self._session.close()
 
     async def _error(self, node: str, resp: aiohttp.ClientResponse) -> TesseraError:
         text = (await resp.text())[:500]
@@ -66,8 +61,8 @@ class NodeClients:
         msg = SnapshotRequest(WIRE_VERSION, request_id, tuple(unit_ids))
         try:
             async with asyncio.timeout(self.first_token_timeout_s), \
-                    self._http().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
-                                      headers={"Content-Type": "application/json"}) as resp:
+                    self._session.get().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
+                                             headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 return from_wire(SnapshotResponse, orjson.loads(await resp.read()))
@@ -77,15 +72,15 @@ class NodeClients:
         except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
 
-    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncGenerator[dict[str, Any], None]:
-        """Yield the node's NDJSON events; the last one has ``done`` (or ``error``)."""
+    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncGenerator[ExecuteEvent, None]:
+        """Yield the node's events; the last one is a ``DoneEvent`` (or an ``ErrorEvent``)."""
         wait, what = self.first_token_timeout_s, "its first token"
         # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
         # that arrives as its awaitable completes, and a client's disconnect would be lost
         try:
             async with asyncio.timeout(wait):
-                resp = await self._http().post(self.urls[node] + "/v1/execute", data=encode(msg),
-                                               headers={"Content-Type": "application/json"})
+                resp = await self._session.get().post(self.urls[node] + "/v1/execute", data=encode(msg),
+                                                      headers={"Content-Type": "application/json"})
             try:
                 if resp.status != 200:
                     raise await self._error(node, resp)
@@ -96,7 +91,7 @@ class NodeClients:
                         return
                     if line.strip():
                         wait, what = self.idle_timeout_s, "its next token"
-                        yield orjson.loads(line)
+                        yield decode_tagged(EXECUTE_EVENTS, line)
             finally:
                 resp.close()  # an unfinished stream closes the connection: the node sees it
         except TimeoutError:
@@ -108,8 +103,8 @@ class NodeClients:
     async def abort(self, node: str, request_id: str) -> None:
         try:
             async with asyncio.timeout(self.connect_timeout_s), \
-                    self._http().post(self.urls[node] + "/v1/abort",
-                                      data=orjson.dumps({"request_id": request_id})) as resp:
+                    self._session.get().post(self.urls[node] + "/v1/abort",
+                                             data=orjson.dumps({"request_id": request_id})) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             pass  # the node is gone or wedged; its own pin timeout frees what it holds

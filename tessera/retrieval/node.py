@@ -5,8 +5,13 @@ handlers and the in-process chat layer both go through it. The control plane run
 the event loop (its calls are microseconds); tokenizing, embedding and index searches run
 on one worker thread so that control RPCs never wait behind a model forward.
 
-Lifecycle: ``start()`` loads the served model's tokenizer and the embedder and starts the
-periodic tick (lease/reservation expiry, heartbeats); ``stop()`` reverses it.
+Lifecycle: ``start()`` loads the served model's tokenizer, the embedder and the unit store
+(its data directory), hands the store's revoked ids and incarnation to the control plane,
+and starts the periodic tick (lease/reservation expiry, heartbeats, index saves);
+``stop()`` reverses it (saving the changed indexes).
+
+Deletes and updates go store first (committed), then the plane (no new plan uses the unit),
+then the generation nodes (they drop their copies); only then does the caller get its reply.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import Any, TypeVar
 
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
+from tessera.messages import InventoryResult, MemoryNodeInventory
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.limits import INGEST_CHUNK_UNITS
-from tessera.retrieval.store import Hit, UnitStore
+from tessera.retrieval.revocation import Revoker
+from tessera.retrieval.store import Deleted, Hit, Ingested, StoredUnit, UnitStore
 from tessera.runtime import BackgroundTasks
 from tessera.units import ContextUnit, ServingFingerprint
 
@@ -41,6 +48,7 @@ class RetrievalNode:
         self.tasks = BackgroundTasks("retrieval")
         self._executor: ThreadPoolExecutor | None = None
         self._tick_s = min(1.0, config.control.heartbeat_timeout_s / 4)
+        self.revoker = Revoker(config)
 
     @property
     def ready(self) -> bool:
@@ -49,10 +57,16 @@ class RetrievalNode:
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
         self.pool = await self._run(self._load)
+        self.plane.revoked.update(await self._run(self.pool.revoked))
+        self.plane.begin_incarnation(self.pool.incarnation)
         self.tasks.spawn(self._ticker(), name="control-tick")
+        self.tasks.spawn(self._index_saver(), name="index-saver")
 
     async def stop(self) -> None:
         await self.tasks.drain(timeout=0.0)  # the ticker has nothing to finish
+        await self.revoker.close()
+        if self.pool is not None:
+            await self._run(self.pool.close)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
@@ -74,6 +88,11 @@ class RetrievalNode:
             await asyncio.sleep(self._tick_s)
             self.plane.tick()
 
+    async def _index_saver(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retrieval.index_save_s)
+            await self._run(self._pool().save_indexes)
+
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         assert self._executor is not None, "retrieval node is not started"
         loop = asyncio.get_running_loop()
@@ -86,19 +105,56 @@ class RetrievalNode:
     # --- retrieval (worker thread) -------------------------------------------------------
 
     async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
-                     embeddings: Sequence[Sequence[float] | None] | None = None) -> list[tuple[ContextUnit, bool]]:
-        # in bounded chunks, one worker job each: a big ingest never holds the worker (and so
-        # every chat request's retrieval and tokenizing) for longer than one chunk
-        out: list[tuple[ContextUnit, bool]] = []
-        step = INGEST_CHUNK_UNITS
-        for at in range(0, len(items), step):
+                     embeddings: Sequence[Sequence[float] | None] | None = None,
+                     external_ids: Sequence[str | None] | None = None) -> Ingested:
+        """Ingest (committed), then revoke the units that updated external ids replaced.
+
+        Without external ids, in bounded chunks, one worker job (and transaction) each: a big
+        ingest never holds the worker (and so every chat request's retrieval and tokenizing)
+        for longer than one chunk; re-sending a batch cut by a failure is idempotent. A batch
+        that updates external ids stays one transaction: its replacements are checked as a whole.
+        """
+        step = len(items) if external_ids is not None else INGEST_CHUNK_UNITS
+        units: list[tuple[ContextUnit, bool]] = []
+        revoked: list[str] = []
+        for at in range(0, len(items), max(step, 1)):
             chunk = None if embeddings is None else embeddings[at:at + step]
-            out += await self._run(self._pool().ingest, items[at:at + step], chunk)
-        return out
+            part = await self._run(self._pool().ingest, items[at:at + step], chunk, external_ids)
+            units += part.units
+            revoked += part.revoked
+        done = Ingested(units, tuple(revoked))
+        self.plane.reinstate([u.unit_id for u, _ in done.units])
+        await self._revoke(done.revoked)
+        return done
 
     async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking work (tokenizing a prompt) on the worker thread, off the event loop."""
         return await self._run(fn, *args)
+
+    async def get(self, unit_id: str) -> StoredUnit | None:
+        return await self._run(self._pool().get, unit_id)
+
+    async def adopt(self, msg: MemoryNodeInventory) -> InventoryResult:
+        """A memory node's inventory after this role restarted: entries of units that still exist."""
+        if self.plane.directory.fenced_for(msg.name) > 0:
+            return self.plane.adopt(msg, {})  # answers "retry later" without reading the store
+        units = await self._run(self._pool().by_digest, sorted({b.unit_key for b in msg.blocks}))
+        return self.plane.adopt(msg, units)
+
+    async def delete(self, unit_ids: Sequence[str]) -> Deleted:
+        done = await self._run(self._pool().delete, unit_ids)
+        await self._revoke(done.deleted)
+        return done
+
+    async def delete_where(self, scope: str, where: Mapping[str, Any] | None) -> Deleted:
+        done = await self._run(self._pool().delete_where, scope, where)
+        await self._revoke(done.deleted)
+        return done
+
+    async def _revoke(self, unit_ids: Sequence[str]) -> None:
+        if unit_ids:
+            self.plane.revoke(unit_ids)
+            await self.revoker.broadcast(unit_ids)
 
     async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
                        top_k: int | None = None) -> list[Hit]:
@@ -111,7 +167,8 @@ class RetrievalNode:
 
     def store_stats(self) -> dict[str, Any]:
         """The unit store's figures, added to ``/control/stats``."""
-        return {"units_indexed": 0 if self.pool is None else len(self.pool)}
+        return {"units_indexed": 0 if self.pool is None else len(self.pool),
+                "units_revoked": len(self.plane.revoked), "revocations_missed": self.revoker.missed}
 
     def stats(self) -> dict[str, object]:
         return {**self.plane.report(), **self.store_stats()}

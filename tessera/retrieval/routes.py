@@ -1,10 +1,17 @@
 """The retrieval role's own API: health, ingest and retrieve.
 
-=====================  ======================================================================
-GET  /health           200 {"status": "ready"} once the tokenizer and embedder are loaded
-POST /v1/units         ingest units -> ids and token counts
-POST /v1/retrieve      top-k units of a scope for a query text or embedding
-=====================  ======================================================================
+=========================  ==================================================================
+GET    /health             200 {"status": "ready"} once the tokenizer, embedder and store are loaded
+POST   /v1/units           ingest (or update by external_id) units -> ids and token counts
+GET    /v1/units/{id}      one stored unit (404 if unknown or deleted)
+DELETE /v1/units/{id}      revoke one unit (200 again if already deleted, 404 if never stored)
+POST   /v1/units/delete    revoke every unit of a scope matching a metadata filter
+POST   /v1/retrieve        top-k units of a scope for a query text or embedding
+POST   /control/kvpool/inventory   a memory node's verified blocks after this role restarted
+=========================  ==================================================================
+
+A delete is acknowledged only once it is committed, the unit left the index, the control
+plane revoked it and the generation nodes were told (see RetrievalNode).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
+from tessera.messages import MemoryNodeInventory
 from tessera.retrieval import api
 from tessera.retrieval.limits import check_metadata
 from tessera.retrieval.node import RetrievalNode
@@ -51,9 +59,42 @@ async def ingest(request: web.Request) -> web.Response:
     for i, u in enumerate(msg.units):
         check_metadata(f"units[{i}]", u.metadata)
     done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units],
-                                       [u.embedding for u in msg.units])
+                                       [u.embedding for u in msg.units], [u.external_id for u in msg.units])
     return reply(api.IngestResponse(WIRE_VERSION, tuple(
-        api.IngestedUnit(unit.unit_id, unit.scope, unit.n_tokens, new) for unit, new in done)))
+        api.IngestedUnit(unit.unit_id, unit.scope, unit.n_tokens, new) for unit, new in done.units), done.revoked))
+
+
+@routes.get("/v1/units/{unit_id}")
+async def get_unit(request: web.Request) -> web.Response:
+    unit_id = request.match_info["unit_id"]
+    found = await ready(request).get(unit_id)
+    if found is None:
+        raise BadRequest(f"no unit {unit_id!r} is stored (never ingested, or deleted)", 404)
+    u = found.unit
+    return reply(api.StoredUnitBody(WIRE_VERSION, u.unit_id, u.scope, u.text, u.n_tokens, dict(found.metadata),
+                                    found.external_id))
+
+
+@routes.delete("/v1/units/{unit_id}")
+async def delete_unit(request: web.Request) -> web.Response:
+    unit_id = request.match_info["unit_id"]
+    done = await ready(request).delete([unit_id])
+    if done.unknown:
+        raise BadRequest(f"no unit {unit_id!r} was ever stored here; nothing to delete", 404)
+    return reply(api.DeleteResponse(WIRE_VERSION, done.deleted, done.already))
+
+
+@routes.post("/v1/units/delete")
+async def delete_units(request: web.Request) -> web.Response:
+    msg = await body(request, api.DeleteRequest)
+    done = await ready(request).delete_where(msg.scope, msg.filter)
+    return reply(api.DeleteResponse(WIRE_VERSION, done.deleted))
+
+
+@routes.post("/control/kvpool/inventory")
+async def inventory(request: web.Request) -> web.Response:
+    msg = await body(request, MemoryNodeInventory)
+    return reply(await ready(request).adopt(msg))
 
 
 @routes.post("/v1/retrieve")

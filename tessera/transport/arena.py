@@ -96,7 +96,8 @@ class Arena:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            raise ConfigError(f"shared memory segment {path} already exists (another node with this boot id?)") from None
+            raise ConfigError(f"shared memory segment {path} already exists "
+                              "(another node with this boot id?)") from None
         try:
             os.ftruncate(fd, size)
             # commit the pages now: tmpfs is lazy, and running out later would SIGBUS a copy
@@ -119,7 +120,8 @@ class Arena:
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR)
         except OSError as exc:
-            raise TransferError(f"cannot open shared memory segment {name}: {exc.strerror} (memory node stopped?)") from None
+            raise TransferError(f"cannot open shared memory segment {name}: {exc.strerror} "
+                                "(memory node stopped?)") from None
         try:
             size = os.fstat(fd).st_size
             if size < ARENA_HEADER_BYTES:

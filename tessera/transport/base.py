@@ -133,7 +133,8 @@ class Transport(ABC):
             )
         try:
             async with asyncio.timeout(self.config.timeout_s):
-                await all_or_nothing([self._bounded(run, node, r, sum(n)) for r, n in zip(requests, sizes, strict=True)])
+                await all_or_nothing([self._bounded(run, node, r, sum(n))
+                                      for r, n in zip(requests, sizes, strict=True)])
         except TimeoutError:
             self.forget(node.name)
             raise TransferTimeout(

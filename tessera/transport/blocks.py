@@ -15,7 +15,6 @@ This module knows nothing about where slots live or how bytes move (see the tran
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ import torch
 
 from tessera.engines.base import DTYPES, ModelGeometry, UnitState
 from tessera.errors import ChecksumMismatch
-from tessera.units import blocks_for
+from tessera.units import blocks_for, unit_key
 
 MAGIC = b"TKVB"
 HEADER_VERSION = 1
@@ -41,11 +40,6 @@ assert _PAD <= HEADER_BYTES
 
 def _header_crc(buf: memoryview) -> int:
     return zlib.crc32(buf[_PAD:HEADER_BYTES], zlib.crc32(buf[: _FIELDS.size]))
-
-
-def unit_key(unit_id: str) -> bytes:
-    """16-byte digest of a unit id, as stored in block headers."""
-    return hashlib.blake2b(unit_id.encode(), digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,15 +163,20 @@ class BlockLayout:
             )
         return payload
 
-    def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int) -> UnitState:
-        """Verify every block and assemble the unit's ``[L, T, H_kv, D]`` keys and values."""
+    def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int, *,
+               pin_memory: bool = False) -> UnitState:
+        """Verify every block and assemble the unit's ``[L, T, H_kv, D]`` keys and values.
+
+        ``pin_memory``: assemble into pinned host buffers (the engine runs on CUDA and copies
+        them to the device asynchronously).
+        """
         if len(blocks) != self.n_blocks(n_tokens):
             raise ChecksumMismatch(f"unit {unit_id}: {len(blocks)} blocks for {n_tokens} tokens, "
                                    f"expected {self.n_blocks(n_tokens)}")
         g = self.geometry
         shape = (g.n_layers, n_tokens, g.n_kv_heads, g.head_dim)
-        keys = torch.empty(shape, dtype=DTYPES[g.kv_dtype])
-        values = torch.empty(shape, dtype=DTYPES[g.kv_dtype])
+        keys = torch.empty(shape, dtype=DTYPES[g.kv_dtype], pin_memory=pin_memory)
+        values = torch.empty(shape, dtype=DTYPES[g.kv_dtype], pin_memory=pin_memory)
         for b, buf in enumerate(blocks):
             payload = self.verify(buf, unit_id, epoch, b, n_tokens)
             start, end = self.token_range(b, n_tokens)

@@ -134,7 +134,8 @@ class MooncakeTransport(Transport):
         load_engine_class()  # fail at construction, with the install hint, not at first transfer
         self._engine: Any = None
         self._staging: _StagingPool | None = None
-        self._pool = ThreadPoolExecutor(max_workers=min(MC_THREADS, config.max_outstanding), thread_name_prefix="tessera-mc")
+        self._pool = ThreadPoolExecutor(max_workers=min(MC_THREADS, config.max_outstanding),
+                                        thread_name_prefix="tessera-mc")
 
     @classmethod
     def export(cls, arena: Arena, host: str, config: TransportConfig) -> ArenaExport | None:
@@ -193,4 +194,5 @@ class MooncakeTransport(Transport):
             self._staging.close()
         self._staging = None
         self._engine = None
-        self._pool = ThreadPoolExecutor(max_workers=min(MC_THREADS, self.config.max_outstanding), thread_name_prefix="tessera-mc")
+        self._pool = ThreadPoolExecutor(max_workers=min(MC_THREADS, self.config.max_outstanding),
+                                        thread_name_prefix="tessera-mc")

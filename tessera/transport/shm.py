@@ -58,7 +58,8 @@ class ShmTransport(Transport):
         if arena is None or arena.name != node.shm_name:
             self.forget(node.name)
             arena = Arena.attach(node.shm_name)
-            if (arena.boot_id, arena.slot_bytes, arena.capacity) != (node.boot_id, node.slot_bytes, node.capacity_blocks):
+            expected = (node.boot_id, node.slot_bytes, node.capacity_blocks)
+            if (arena.boot_id, arena.slot_bytes, arena.capacity) != expected:
                 arena.close()
                 raise TransferError(
                     f"segment {node.shm_name} belongs to boot {arena.boot_id} with {arena.slot_bytes}-byte slots; "

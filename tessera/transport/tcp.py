@@ -123,11 +123,13 @@ class _Connection(asyncio.BufferedProtocol):
     def _response_received(self) -> None:
         status, _, _, req_id, body = RESPONSE.unpack(self._response)
         if not self.pending or self.pending[0].req_id != req_id or status not in (Status.OK, Status.ERROR):
-            return self._fail(TransferError(f"memory node {self.node.name}: unexpected answer {req_id} (status {status})"))
+            return self._fail(TransferError(
+                f"memory node {self.node.name}: unexpected answer {req_id} (status {status})"))
         head = self.pending[0]
         self._status = Status(status)
         expected = sum(len(v) for v in head.views) if head.op is Op.READ else 0
-        if (self._status is Status.OK and body != expected) or (self._status is Status.ERROR and body > MAX_ERROR_BYTES):
+        if (self._status is Status.OK and body != expected) or \
+                (self._status is Status.ERROR and body > MAX_ERROR_BYTES):
             return self._fail(TransferError(f"memory node {self.node.name}: answer of {body} B, expected {expected}"))
         if body == 0:
             return self._complete()

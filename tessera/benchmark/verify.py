@@ -1,0 +1,350 @@
+"""``tessera verify``: how closely composed prefill follows full prefill, per setting, with intervals.
+
+For every prompt of a sample, full prefill of the plain prompt (units without any lead) is the
+reference: its greedy answer of up to N tokens is fixed, then each setting (policy, k,
+recompute fraction, unit lead) composes the same request from independently prefilled unit
+states (:func:`tessera.engines.offline.compose`, the serving path's oracle, after the policy's
+:meth:`~tessera.composition.policies.CompositionPolicy.inline`) and is teacher-forced on that
+answer. From the logits before each answer token:
+
+* ``kl``: mean KL(full || composed) over the first ``kl_positions`` answer tokens;
+* ``prefix``: share of the reference answer reproduced before the first differing greedy
+  token (teacher forcing is exact up to there, so this is the composed greedy agreement);
+* ``exact``: the whole answer reproduced;
+* ``top1``: the first answer token reproduced;
+* ``cost``: unit tokens recomputed per prompt (what the setting pays, the calibration's price).
+
+Each mean comes with a bootstrap 95% interval over prompts. Prompts are rendered exactly as
+the retrieval role renders them (chat template, placement, unit lead). This module never
+talks to a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.benchmark.workloads import BenchRequest, Workload
+from tessera.composition.layout import text_ranges
+from tessera.composition.policies import policy_from_config
+from tessera.config import ClusterConfig, CompositionConfig
+from tessera.engines.base import EngineAdapter, UnitState
+from tessera.engines.offline import compose, prefill_units
+from tessera.engines.tokenizer import Tokenizer
+from tessera.errors import BadRequest, ConfigError
+from tessera.messages import PromptLayout
+from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.prompt import PromptBuilder
+from tessera.units import ContextUnit, TokenCache, UnitFactory
+
+LEAD = "<|endoftext|>"  # the sink token the default config leads units with
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One composition setting to score (the ``[composition]`` keys it stands for)."""
+
+    policy: str
+    recompute_tokens: int = 0
+    recompute_fraction: float = 1.0
+    unit_lead: str = ""
+
+    @property
+    def label(self) -> str:
+        name = self.policy
+        if self.policy == "epic":
+            name += f" k={self.recompute_tokens}"
+            if self.recompute_fraction < 1.0:
+                name += f" f={self.recompute_fraction:g}"
+        return name + (" +lead" if self.unit_lead else "")
+
+    def composition(self, base: CompositionConfig) -> CompositionConfig:
+        return dataclasses.replace(base, policy=self.policy, recompute_tokens=self.recompute_tokens,
+                                   recompute_fraction=self.recompute_fraction, unit_lead=self.unit_lead)
+
+    @classmethod
+    def of(cls, config: CompositionConfig) -> Setting:
+        if config.policy != "epic":
+            return cls(config.policy, unit_lead=config.unit_lead)
+        return cls("epic", config.recompute_tokens, config.recompute_fraction, config.unit_lead)
+
+
+def settings_grid(policies: Iterable[str], ks: Iterable[int], fractions: Iterable[float],
+                  leads: Iterable[str]) -> list[Setting]:
+    """Every policy × lead; ``epic`` also × k × fraction. Duplicates dropped, order kept."""
+    out: dict[Setting, None] = {}
+    for lead in leads:
+        for policy in policies:
+            if policy == "epic":
+                for k in ks:
+                    for f in fractions:
+                        out[Setting("epic", k, f, lead)] = None
+            else:
+                out[Setting(policy, unit_lead=lead)] = None
+    return list(out)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request to score: its messages, where its units go, and the units as (scope, text)."""
+
+    messages: tuple[dict[str, str], ...]
+    placement: str
+    units: tuple[tuple[str, str], ...]
+
+
+def prompts_from_file(path: Path, config: ClusterConfig) -> list[Prompt]:
+    """Chat requests in the API's format, one JSON object a line, with their ``context_units``."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        where = f"{path}:{i + 1}"
+        try:
+            chat = parse_chat_request(json.loads(line), default_top_k=config.retrieval.top_k,
+                                      default_placement=config.retrieval.unit_placement,
+                                      served_model=config.model.source)
+        except (json.JSONDecodeError, BadRequest) as exc:
+            raise ConfigError(f"{where}: not a valid chat request: {exc}") from None
+        if chat.retrieval is not None:
+            raise ConfigError(f"{where}: verify scores the units a request brings; send them as context_units "
+                              "(retrieval needs the cluster's unit store)")
+        out.append(Prompt(tuple(chat.messages), chat.placement, tuple((u.scope, u.text) for u in chat.units)))
+    if not out:
+        raise ConfigError(f"{path} holds no chat requests")
+    return out
+
+
+def prompts_from_workload(config: ClusterConfig, workload: Workload, tokenizer: Tokenizer) -> list[Prompt]:
+    """The workload's distinct requests with the units the retrieval role would give them."""
+    distinct: dict[Any, BenchRequest] = {}
+    for r in workload.requests:
+        key = (r.scope, r.retrieval["query"]) if r.retrieval is not None else (
+            r.scope, json.dumps(r.messages), r.context_units)
+        distinct.setdefault(key, r)
+    requests = list(distinct.values())
+    if any(r.retrieval is not None for r in requests):
+        from tessera.benchmark.render import PromptRenderer
+
+        renderer = PromptRenderer(config, tokenizer)
+        renderer.ingest(workload)
+        units = [renderer.units(r) for r in requests]
+        return [Prompt(r.messages, r.placement, tuple((u.scope, u.text) for u in us))
+                for r, us in zip(requests, units, strict=True)]
+    return [Prompt(r.messages, r.placement, tuple((r.scope, t) for t in r.context_units)) for r in requests]
+
+
+def sample(prompts: Sequence[Prompt], n: int, seed: int = 0) -> list[Prompt]:
+    if n <= 0 or n >= len(prompts):
+        return list(prompts)
+    return random.Random(seed).sample(list(prompts), n)
+
+
+class Layouts:
+    """Renders a prompt as the serving path does, for any unit lead."""
+
+    def __init__(self, engine: EngineAdapter, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = TokenCache(tokenizer.encode)
+        self.builder = PromptBuilder(tokenizer, self.tokens)
+        self.fingerprint = engine.fingerprint
+        self._factories: dict[str, UnitFactory] = {}
+
+    def build(self, prompt: Prompt, lead: str) -> PromptLayout:
+        factory = self._factories.get(lead)
+        if factory is None:
+            ids = tuple(self.tokenizer.encode(lead)) if lead else ()
+            factory = self._factories[lead] = UnitFactory(self.fingerprint, self.tokens, ids)
+        units: list[ContextUnit] = [factory.make(scope, text) for scope, text in prompt.units]
+        return self.builder.build(list(prompt.messages), units, prompt.placement)
+
+
+@dataclass
+class Scores:
+    """Per-prompt values of one setting."""
+
+    kl: list[float] = field(default_factory=list)
+    prefix: list[float] = field(default_factory=list)
+    exact: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # composed prefill wall time (``timed`` only)
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    p = torch.log_softmax(ref.float(), -1)
+    q = torch.log_softmax(got.float(), -1)
+    return max(0.0, float((p.exp() * (p - q)).sum()))
+
+
+def score(ref_logits: Sequence[torch.Tensor], answer: Sequence[int], logits: Sequence[torch.Tensor],
+          kl_positions: int) -> tuple[float, float, float, float]:
+    """(mean KL, prefix agreement, exact, top-1) of teacher-forced ``logits`` against the reference."""
+    n = len(answer)
+    kl = float(np.mean([_kl(r, g) for r, g in zip(ref_logits[:kl_positions], logits[:kl_positions], strict=True)]))
+    same = 0
+    for token, row in zip(answer, logits, strict=True):
+        if int(row.argmax()) != token:
+            break
+        same += 1
+    return kl, same / n, float(same == n), float(int(logits[0].argmax()) == answer[0])
+
+
+def _cost(computed: Sequence[tuple[int, int]], text_tokens: int) -> float:
+    """Unit tokens recomputed (inlined units count whole; the text is the same for every lead)."""
+    return float(sum(b - a for a, b in computed) - text_tokens)
+
+
+def verify(engine: EngineAdapter, tokenizer: Tokenizer, config: ClusterConfig, prompts: Sequence[Prompt],
+           settings: Sequence[Setting], *, answer_tokens: int = 16, kl_positions: int = 8,
+           progress: bool = False, timed: bool = False) -> dict[Setting, Scores]:
+    """Score every setting on every prompt against full prefill of the plain prompt.
+
+    ``timed``: also time each setting's composed prefill alone (placement + final extend, unit
+    states ready: the warm serving path without transfers), for the speed–fidelity frontier.
+    """
+    assert answer_tokens > 0 and kl_positions > 0, (answer_tokens, kl_positions)
+    layouts = Layouts(engine, tokenizer)
+    policies = {s: policy_from_config(s.composition(config.composition)) for s in settings}
+    full = policy_from_config(Setting("full").composition(config.composition))
+    stops = tokenizer.eos_token_ids
+    out = {s: Scores() for s in settings}
+    for i, prompt in enumerate(prompts):
+        plain = layouts.build(prompt, "")
+        greedy = compose(engine, plain, full, {}, max_new_tokens=answer_tokens, stop_ids=stops, use_prefix_cache=False)
+        answer = greedy.generated
+        ref = compose(engine, plain, full, {}, forced=answer, use_prefix_cache=False).forced_logits
+        text_tokens = sum(b - a for a, b in text_ranges(plain))
+        states: dict[str, dict[str, UnitState]] = {}
+        for s, policy in policies.items():
+            layout = policy.inline(layouts.build(prompt, s.unit_lead))
+            if s.unit_lead not in states:
+                states[s.unit_lead] = prefill_units(engine, layouts.build(prompt, s.unit_lead))
+            comp = compose(engine, layout, policy, states[s.unit_lead], forced=answer, use_prefix_cache=False)
+            kl, prefix, exact, top1 = score(ref, answer, comp.forced_logits, kl_positions)
+            sc = out[s]
+            sc.kl.append(kl)
+            sc.prefix.append(prefix)
+            sc.exact.append(exact)
+            sc.top1.append(top1)
+            sc.cost.append(_cost(comp.computed, text_tokens))
+            if timed:
+                t0 = time.perf_counter()
+                compose(engine, layout, policy, states[s.unit_lead], use_prefix_cache=False)
+                sc.seconds.append(time.perf_counter() - t0)
+        if progress:
+            print(f"\r[verify] {i + 1}/{len(prompts)} prompts", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return out
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    lo: float
+    hi: float
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} [{self.lo:.3f}, {self.hi:.3f}]"
+
+
+def bootstrap(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> Interval:
+    """Mean with a percentile bootstrap 95% interval over the values (prompts)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return Interval(math.nan, math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return Interval(float(x.mean()), float(lo), float(hi))
+
+
+@dataclass(frozen=True)
+class Row:
+    setting: Setting
+    kl: Interval
+    prefix: Interval
+    exact: Interval
+    top1: Interval
+    cost: float  # mean unit tokens recomputed per prompt
+    seconds: float = math.nan  # mean composed prefill time (``timed`` runs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"setting": self.setting.label, "composition": dataclasses.asdict(self.setting), "cost": self.cost,
+                "prefill_s": self.seconds,
+                **{k: dataclasses.asdict(getattr(self, k)) for k in ("kl", "prefix", "exact", "top1")}}
+
+    def meets(self, max_kl: float | None, min_agreement: float | None) -> bool:
+        return (max_kl is None or self.kl.mean <= max_kl) and (min_agreement is None or
+                                                                self.prefix.mean >= min_agreement)
+
+
+def summarize(scores: dict[Setting, Scores]) -> list[Row]:
+    return [Row(s, bootstrap(v.kl), bootstrap(v.prefix), bootstrap(v.exact), bootstrap(v.top1),
+                float(np.mean(v.cost)) if v.cost else math.nan,
+                float(np.mean(v.seconds)) if v.seconds else math.nan) for s, v in scores.items()]
+
+
+def cheapest(rows: Sequence[Row], max_kl: float | None, min_agreement: float | None) -> Row | None:
+    """The passing row that recomputes the fewest unit tokens (ties: lower KL)."""
+    passing = [r for r in rows if r.meets(max_kl, min_agreement)]
+    return min(passing, key=lambda r: (r.cost, r.kl.mean)) if passing else None
+
+
+def format_rows(rows: Sequence[Row], marked: Setting | None = None) -> list[str]:
+    timed = any(not math.isnan(r.seconds) for r in rows)
+    lines = ["| setting | recomputed unit tokens |" + (" composed prefill (s) |" if timed else "") +
+             " mean KL [95% CI] | greedy prefix agreement | exact answer | first-token top-1 |",
+             "|---|---|" + ("---|" if timed else "") + "---|---|---|---|"]
+    for r in rows:
+        name = r.setting.label + (" (configured)" if r.setting == marked else "")
+        secs = f" {r.seconds:.3f} |" if timed else ""
+        lines.append(f"| {name} | {r.cost:.1f} |{secs} {r.kl} | {r.prefix} | {r.exact} | {r.top1} |")
+    return lines
+
+
+def measured_fidelity(config: ClusterConfig, workload: Workload, n: int, warmup_frac: float, *, seed: int = 0,
+                      answer_tokens: int = 16, kl_positions: int = 8) -> dict[str, Any]:
+    """``tessera bench --fidelity N``: the configured composition scored on N measured requests."""
+    from tessera.engines.reference import ReferenceEngine
+
+    split = int(len(workload.requests) * warmup_frac)
+    measured = Workload(workload.name, workload.corpus, workload.requests[split:], workload.notes)
+    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
+    prompts = sample(prompts_from_workload(config, measured, engine.tokenizer), n, seed)
+    setting = Setting.of(config.composition)
+    (row,) = summarize(verify(engine, engine.tokenizer, config, prompts, [setting], answer_tokens=answer_tokens,
+                              kl_positions=kl_positions, progress=True))
+    return {"prompts": len(prompts), "answer_tokens": answer_tokens, "kl_positions": kl_positions, **row.as_dict()}
+
+
+def format_fidelity(fid: dict[str, Any]) -> str:
+    def iv(key: str) -> str:
+        v = fid[key]
+        return f"{v['mean']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]"
+
+    return (f"fidelity of the composed requests ({fid['setting']}) vs full prefill on {fid['prompts']} measured "
+            f"requests: mean KL {iv('kl')}, greedy agreement {iv('prefix')}, exact {iv('exact')}, "
+            f"first-token top-1 {iv('top1')}")
+
+
+def overlay_toml(setting: Setting, base: str = "default") -> str:
+    """A config overlay that selects ``setting`` on top of ``base`` (``tessera.config_file``)."""
+    lines = [f"base = {json.dumps(base)}", "", "[composition]", f"policy = {json.dumps(setting.policy)}"]
+    if setting.policy == "epic":
+        lines += [f"recompute_tokens = {setting.recompute_tokens}",
+                  f"recompute_fraction = {float(setting.recompute_fraction)!r}"]
+    lines.append(f"unit_lead = {json.dumps(setting.unit_lead)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,93 @@
+"""An in-process executor over a real engine (no HTTP): for the data-path tests on CPU and CUDA."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+from tessera.composition.policies import CompositionPolicy
+from tessera.engines.base import EngineAdapter, UnitState
+from tessera.generation.executor import Executor, Finished, TokenEvent
+from tessera.generation.prefills import PrefillCoalescer
+from tessera.generation.retention import Retainer
+from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.unit_cache import LocalUnitCache
+from tessera.messages import (
+    ExecuteRequest,
+    Preparation,
+    PromptLayout,
+    ReadLease,
+    RequestPlan,
+    Retention,
+    SamplingParams,
+    UnitPlan,
+    WriteGrant,
+)
+from tessera.wire import WIRE_VERSION
+
+
+class QuietControl:
+    """Residency reports and give-ups go nowhere (no control plane in these tests)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[list[str], list[str]]] = []
+
+    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None:
+        self.reports.append((list(inserted), list(evicted)))
+
+    async def give_up(self, grant: WriteGrant) -> None:
+        return None
+
+
+class DictReader:
+    """A KV-pool reader that serves given states by unit id (whatever they are)."""
+
+    def __init__(self, states: Mapping[str, UnitState]) -> None:
+        self.states = dict(states)
+
+    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True,
+                    received_at: float | None = None) -> UnitState:
+        return self.states[lease.unit_id]
+
+
+@contextlib.asynccontextmanager
+async def running_executor(engine: EngineAdapter, policy: CompositionPolicy, cache: LocalUnitCache,
+                           reader: DictReader | None = None) -> AsyncIterator[Executor]:
+    worker = EngineWorker(engine)
+    scheduler = Scheduler(worker, max_batch_tokens=4096)
+    scheduler.start()
+    retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 24, outstanding=2)
+    try:
+        yield Executor(engine, worker, scheduler, PrefillCoalescer(scheduler), cache, retainer, reader,
+                       lambda _lease_id: None, policy, "compose")
+    finally:
+        await retainer.drain(5.0)
+        await scheduler.stop()
+        worker.close()
+
+
+def execute_request(layout: PromptLayout, preparations: Mapping[str, Preparation], max_tokens: int,
+                    request_id: str = "req-1", retain_local: bool = False) -> ExecuteRequest:
+    """A request whose units are prepared as given (REMOTE ones get a lease naming the unit)."""
+    units = []
+    for _, seg in layout.unit_offsets():
+        prep = preparations[seg.unit_id]
+        lease = ReadLease(f"lease-{seg.unit_id}", seg.unit_id, 1, (), 60.0) if prep is Preparation.REMOTE else None
+        units.append(UnitPlan(seg.unit_id, len(seg.token_ids), prep,
+                              Retention.LOCAL if retain_local else Retention.NEITHER, lease=lease))
+    plan = RequestPlan(WIRE_VERSION, request_id, "gen0", tuple(units))
+    return ExecuteRequest(WIRE_VERSION, request_id, layout, plan,
+                          SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def run_request(executor: Executor, req: ExecuteRequest) -> tuple[list[int], Finished]:
+    """Run to the end, as the node does (the executor frees the slots after its last event)."""
+    tokens: list[int] = []
+    finished: Finished | None = None
+    async for event in executor.run(req):
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+        else:
+            finished = event
+    assert finished is not None, "the request ended without a Finished event"
+    return tokens, finished

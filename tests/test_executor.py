@@ -1,0 +1,174 @@
+"""The executor over a fake engine (CPU, no model): preparation paths, fallback, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from tessera.composition.policies import policy_from_config
+from tessera.config import CompositionConfig
+from tessera.engines.base import UnitState
+from tessera.errors import TransferError
+from tessera.generation.executor import Executor
+from tessera.generation.prefills import PrefillCoalescer
+from tessera.generation.retention import Retainer
+from tessera.generation.scheduler import Scheduler
+from tessera.generation.unit_cache import LocalUnitCache
+from tessera.messages import (
+    BlockRef,
+    DoneEvent,
+    ExecuteRequest,
+    Preparation,
+    PromptLayout,
+    ReadLease,
+    RequestPlan,
+    Retention,
+    SamplingParams,
+    Segment,
+    SegmentKind,
+    TokenEvent,
+    UnitPlan,
+    WriteGrant,
+)
+from tessera.wire import WIRE_VERSION
+
+UNIT = (3, 4, 5, 6)
+LAYOUT = PromptLayout((Segment(SegmentKind.TEXT, (1, 2)), Segment(SegmentKind.UNIT, UNIT, "u1"),
+                       Segment(SegmentKind.TEXT, (7, 8))))
+# epic with k = 1 recomputes the unit's first token; the rest of its state lands after "1 2" and it
+PLACED_OFFSET, PLACED_TOKENS = 2 + 1, len(UNIT) - 1
+LEASE = ReadLease("lease-1", "u1", 1, (BlockRef("kv0", 0),), 30.0)
+
+
+def unit_state(n: int = len(UNIT)) -> UnitState:
+    t = torch.zeros(1, n, 1, 2)
+    return UnitState(t, t.clone())
+
+
+class Reader:
+    """A KV-pool client whose fetch fails, succeeds, or never returns."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+        self.fetching = asyncio.Event()
+
+    async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True,
+                    received_at: float | None = None) -> UnitState:
+        self.fetching.set()
+        if self.outcome == "fail":
+            raise TransferError("memory node kv0 is gone")
+        if self.outcome == "hang":
+            await asyncio.Event().wait()
+        return unit_state(n_tokens)
+
+
+class Control:
+    """The residency reporter the retainer talks to; records what it was told."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[list[str], list[str]]] = []
+
+    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None:
+        self.reports.append((list(inserted), list(evicted)))
+
+    async def give_up(self, grant: WriteGrant) -> None:
+        pass
+
+
+class Node:
+    """An executor wired as on a generation node, with a fake engine and a recording lease release."""
+
+    def __init__(self, engine: Any, reader: Reader | None) -> None:
+        self.engine = engine
+        self.released: list[str] = []
+        self.scheduler = Scheduler(engine, max_batch_tokens=64)
+        self.cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
+        self.retainer = Retainer(self.cache, None, Control(), staging_bytes=1 << 20, outstanding=2)
+        policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
+        self.executor = Executor(self.scheduler, PrefillCoalescer(self.scheduler), self.cache, self.retainer, reader,
+                                 self.released.append, policy, "compose")
+
+    async def run(self, preparation: Preparation, max_tokens: int = 3,
+                  layout: PromptLayout = LAYOUT) -> tuple[list[int], DoneEvent]:
+        events = [e async for e in self.executor.run(request(preparation, max_tokens, layout))]
+        done = events[-1]
+        assert isinstance(done, DoneEvent)
+        return [e.token_id for e in events if isinstance(e, TokenEvent)], done
+
+
+def request(preparation: Preparation, max_tokens: int = 3, layout: PromptLayout = LAYOUT) -> ExecuteRequest:
+    unit = UnitPlan("u1", len(UNIT), preparation, Retention.NEITHER,
+                    lease=LEASE if preparation is Preparation.REMOTE else None)
+    return ExecuteRequest(WIRE_VERSION, "req-1", layout, RequestPlan(WIRE_VERSION, "req-1", "gen0", (unit,)),
+                          SamplingParams(max_tokens=max_tokens))
+
+
+@contextlib.asynccontextmanager
+async def node(engine: Any, reader: Reader | None = None) -> AsyncIterator[Node]:
+    n = Node(engine, reader)
+    n.scheduler.start()
+    try:
+        yield n
+    finally:
+        await n.retainer.drain(timeout=1.0)
+        await n.scheduler.stop()
+
+
+async def test_a_failed_fetch_falls_back_to_computing_the_unit(fake_engine: Any) -> None:
+    """A remote fetch that raises TransferError is computed instead; the request still answers."""
+    async with node(fake_engine, Reader("fail")) as n:
+        tokens, done = await n.run(Preparation.REMOTE)
+    assert tokens == [9, 10, 11] and done.finish_reason == "length"
+    s = done.stats
+    assert (s.fallbacks, s.remote_units, s.computed_units, s.computed_unit_tokens) == (1, 0, 1, len(UNIT))
+    assert n.released == ["lease-1"]  # the lease goes back once, failed fetch or not
+    assert [len(UNIT)] in fake_engine.batches  # the unit's own prefill ran
+
+
+async def test_a_remote_hit_is_placed_at_its_offset_without_a_prefill(fake_engine: Any) -> None:
+    """A fetched state is placed after the leading text; only the policy's tokens are computed."""
+    async with node(fake_engine, Reader("ok")) as n:
+        tokens, done = await n.run(Preparation.REMOTE)
+    assert tokens == [9, 10, 11]
+    assert (done.stats.remote_units, done.stats.computed_units, done.stats.fallbacks) == (1, 0, 0)
+    assert done.stats.bytes_fetched == unit_state().nbytes()
+    assert fake_engine.placed == [(PLACED_OFFSET, PLACED_TOKENS)]
+    assert n.released == ["lease-1"]
+
+
+async def test_a_local_hit_comes_from_the_unit_cache(fake_engine: Any) -> None:
+    """A unit planned LOCAL is read from the cache the snapshot pinned; nothing is fetched or prefilled."""
+    async with node(fake_engine, Reader("fail")) as n:
+        n.cache.insert("u1", unit_state())
+        _, done = await n.run(Preparation.LOCAL)
+    assert (done.stats.local_units, done.stats.local_tokens, done.stats.computed_units) == (1, len(UNIT), 0)
+    assert n.released == []
+
+
+async def test_the_stop_token_ends_the_request_with_reason_stop(fake_engine: Any) -> None:
+    """EOS is not streamed; the request finishes with finish_reason "stop"."""
+    layout = PromptLayout((Segment(SegmentKind.TEXT, (1, 2)), Segment(SegmentKind.UNIT, UNIT, "u1"),
+                           Segment(SegmentKind.TEXT, (29,))))
+    async with node(fake_engine) as n:
+        tokens, done = await n.run(Preparation.COMPUTE, max_tokens=10, layout=layout)
+    assert tokens == [30] and done.finish_reason == "stop"
+    assert done.stats.completion_tokens == 2  # the EOS counts as generated
+
+
+async def test_cancelling_a_run_frees_its_slots_and_returns_its_lease(fake_engine: Any) -> None:
+    """An aborted request (its task cancelled mid-fetch) frees its KV slots and releases its lease once."""
+    reader = Reader("hang")
+    async with node(fake_engine, reader) as n:
+        task = asyncio.ensure_future(n.run(Preparation.REMOTE))
+        await reader.fetching.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [s.freed for s in fake_engine.allocated] == [True]
+        assert n.released == ["lease-1"]
+        assert n.cache.held("other", ["u1"]) == []  # nothing left pinned or inserted

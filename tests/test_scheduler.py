@@ -1,0 +1,92 @@
+"""The scheduler's batching over a fake engine (CPU, no model): token budget, lone items, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tessera.engines.base import KVSlots
+from tessera.generation.scheduler import Scheduler
+
+
+@contextlib.asynccontextmanager
+async def scheduler(engine: Any, max_batch_tokens: int) -> AsyncIterator[Scheduler]:
+    s = Scheduler(engine, max_batch_tokens)
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+async def _slots(s: Scheduler, n: int = 64) -> KVSlots:
+    return await s.allocate(n)
+
+
+def _extend(s: Scheduler, slots: KVSlots, n: int, start: int = 0) -> asyncio.Task[Any]:
+    """Queue an extend of n tokens at positions start.. (queued at once, before the loop runs)."""
+    return asyncio.ensure_future(s.extend(slots, [1] * n, range(start, start + n)))
+
+
+async def _queued(*tasks: asyncio.Task[Any]) -> None:
+    """Let every task submit its job (the loop is not started yet, so nothing runs)."""
+    await asyncio.sleep(0)
+    assert not any(t.done() for t in tasks)
+
+
+async def test_extends_are_batched_up_to_the_token_budget(fake_engine: Any) -> None:
+    """Three 4-token extends under a budget of 8 run as one batch of two, then one."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        tasks = [_extend(s, await _slots(s), 4) for _ in range(3)]
+        await _queued(*tasks)
+        s.start()
+        await asyncio.gather(*tasks)
+    assert fake_engine.batches == [[4, 4], [4]]
+
+
+async def test_an_item_longer_than_the_budget_runs_alone(fake_engine: Any) -> None:
+    """A 20-token extend under a budget of 8 runs in its own batch; the next one waits for the next step."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        tasks = [_extend(s, await _slots(s), 3), _extend(s, await _slots(s), 20), _extend(s, await _slots(s), 3)]
+        await _queued(*tasks)
+        s.start()
+        await asyncio.gather(*tasks)
+    assert fake_engine.batches == [[3], [20], [3]]
+
+
+async def test_decodes_ride_along_with_a_long_extend(fake_engine: Any) -> None:
+    """Pending decodes join the batch of an over-budget extend instead of waiting behind it."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        decode = asyncio.ensure_future(s.decode(await _slots(s), 1, 0))
+        long_extend = _extend(s, await _slots(s), 20)
+        await _queued(decode, long_extend)
+        s.start()
+        await asyncio.gather(decode, long_extend)
+    assert fake_engine.batches == [[1, 20]]
+
+
+async def test_a_cancelled_request_never_reaches_the_engine(fake_engine: Any) -> None:
+    """Work whose requester went away (cancelled future) is dropped, the rest still runs."""
+    async with scheduler(fake_engine, max_batch_tokens=64) as s:
+        gone, kept = _extend(s, await _slots(s), 5), _extend(s, await _slots(s), 7)
+        await _queued(gone, kept)
+        gone.cancel()
+        s.start()
+        await kept
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+    assert fake_engine.batches == [[7]]
+    assert s.queued_tokens == 0
+
+
+async def test_stopping_fails_queued_work_and_frees_the_engine_thread(fake_engine: Any) -> None:
+    """stop() fails what is still queued with a clear error instead of leaving it hanging."""
+    s = Scheduler(fake_engine, max_batch_tokens=64)
+    task = _extend(s, await _slots(s), 5)
+    await _queued(task)
+    await s.stop()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        await task

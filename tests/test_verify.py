@@ -1,0 +1,122 @@
+"""``tessera verify``: fidelity against full prefill, thresholds and calibration on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tessera.benchmark.verify import Setting, bootstrap, prompts_from_workload, verify
+from tessera.benchmark.workloads import synthetic_workload
+from tessera.cli import app
+from tessera.config_file import load_config
+from tessera.engines.reference import ReferenceEngine
+from tessera.engines.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("verify")
+    model = write_tiny_checkpoint(root / "tiny")
+    path = root / "tiny.toml"
+    path.write_text(f'base = "default"\nkv_dtype = "float32"\n[model]\nsource = "{model}"\nthreads = 1\n')
+    return path
+
+
+def _run(config: Path, tmp: Path, *args: str) -> tuple[int, dict[str, object], str]:
+    out = tmp / "verify.json"
+    result = CliRunner().invoke(app, ["verify", "--workload", "synthetic", "--samples", "4", "--answer-tokens", "4",
+                                      "--kl-positions", "2", "--unit-words", "12", "--config", str(config),
+                                      "--out", str(out), *args])
+    report = json.loads(out.read_text()) if out.is_file() else {}
+    return result.exit_code, report, result.output
+
+
+def test_full_prefill_scores_kl_zero_and_full_agreement(tiny_config_file: Path) -> None:
+    """Composing with ``full`` reproduces full prefill exactly; naive over random weights does not."""
+    cfg = load_config(tiny_config_file)
+    engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
+    prompts = prompts_from_workload(cfg, synthetic_workload(3, n_units=6, unit_words=12, units_per_request=2),
+                                    engine.tokenizer)
+    settings = [Setting("full"), Setting("naive", unit_lead="<|endoftext|>")]
+    scores = verify(engine, engine.tokenizer, cfg, prompts, settings, answer_tokens=4, kl_positions=2)
+    full = scores[Setting("full")]
+    assert full.kl == [0.0] * 3 and full.prefix == [1.0] * 3 and full.exact == [1.0] * 3 and full.top1 == [1.0] * 3
+    naive = scores[Setting("naive", unit_lead="<|endoftext|>")]
+    assert max(naive.kl) > 0 and naive.cost == [0.0] * 3
+    assert min(full.cost) > 0
+
+
+def test_bootstrap_interval_brackets_the_mean() -> None:
+    """The 95% interval contains the mean and collapses for constant values."""
+    iv = bootstrap([0.0, 1.0, 1.0, 0.0, 1.0])
+    assert iv.lo <= iv.mean <= iv.hi and iv.mean == pytest.approx(0.6)
+    assert bootstrap([0.5] * 4) == bootstrap([0.5] * 4) and bootstrap([0.5] * 4).lo == 0.5
+
+
+def test_a_missed_threshold_exits_non_zero(tiny_config_file: Path, tmp_path: Path) -> None:
+    """The configured setting (epic k=16 f=0.25) misses KL = 0; full meets it."""
+    code, report, output = _run(tiny_config_file, tmp_path, "--policies", "naive", "--max-kl", "0")
+    assert code == 1 and "FAIL" in output
+    assert report["configured"] == "epic k=16 f=0.25"
+    full_cfg = tmp_path / "full.toml"
+    full_cfg.write_text(f'base = "{tiny_config_file}"\n[composition]\npolicy = "full"\nunit_lead = ""\n')
+    code, _, output = _run(full_cfg, tmp_path, "--policies", "full", "--max-kl", "0", "--min-agreement", "1")
+    assert code == 0, output
+
+
+def test_calibration_picks_the_cheapest_passing_setting_and_its_overlay_loads(tiny_config_file: Path,
+                                                                              tmp_path: Path) -> None:
+    """Among settings meeting the target, the one recomputing the fewest unit tokens is written as an overlay."""
+    overlay = tmp_path / "cal.toml"
+    code, report, output = _run(tiny_config_file, tmp_path, "--ks", "2,64", "--fractions", "0.5,1.0",
+                                "--calibrate", "--target-kl", "0", "--overlay", str(overlay))
+    assert code == 0, output
+    rows = report["rows"]
+    assert isinstance(rows, list)
+    passing = [r for r in rows if r["kl"]["mean"] <= 0]
+    chosen = report["calibrated"]
+    assert isinstance(chosen, dict)
+    assert chosen["cost"] == min(r["cost"] for r in passing)
+    loaded = load_config(overlay).composition
+    assert Setting.of(loaded).label == chosen["setting"]
+    code, report, _ = _run(tiny_config_file, tmp_path, "--calibrate", "--target-agreement", "0",
+                           "--overlay", str(overlay))
+    assert code == 0 and report["calibrated"]["cost"] == 0  # type: ignore[index]
+    assert load_config(overlay).composition.policy == "naive"  # every setting passes: reuse everything
+
+
+def test_frontier_times_each_setting_and_plots_it(tiny_config_file: Path, tmp_path: Path) -> None:
+    """--frontier adds a composed-prefill time per setting and writes the frontier plot."""
+    code, report, output = _run(tiny_config_file, tmp_path, "--policies", "naive,full", "--leads", "none",
+                                "--frontier")
+    assert code == 0, output
+    rows = report["rows"]
+    assert isinstance(rows, list) and all(r["prefill_s"] > 0 for r in rows)
+    assert Path(str(report["frontier_plot"])).is_file()
+
+
+def test_bench_fidelity_scores_the_configured_setting_on_measured_requests(tiny_config_file: Path) -> None:
+    """``bench --fidelity N`` scores N requests from the measured part with the configured setting."""
+    from tessera.benchmark.verify import format_fidelity, measured_fidelity
+
+    cfg = load_config(tiny_config_file)
+    wl = synthetic_workload(8, n_units=6, unit_words=12, units_per_request=2)
+    fid = measured_fidelity(cfg, wl, 3, 0.5, answer_tokens=3, kl_positions=2)
+    assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 f=0.25"
+    assert 0.0 <= fid["prefix"]["mean"] <= 1.0 and fid["kl"]["mean"] >= 0.0
+    assert "measured requests" in format_fidelity(fid)
+
+
+def test_calibration_without_targets_matches_the_configured_setting(tiny_config_file: Path, tmp_path: Path) -> None:
+    """No target given: the chosen setting is no worse than the configured one on KL and agreement."""
+    overlay = tmp_path / "cal.toml"
+    code, report, output = _run(tiny_config_file, tmp_path, "--ks", "4,16", "--calibrate", "--overlay", str(overlay))
+    assert code == 0, output
+    rows = {r["setting"]: r for r in report["rows"]}  # type: ignore[union-attr]
+    mine, chosen = rows[report["configured"]], report["calibrated"]
+    assert isinstance(chosen, dict)
+    assert chosen["kl"]["mean"] <= mine["kl"]["mean"] and chosen["prefix"]["mean"] >= mine["prefix"]["mean"]
+    assert chosen["cost"] <= mine["cost"]
