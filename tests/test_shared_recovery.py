@@ -117,7 +117,7 @@ def test_a_write_granted_by_the_previous_incarnation_cannot_publish() -> None:
 
 def test_a_generation_node_re_reports_its_cache_to_a_restarted_plane() -> None:
     """The first heartbeat to a new plane is answered "resync"; the full report rebuilds the local view."""
-    c = Cluster(admission="lru", nodes=1)
+    c = Cluster(admission="lru", nodes=1, join_generation=False)  # no heartbeat yet
     plane = c.plane
     assert plane.load(LoadReport(WIRE_VERSION, "gen0", 0)).reason == "resync"
     assert plane.load(LoadReport(WIRE_VERSION, "gen0", 0)).reason == ""
