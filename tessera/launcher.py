@@ -140,11 +140,12 @@ class LocalCluster:
         if not self.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    def _spawn(self, role: str, node: str, host: str, port: int) -> Child:
-        # a restart appends to the role's log; the child dies with the launcher
+    def _spawn(self, role: str, node: str, host: str, port: int, append: bool = False) -> Child:
+        # a supervised restart appends to the role's log (a fresh start begins a new one);
+        # the child dies with the launcher
         child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
                            self.log_dir / f"{role}-{node}.log", f"http://{host}:{port}",
-                           append=True, die_with_parent=True)
+                           append=append, die_with_parent=True)
         self.children.append(child)
         return child
 
@@ -226,7 +227,7 @@ class LocalCluster:
             child.proc.wait()
         child.log_file.close()
         self.children.remove(child)
-        new = self._spawn(child.role, child.node, *self._endpoint(child.role, child.node))
+        new = self._spawn(child.role, child.node, *self._endpoint(child.role, child.node), append=True)
         new.restarts = child.restarts + 1
         if wait_timeout is not None:
             self._wait([new], wait_timeout)
