@@ -9,8 +9,10 @@ role drains), then SIGKILL for anything that does not stop in time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tessera.auth import ClusterAuth, create_secret
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
@@ -47,6 +50,15 @@ class ClusterError(RuntimeError):
     pass
 
 
+def with_secret(config: ClusterConfig, directory: Path) -> ClusterConfig:
+    """``config`` with a cluster secret: the configured file (created 0600 if missing) or a new
+    one in ``directory``. Every role of the cluster reads it; nothing else should."""
+    path = Path(config.security.secret_file) if config.security.secret_file else directory / "cluster.secret"
+    if not path.exists():
+        create_secret(path)
+    return dataclasses.replace(config, security=dataclasses.replace(config.security, secret_file=str(path.resolve())))
+
+
 class LocalCluster:
     """Every role of ``config`` as child processes of this one."""
 
@@ -54,10 +66,13 @@ class LocalCluster:
         self.config = config
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tessera-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config = with_secret(config, self.log_dir)
         self.config_path = self.log_dir / "tessera.toml"
         self.config_path.write_text(dump_toml(config))
         self.children: list[Child] = []
         self.quiet = quiet
+        tls = ClusterAuth.from_config(config).client_ssl()
+        self._tls = tls if isinstance(tls, ssl.SSLContext) else None
 
     def _say(self, msg: str) -> None:
         if not self.quiet:
@@ -75,7 +90,7 @@ class LocalCluster:
         log_path = self.log_dir / f"{role}-{node}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the child
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        child = Child(role, node, f"http://{host}:{port}", log_path, proc, log_file)
+        child = Child(role, node, f"{self.config.scheme}://{host}:{port}", log_path, proc, log_file)
         self.children.append(child)
         return child
 
@@ -90,7 +105,7 @@ class LocalCluster:
                         f"log {child.log_path}:\n{child.tail()}"
                     )
                 with contextlib.suppress(OSError, urllib.error.URLError), \
-                        urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                        urllib.request.urlopen(child.url + "/health", timeout=1.0, context=self._tls) as resp:
                     if resp.status == 200:
                         pending.remove(child)
                         self._say(f"  {child.role:<10} {child.node:<6} ready at {child.url}")
@@ -104,7 +119,10 @@ class LocalCluster:
         cfg = self.config
         # convert the checkpoint once here, not concurrently in every child
         resolve(cfg.model)
-        self._say(f"starting tessera cluster (logs in {self.log_dir})")
+        self._say(f"starting tessera cluster (logs in {self.log_dir}; cluster secret {cfg.security.secret_file})")
+        if not cfg.security.keys_file:
+            self._say(f"  no API keys (security.keys_file): the API at {cfg.retrieval_url} is open to every "
+                      "process on this machine; set keys before exposing it")
         try:
             self._wait([self._spawn("retrieval", "main", cfg.retrieval.host, cfg.retrieval.port)], timeout)
             self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)

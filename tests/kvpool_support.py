@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import RoleProcess, free_port, write_config
+from support import RoleProcess, free_port, signed_get, with_secret, write_config
 
 from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, ModelConfig, TransportConfig
 from tessera.engines.base import ModelGeometry, UnitState
@@ -90,14 +90,14 @@ def pool_config(
     kvpools = tuple(KVPoolNodeConfig(name, port=free_port(), data_port=free_port(), capacity_blocks=capacity)
                     for name in nodes)
     base = ClusterConfig(generation=(GenerationNodeConfig("gen0", port=free_port()),))
-    return dataclasses.replace(
+    return with_secret(dataclasses.replace(
         base,
         block_tokens=BLOCK_TOKENS,
         model=ModelConfig(source=model_source or str(tiny_checkpoint(directory))),
         retrieval=dataclasses.replace(base.retrieval, port=free_port()),
         transport=TransportConfig(name=transport, **transport_fields),  # type: ignore[arg-type]
         kvpools=kvpools,
-    )
+    ))
 
 
 def get_json(url: str) -> dict:
@@ -109,6 +109,7 @@ class MemoryNodeProcess:
     """A real ``tessera run --role kvpool`` process on loopback."""
 
     def __init__(self, config: ClusterConfig, config_path: Path, name: str) -> None:
+        self.config = config
         self.node = config.kvpool_node(name)
         self.url = f"http://{self.node.host}:{self.node.port}"
         self.proc = RoleProcess("kvpool", config_path, name)
@@ -121,7 +122,7 @@ class MemoryNodeProcess:
         return endpoint
 
     def endpoint(self) -> NodeEndpoint:
-        return from_wire(NodeEndpoint, get_json(f"{self.url}/info"))
+        return from_wire(NodeEndpoint, json.loads(signed_get(self.config, f"{self.url}/info")))
 
     def pause(self) -> None:
         self.proc.proc.send_signal(signal.SIGSTOP)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from support import free_port
+from support import free_port, signed_get
 
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
@@ -30,7 +30,7 @@ def cluster_config(model_source: str, *, nodes: int = 2, local_blocks: int = 102
         model=dataclasses.replace(base.model, source=model_source, threads=threads),
         control=dataclasses.replace(base.control, **control),
         transport=dataclasses.replace(base.transport, name=transport, timeout_s=2.0),
-        retrieval=dataclasses.replace(base.retrieval, port=free_port()),
+        retrieval=dataclasses.replace(base.retrieval, port=free_port(), internal_port=free_port()),
         kvpools=tuple(dataclasses.replace(n, port=free_port(), data_port=free_port(), capacity_blocks=kv_blocks)
                       for n in base.kvpools),
         generation=tuple(
@@ -91,11 +91,13 @@ def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
     return PromptLayout(tuple(segments))
 
 
-def node_metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+def node_metric(url: str, name: str, config: ClusterConfig | None = None) -> float:
+    """A metric of a node; pass the cluster's config (with its secret) for a generation node's."""
+    text = signed_get(config, url + "/metrics") if config is not None else urllib.request.urlopen(
+        url + "/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
 

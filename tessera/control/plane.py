@@ -89,7 +89,7 @@ class ControlPlane:
         }
         self._live = list(self.nodes.values())
         self.router = make_router(routing or control.routing, len(self.nodes))
-        self.memory = MemoryNodes({k.name for k in config.kvpools})
+        self.memory = MemoryNodes({k.name: k.capacity_blocks for k in config.kvpools})
         self.stats = PlaneStats()
         self._requests: dict[str, RoutedRequest] = {}
         self.planner = Planner(self.directory, self.shared, self.stats)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.control.client import ControlClient
 from tessera.engines.base import UnitState
@@ -54,7 +55,8 @@ class KVPoolClient:
     ) -> None:
         self.layout = layout
         self.transport = transport or create_transport(config.transport)
-        self.control = control or ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
+        self.control = control or ControlClient(config.control_url, timeout_s=config.transport.timeout_s,
+                                                auth=ClusterAuth.from_config(config))
         self.endpoints = endpoints or EndpointBook.from_config(config)
         # writes abandoned by a failed store may still land for up to the transport's own
         # timeout (Mooncake's engine rounds it up to whole seconds); the cancel waits that out

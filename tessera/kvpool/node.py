@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig, KVPoolNodeConfig
 from tessera.control.client import ControlClient
 from tessera.engines.checkpoint import resolve
@@ -56,7 +57,8 @@ class MemoryNode:
                                   node.capacity_blocks, self.boot_id)
         self.server = BlockServer(self.arena, self.boot_id)
         self.export: ArenaExport | None = None
-        self.control = ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
+        self.auth = ClusterAuth.from_config(config)
+        self.control = ControlClient(config.control_url, timeout_s=config.transport.timeout_s, auth=self.auth)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")
         self.hellos_acked = 0
 
@@ -109,7 +111,8 @@ class MemoryNode:
     # --- control endpoints ---------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = application()
+        # /info names the shm segment and the data port: cluster processes only
+        app = application([self.auth.middleware()])
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
 
@@ -153,7 +156,8 @@ async def _serve(node: MemoryNode) -> int:
              node.node.name, node.node.capacity_blocks, node.layout.slot_bytes, node.arena.nbytes / 2**20,
              node.arena.name, node.node.host, node.server.port, node.config.transport.name)
     try:
-        return await serve(node.app(), node.node.host, node.node.port, name=f"kvpool {node.node.name}")
+        return await serve(node.app(), node.node.host, node.node.port, name=f"kvpool {node.node.name}",
+                           ssl_context=node.auth.server_ssl())
     finally:
         await node.stop()
 
