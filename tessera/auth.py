@@ -40,6 +40,7 @@ from yarl import URL
 
 from tessera.config import ClusterConfig, SecurityConfig
 from tessera.errors import ConfigError
+from tessera.messages import BlockRef, NodeToken
 
 log = logging.getLogger(__name__)
 AUTH_HEADER = "X-Tessera-Auth"
@@ -221,5 +222,26 @@ def capability(secret: bytes, op: str, node: str, slots: Iterable[int], epoch: i
     ``expires`` is unix seconds (the cluster's clocks agree within ``max_clock_skew_s``);
     ``epoch`` ties the token to one storage epoch of one unit.
     """
-    text = f"{op}\n{node}\n{epoch}\n{expires}\n" + ",".join(map(str, slots))
+    text = f"tessera-capability\n{op}\n{node}\n{epoch}\n{expires}\n" + ",".join(map(str, slots))
     return hmac.new(secret, text.encode(), hashlib.sha256).digest()
+
+
+def block_mac_key(secret: bytes) -> bytes:
+    """Key of the block headers' MAC (derived: one key per use of the secret)."""
+    return hmac.new(secret, b"tessera-block-mac", hashlib.sha256).digest()
+
+
+class CapabilityIssuer:
+    """The control plane's side of capabilities: tokens for a grant's or lease's blocks."""
+
+    def __init__(self, secret: bytes, clock: Callable[[], float] = time.time) -> None:
+        self.secret = secret
+        self.clock = clock
+
+    def issue(self, op: str, blocks: Iterable[BlockRef], epoch: int, ttl_s: float) -> tuple[NodeToken, ...]:
+        expires = int(self.clock() + ttl_s) + 1
+        by_node: dict[str, list[int]] = {}
+        for ref in blocks:
+            by_node.setdefault(ref.node, []).append(ref.index)
+        return tuple(NodeToken(node, expires, capability(self.secret, op, node, slots, epoch, expires).hex())
+                     for node, slots in by_node.items())

@@ -22,6 +22,7 @@ import functools
 import time
 from collections.abc import Callable, Collection, Sequence
 
+from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
@@ -78,6 +79,7 @@ class ControlPlane:
             # longer than any transfer can still be in flight (transfers time out first)
             reclaim_grace_s=max(10.0, 2 * config.transport.timeout_s),
             clock=clock,
+            capabilities=CapabilityIssuer(secret) if (secret := ClusterAuth.from_config(config).secret) else None,
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self._holders: dict[str, int] = {}  # unit -> bitmask of nodes whose local view holds it

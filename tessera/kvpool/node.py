@@ -55,9 +55,9 @@ class MemoryNode:
         self.boot_id = uuid.uuid4().hex
         self.arena = Arena.create(segment_name(node.name, self.boot_id), layout.slot_bytes,
                                   node.capacity_blocks, self.boot_id)
-        self.server = BlockServer(self.arena, self.boot_id)
-        self.export: ArenaExport | None = None
         self.auth = ClusterAuth.from_config(config)
+        self.server = BlockServer(self.arena, self.boot_id, self.auth.secret, node.name)
+        self.export: ArenaExport | None = None
         self.control = ControlClient(config.control_url, timeout_s=config.transport.timeout_s, auth=self.auth)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")
         self.hellos_acked = 0

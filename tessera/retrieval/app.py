@@ -53,11 +53,15 @@ def build_retrieval_app(config: ClusterConfig, node: RetrievalNode | None = None
     return app
 
 
+async def _internal_health(_: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
 def build_control_app(node: RetrievalNode, auth: ClusterAuth) -> web.Application:
     """The internal plane of ``node``: ``/control/*`` (and ``/health``), signed requests only."""
     app = application([auth.middleware()])
     app[STATS_EXTRA] = node.store_stats
-    app.router.add_get("/health", lambda _: web.json_response({"ok": True}))
+    app.router.add_get("/health", _internal_health)
     add_control_routes(app, node.plane)
     return app
 

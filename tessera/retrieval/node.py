@@ -85,17 +85,19 @@ class RetrievalNode:
     # --- retrieval (worker thread) -------------------------------------------------------
 
     async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
-                     embeddings: Sequence[Sequence[float] | None] | None = None) -> list[tuple[ContextUnit, bool]]:
-        return await self._run(self._pool().ingest, items, embeddings)
+                     embeddings: Sequence[Sequence[float] | None] | None = None,
+                     tenant: str = "") -> list[tuple[ContextUnit, bool]]:
+        return await self._run(self._pool().ingest, items, embeddings, tenant)
 
     async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
-                       top_k: int | None = None) -> list[Hit]:
-        return await self._run(self._pool().retrieve, scope, query=query, embedding=embedding, top_k=top_k)
+                       top_k: int | None = None, tenant: str = "") -> list[Hit]:
+        return await self._run(self._pool().retrieve, scope, query=query, embedding=embedding, top_k=top_k,
+                               tenant=tenant)
 
-    async def identify(self, scope: str, texts: Sequence[str]) -> list[ContextUnit]:
+    async def identify(self, scope: str, texts: Sequence[str], tenant: str = "") -> list[ContextUnit]:
         """Units a request brings itself (retrieval skipped): same identity, not indexed."""
         pool = self._pool()
-        return await self._run(lambda: [pool.identify(scope, t, f"units[{i}]") for i, t in enumerate(texts)])
+        return await self._run(lambda: [pool.identify(scope, t, f"units[{i}]", tenant) for i, t in enumerate(texts)])
 
     def store_stats(self) -> dict[str, Any]:
         """The unit store's figures, added to ``/control/stats``."""

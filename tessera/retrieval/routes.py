@@ -15,6 +15,7 @@ from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
 from tessera.retrieval import api
 from tessera.retrieval.node import RetrievalNode
+from tessera.tenants import tenant_of
 from tessera.wire import WIRE_VERSION
 
 RETRIEVAL_NODE = web.AppKey("retrieval_node", RetrievalNode)
@@ -47,8 +48,11 @@ async def ingest(request: web.Request) -> web.Response:
         raise BadRequest("units is empty; send at least one {scope, text} unit")
     if len(msg.units) > MAX_INGEST:
         raise BadRequest(f"{len(msg.units)} units in one call; send at most {MAX_INGEST} per call", 413)
+    tenant = tenant_of(request)
+    for i, u in enumerate(msg.units):
+        tenant.check_scope(u.scope, f"units[{i}].scope")
     done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units],
-                                       [u.embedding for u in msg.units])
+                                       [u.embedding for u in msg.units], tenant.name)
     return reply(api.IngestResponse(WIRE_VERSION, tuple(
         api.IngestedUnit(unit.unit_id, unit.scope, unit.n_tokens, new) for unit, new in done)))
 
@@ -56,7 +60,10 @@ async def ingest(request: web.Request) -> web.Response:
 @routes.post("/v1/retrieve")
 async def retrieve(request: web.Request) -> web.Response:
     msg = await body(request, api.RetrieveRequest)
-    hits = await ready(request).retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k)
+    tenant = tenant_of(request)
+    tenant.check_scope(msg.scope)
+    hits = await ready(request).retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k,
+                                         tenant=tenant.name)
     return reply(api.RetrieveResponse(WIRE_VERSION, msg.scope, tuple(
         api.RetrievedUnit(h.unit.unit_id, h.unit.scope, h.unit.text, h.unit.n_tokens, h.score, dict(h.metadata))
         for h in hits)))

@@ -31,6 +31,11 @@ from tessera.units import ContextUnit, UnitFactory
 MAX_TOP_K = 1000
 
 
+def index_key(tenant: str, scope: str) -> str:
+    """The index's name of a tenant's scope (the separator cannot occur in a scope name)."""
+    return f"{tenant}\x1f{scope}" if tenant else scope
+
+
 @dataclass(frozen=True, slots=True)
 class StoredUnit:
     unit: ContextUnit
@@ -60,12 +65,12 @@ class UnitStore:
     def get(self, unit_id: str) -> StoredUnit | None:
         return self._units.get(unit_id)
 
-    def identify(self, scope: str, text: str, field: str = "unit") -> ContextUnit:
-        """Tokenize and identify one unit; validates scope, emptiness and length."""
+    def identify(self, scope: str, text: str, field: str = "unit", tenant: str = "") -> ContextUnit:
+        """Tokenize and identify one unit of ``tenant``; validates scope, emptiness and length."""
         check_scope(scope, f"{field}.scope")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest(f"{field}.text is empty; a unit needs some text")
-        unit = self.factory.make(scope, text)
+        unit = self.factory.make(scope, text, tenant)
         if unit.n_tokens == 0:
             raise BadRequest(f"{field}.text has no tokens")
         if unit.n_tokens > self.config.max_unit_tokens:
@@ -76,14 +81,15 @@ class UnitStore:
         return unit
 
     def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
-               embeddings: Sequence[Sequence[float] | None] | None = None) -> list[tuple[ContextUnit, bool]]:
+               embeddings: Sequence[Sequence[float] | None] | None = None,
+               tenant: str = "") -> list[tuple[ContextUnit, bool]]:
         """Add (scope, text, metadata) units; returns (unit, newly indexed) per item, in order.
 
         ``embeddings`` may bring precomputed vectors (None entries are embedded here).
         """
         if embeddings is not None and len(embeddings) != len(items):
             raise BadRequest(f"{len(embeddings)} embeddings for {len(items)} units")
-        units = [self.identify(scope, text, f"units[{i}]") for i, (scope, text, _) in enumerate(items)]
+        units = [self.identify(scope, text, f"units[{i}]", tenant) for i, (scope, text, _) in enumerate(items)]
         fresh: dict[str, int] = {}  # unit id -> first row needing an embedding
         for row, unit in enumerate(units):
             if unit.unit_id not in self._units and unit.unit_id not in fresh:
@@ -93,7 +99,7 @@ class UnitStore:
             vectors = self._vectors(units, rows, embeddings)  # [len(rows), dim]
             by_scope: dict[str, list[int]] = {}
             for i, r in enumerate(rows):
-                by_scope.setdefault(units[r].scope, []).append(i)
+                by_scope.setdefault(index_key(tenant, units[r].scope), []).append(i)
             for scope, picks in by_scope.items():
                 self.index.add(scope, [units[rows[i]].unit_id for i in picks], vectors[picks])
             for r in rows:
@@ -104,15 +110,15 @@ class UnitStore:
         return out
 
     def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
-                 top_k: int | None = None) -> list[Hit]:
-        """Top-k units of ``scope`` for a query text or a precomputed embedding, best first."""
+                 top_k: int | None = None, tenant: str = "") -> list[Hit]:
+        """Top-k units of ``tenant``'s ``scope`` for a query text or a precomputed embedding, best first."""
         check_scope(scope)
         k = self.config.top_k if top_k is None or top_k == 0 else top_k
         if not 1 <= k <= MAX_TOP_K:
             raise BadRequest(f"top_k = {top_k} is out of range: expected 1..{MAX_TOP_K} (0 = the default)")
         vector = self._query_vector(query, embedding)
         return [Hit(self._units[u].unit, score, self._units[u].metadata)
-                for u, score in self.index.search(scope, vector, k)]
+                for u, score in self.index.search(index_key(tenant, scope), vector, k)]
 
     def _vectors(self, units: Sequence[ContextUnit], rows: list[int],
                  embeddings: Sequence[Sequence[float] | None] | None) -> np.ndarray:
