@@ -219,6 +219,7 @@ class ExecuteRequest:
     layout: PromptLayout
     plan: RequestPlan
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = ""  # the namespace of the node's exact-prefix cache (no cross-tenant hits)
 
 
 @dataclass(frozen=True, slots=True)

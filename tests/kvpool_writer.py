@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.config_file import load_config
 from tessera.engines.base import DTYPES, UnitState
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
-from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.generation.pool_client import KVPoolClient, capabilities
 from tessera.messages import WriteGrant
 from tessera.transport.base import SlotIO

@@ -119,7 +119,7 @@ class ChatCall:
             self.plan = plane.finalize(self.request_id, self.target, snap.held)
             sampling = SamplingParams(self.chat.max_tokens, self.chat.temperature, self.chat.top_p, self.chat.seed,
                                       (), self.chat.ignore_eos, self.chat.top_logprobs)
-            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, sampling, self.tenant.name)
             delivered = False
             try:
                 async for event in self.serving.nodes.execute(self.target, msg):
