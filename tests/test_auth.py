@@ -121,3 +121,16 @@ def test_a_block_with_a_valid_crc_but_no_valid_mac_is_a_failed_fetch() -> None:
         signed.decode(forged, "u", 3, 6)
     h = BlockHeader.unpack(blocks[0])
     assert h.mac != bytes(8) and len(blocks[0]) > HEADER_BYTES
+
+
+def test_internal_listeners_beyond_loopback_need_a_secret() -> None:
+    """A generation or memory node bound to a public interface refuses to start without a secret."""
+    from tessera.config import KVPoolNodeConfig, SecurityConfig
+    from tessera.roles import check_secret
+
+    config = ClusterConfig(generation=(GenerationNodeConfig("gen0", host="0.0.0.0"),),
+                           kvpools=(KVPoolNodeConfig("kv0"),))
+    with pytest.raises(ConfigError, match="without security.secret_file"):
+        check_secret("generation", config, "gen0")
+    check_secret("kvpool", config, "kv0")  # loopback: allowed (and logged by the role)
+    check_secret("generation", dataclasses.replace(config, security=SecurityConfig(secret_file="/s")), "gen0")

@@ -9,7 +9,8 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
     POST /v1/abort      {"request_id"}
     GET  /metrics                       Prometheus text
 
-Only the retrieval role calls these. The node never decides admission or eviction itself;
+Only the retrieval role calls these: every route but ``/health`` needs a request signed with
+the cluster secret (:mod:`tessera.auth`), so no client can pin, execute or abort here. The node never decides admission or eviction itself;
 it executes the plan it is given and reports what its local cache really holds.
 """
 
