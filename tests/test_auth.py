@@ -130,7 +130,7 @@ def test_internal_listeners_beyond_loopback_need_a_secret() -> None:
 
     config = ClusterConfig(generation=(GenerationNodeConfig("gen0", host="0.0.0.0"),),
                            kvpools=(KVPoolNodeConfig("kv0"),))
-    with pytest.raises(ConfigError, match="without security.secret_file"):
+    with pytest.raises(ConfigError, match=r"without security\.secret_file"):
         check_secret("generation", config, "gen0")
-    check_secret("kvpool", config, "kv0")  # loopback: allowed (and logged by the role)
+    check_secret("kvpool", config, "kv0")  # loopback only: allowed
     check_secret("generation", dataclasses.replace(config, security=SecurityConfig(secret_file="/s")), "gen0")
