@@ -391,7 +391,8 @@ def _chat(cfg: ClusterConfig, key: str, units: list[str], content: str = "What d
         with urllib.request.urlopen(req, timeout=120) as resp:
             return dict(orjson.loads(resp.read()))
     except urllib.error.HTTPError as exc:
-        raise AssertionError(exc.read()) from None
+        with exc:
+            raise AssertionError(exc.read()) from None
 
 
 def test_generation_nodes_refuse_snapshot_execute_abort_without_the_secret(cluster: tuple[ClusterConfig, Any]) -> None:
@@ -404,10 +405,12 @@ def test_generation_nodes_refuse_snapshot_execute_abort_without_the_secret(clust
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
         assert info.value.code == 401
+        info.value.close()  # the error holds the response's socket
     for path, body in (("/v1/execute", b"{}"), ("/v1/abort", b'{"request_id": "x"}'), ("/metrics", None)):
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(urllib.request.Request(node + path, data=body), timeout=10)
         assert info.value.code == 401, path
+        info.value.close()
     with urllib.request.urlopen(node + "/health", timeout=10) as resp:
         assert orjson.loads(resp.read())["inflight"] == 0  # nothing was pinned
     assert _chat(cfg, "key-a", ["The pier lamp is green."])["choices"]  # the cluster still serves
