@@ -9,8 +9,10 @@ role drains), then SIGKILL for anything that does not stop in time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tessera.auth import ClusterAuth, create_secret
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
@@ -71,7 +74,8 @@ def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, u
     return Child(role, node or "main", url, log_path, proc, log_file)
 
 
-def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None) -> None:
+def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None,
+                 context: ssl.SSLContext | None = None) -> None:
     """Poll each child's ``/health`` until it answers 200; ClusterError if one exits or time runs out."""
     deadline = time.monotonic() + timeout
     pending = list(children)
@@ -81,7 +85,7 @@ def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Chil
                 raise ClusterError(f"{child.role} {child.node} exited with code {child.proc.returncode}; "
                                    f"log {child.log_path}:\n{child.tail()}")
             with contextlib.suppress(OSError, urllib.error.URLError), \
-                    urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                    urllib.request.urlopen(child.url + "/health", timeout=1.0, context=context) as resp:
                 if resp.status == 200:
                     pending.remove(child)
                     if on_ready is not None:
@@ -94,6 +98,15 @@ def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Chil
             time.sleep(0.1)
 
 
+def with_secret(config: ClusterConfig, directory: Path) -> ClusterConfig:
+    """``config`` with a cluster secret: the configured file (created 0600 if missing) or a new
+    one in ``directory``. Every role of the cluster reads it; nothing else should."""
+    path = Path(config.security.secret_file) if config.security.secret_file else directory / "cluster.secret"
+    if not path.exists():
+        create_secret(path)
+    return dataclasses.replace(config, security=dataclasses.replace(config.security, secret_file=str(path.resolve())))
+
+
 class LocalCluster:
     """Every role of ``config`` as child processes of this one."""
 
@@ -101,10 +114,13 @@ class LocalCluster:
         self.config = config
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tessera-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config = with_secret(config, self.log_dir)
         self.config_path = self.log_dir / "tessera.toml"
         self.config_path.write_text(dump_toml(config))
         self.children: list[Child] = []
         self.quiet = quiet
+        tls = ClusterAuth.from_config(config).client_ssl()
+        self._tls = tls if isinstance(tls, ssl.SSLContext) else None
 
     def _say(self, msg: str) -> None:
         if not self.quiet:
@@ -112,13 +128,13 @@ class LocalCluster:
 
     def _spawn(self, role: str, node: str, host: str, port: int) -> Child:
         child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
-                           self.log_dir / f"{role}-{node}.log", f"http://{host}:{port}")
+                           self.log_dir / f"{role}-{node}.log", f"{self.config.scheme}://{host}:{port}")
         self.children.append(child)
         return child
 
     def _wait(self, children: list[Child], timeout: float) -> None:
         try:
-            wait_healthy(children, timeout,
+            wait_healthy(children, timeout, context=self._tls,
                          on_ready=lambda c: self._say(f"  {c.role:<10} {c.node:<6} ready at {c.url}"))
         except ClusterError as exc:
             raise ClusterError(f"{exc}; logs in {self.log_dir}") from None
@@ -127,7 +143,10 @@ class LocalCluster:
         cfg = self.config
         # convert the checkpoint once here, not concurrently in every child
         resolve(cfg.model)
-        self._say(f"starting tessera cluster (logs in {self.log_dir})")
+        self._say(f"starting tessera cluster (logs in {self.log_dir}; cluster secret {cfg.security.secret_file})")
+        if not cfg.security.keys_file:
+            self._say(f"  no API keys (security.keys_file): the API at {cfg.retrieval_url} is open to every "
+                      "process on this machine; set keys before exposing it")
         try:
             self._wait([self._spawn("retrieval", "main", cfg.retrieval.host, cfg.retrieval.port)], timeout)
             self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)

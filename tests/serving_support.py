@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from support import cluster_config
+from support import cluster_config, signed_get
 
 from tessera.config import ClusterConfig
 from tessera.launcher import LocalCluster
@@ -71,11 +71,13 @@ def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
     return PromptLayout(tuple(segments))
 
 
-def node_metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+def node_metric(url: str, name: str, config: ClusterConfig | None = None) -> float:
+    """A metric of a node; pass the cluster's config (with its secret) for a generation node's."""
+    text = signed_get(config, url + "/metrics") if config is not None else urllib.request.urlopen(
+        url + "/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
 

@@ -27,6 +27,7 @@ import functools
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
@@ -86,6 +87,7 @@ class ControlPlane:
             # longer than any transfer can still be in flight (transfers time out first)
             reclaim_grace_s=max(10.0, 2 * config.transport.timeout_s),
             clock=clock,
+            capabilities=CapabilityIssuer(secret) if (secret := ClusterAuth.from_config(config).secret) else None,
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self._holders: dict[str, int] = {}  # unit -> bitmask of nodes whose local view holds it
@@ -97,7 +99,7 @@ class ControlPlane:
         }
         self._live = list(self.nodes.values())
         self.router = make_router(routing or control.routing, len(self.nodes))
-        self.memory = MemoryNodes({k.name for k in config.kvpools})
+        self.memory = MemoryNodes({k.name: k.capacity_blocks for k in config.kvpools})
         self.stats = PlaneStats()
         self._requests: dict[str, RoutedRequest] = {}
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained

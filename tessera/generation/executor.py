@@ -147,14 +147,15 @@ class Executor:
         if self.mode == "prefix" or not run.req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
-            matched = await self.scheduler.match_prefix(slots, prompt[:-1])
+            matched = await self.scheduler.match_prefix(slots, prompt[:-1], run.req.tenant)
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)))
-            await self.scheduler.insert_prefix(slots, prompt)
+            await self.scheduler.insert_prefix(slots, prompt, run.req.tenant)
             return logits
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
-        matched = await self.scheduler.match_prefix(slots, lead) if lead else 0
+        # the prefix cache is per tenant: another tenant's prompts never show as a hit
+        matched = await self.scheduler.match_prefix(slots, lead, run.req.tenant) if lead else 0
         stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
@@ -170,7 +171,7 @@ class Executor:
         stats.recomputed_tokens = len(token_ids)
         logits = await self.scheduler.extend(slots, token_ids, positions)
         if lead and matched < len(lead):
-            await self.scheduler.insert_prefix(slots, lead)
+            await self.scheduler.insert_prefix(slots, lead, run.req.tenant)
         return logits
 
     async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement]) -> None:

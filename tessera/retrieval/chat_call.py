@@ -34,6 +34,7 @@ from tessera.retrieval.chat_request import ChatRequest
 from tessera.retrieval.chat_response import PromptTokensDetails, Usage
 from tessera.retrieval.generation_client import NodeUnavailable
 from tessera.retrieval.node import RetrievalNode
+from tessera.tenants import OPEN, Tenant
 from tessera.units import ContextUnit
 from tessera.wire import WIRE_VERSION, to_wire
 
@@ -50,13 +51,15 @@ class Outcome:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextUnit]:
+async def request_units(node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> list[ContextUnit]:
+    """The request's units, all of ``tenant`` (403 for a scope it does not own)."""
     if chat.retrieval is not None:
         r = chat.retrieval
+        tenant.check_scope(r.scope, "retrieval.scope")
         if r.embedding is not None:
-            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k)
+            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k, tenant=tenant.name)
         else:
-            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
+            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k, tenant=tenant.name)
         return [h.unit for h in hits]
     if chat.units:
         by_scope: dict[str, list[int]] = {}
@@ -64,7 +67,9 @@ async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextU
             by_scope.setdefault(u.scope, []).append(i)
         out: list[ContextUnit | None] = [None] * len(chat.units)
         for scope, idx in by_scope.items():
-            for i, unit in zip(idx, await node.identify(scope, [chat.units[i].text for i in idx]), strict=True):
+            tenant.check_scope(scope, "context_units.scope")
+            for i, unit in zip(idx, await node.identify(scope, [chat.units[i].text for i in idx], tenant.name),
+                               strict=True):
                 out[i] = unit
         return [u for u in out if u is not None]
     return []
@@ -81,17 +86,18 @@ def usage(layout: PromptLayout, stats: RequestStats, node: str) -> Usage:
 class ChatCall:
     """One chat request's journey through the cluster."""
 
-    def __init__(self, serving: Serving, node: RetrievalNode, chat: ChatRequest) -> None:
+    def __init__(self, serving: Serving, node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> None:
         self.serving = serving
         self.node = node
         self.chat = chat
+        self.tenant = tenant
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.target = ""
         self.plan: RequestPlan | None = None
         self.started = time.perf_counter()
 
     async def prepare(self) -> PromptLayout:
-        units = await request_units(self.node, self.chat)
+        units = await request_units(self.node, self.chat, self.tenant)
         layout = self.serving.builder_for(self.node).build(self.chat.messages, units, self.chat.placement)
         if self.node.config.control.mode == "compose":
             # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
@@ -116,7 +122,8 @@ class ChatCall:
         try:
             snap = await self.serving.nodes.snapshot(self.target, self.request_id, list(refs))
             self.plan = plane.finalize(self.request_id, self.target, snap.held)
-            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling,
+                                 self.tenant.name)
             delivered = False
             try:
                 async for event in self.serving.nodes.execute(self.target, msg):
