@@ -92,12 +92,11 @@ def test_local_remote_and_missing_units_compose_like_the_offline_engine(one_node
     r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
     assert r1["usage"]["tessera"]["computed_units"] == 2  # nothing is cached yet
     # free space is taken at first sight: A fills the local cache exactly, both go to the shared pool
-    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 2, what="writeback")
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cluster.config) >= 2,
+             what="writeback")
     r2 = chat(url, [UNIT_B, UNIT_A], "What grows on the hill?")
     t = r2["usage"]["tessera"]
     assert (t["local_units"], t["remote_units"], t["computed_units"]) == (1, 1, 0), t
-    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cluster.config) >= 2,
-             what="writeback")
     r3 = chat(url, [UNIT_B, UNIT_C, UNIT_A], "When does the ferry leave?")
     t = r3["usage"]["tessera"]
     assert (t["local_units"], t["remote_units"], t["computed_units"]) == (1, 1, 1), t

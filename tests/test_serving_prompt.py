@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tessera.config_file import load_config
@@ -22,6 +24,8 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def factory(tokenizer: Tokenizer) -> UnitFactory:
     cfg = load_config()
+    # the default has no unit lead (issue 16); these tests pin how a configured lead behaves
+    cfg = dataclasses.replace(cfg, composition=dataclasses.replace(cfg.composition, unit_lead="<|endoftext|>"))
     return unit_factory(cfg, serving_fingerprint(cfg, resolve(cfg.model), tokenizer), tokenizer)
 
 
