@@ -23,10 +23,22 @@ from tessera.launcher import role_env, spawn_role, wait_healthy
 REPO = Path(__file__).resolve().parents[1]
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port never handed out before in this process.
+
+    The kernel may hand the same just-closed port to two calls; one config then names it twice
+    and is refused ("port already used"), which made the hypothesis plane machine flaky.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 @functools.cache
