@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from device_support import QuietControl
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import CompositionConfig
@@ -33,7 +34,6 @@ from tessera.messages import (
     SegmentKind,
     TokenEvent,
     UnitPlan,
-    WriteGrant,
 )
 from tessera.wire import WIRE_VERSION
 
@@ -67,19 +67,6 @@ class Reader:
         return unit_state(n_tokens)
 
 
-class Control:
-    """The residency reporter the retainer talks to; records what it was told."""
-
-    def __init__(self) -> None:
-        self.reports: list[tuple[list[str], list[str]]] = []
-
-    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None:
-        self.reports.append((list(inserted), list(evicted)))
-
-    async def give_up(self, grant: WriteGrant) -> None:
-        pass
-
-
 class Node:
     """An executor wired as on a generation node, with a fake engine and a recording lease release."""
 
@@ -88,7 +75,7 @@ class Node:
         self.released: list[str] = []
         self.scheduler = Scheduler(engine, max_batch_tokens=64)
         self.cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
-        self.retainer = Retainer(self.cache, None, Control(), staging_bytes=1 << 20, outstanding=2)
+        self.retainer = Retainer(self.cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
         policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
         self.executor = Executor(self.scheduler, PrefillCoalescer(self.scheduler), self.cache, self.retainer, reader,
                                  self.released.append, policy, "compose")
