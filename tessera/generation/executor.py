@@ -186,7 +186,6 @@ class Executor:
                 log.warning("placing unit %s (%s) failed (%s); computing it instead", plan.unit_id,
                             plan.preparation, exc)
                 stats.fallbacks += 1
-                state = None
             else:
                 if plan.preparation is Preparation.LOCAL:
                     stats.local_tokens += n
@@ -195,16 +194,28 @@ class Executor:
                     stats.remote_tokens += n
                     stats.remote_units += 1
                     stats.bytes_fetched += state.nbytes()
-        if state is None:
+                # retention happens off the critical path; a local hit is already retained locally
+                self.retainer.retain(plan.unit_id, state,
+                                     plan.retention.local and plan.preparation is not Preparation.LOCAL,
+                                     plan.grant, run.req.plan.local_evict, run.received_at)
+                return
+        local = plan.retention.local
+        state = self.cache.lookup(plan.unit_id) if plan.preparation is not Preparation.LOCAL else None
+        if state is not None:
+            # planned as a miss, but another request on this node computed it after this plan
+            # was made (the plane learns of local inserts only afterwards): reuse it
+            stats.local_tokens += n
+            stats.local_units += 1
+            local = False
+        else:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
-            await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
-        # retention happens off the critical path; a local hit is already retained locally
-        self.retainer.retain(plan.unit_id, state,
-                             plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                             plan.grant, run.req.plan.local_evict, run.received_at)
+        # retained before it is placed, in the same step as the prefill's return: a request
+        # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
+        self.retainer.retain(plan.unit_id, state, local, plan.grant, run.req.plan.local_evict, run.received_at)
+        await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """The unit's state from the local cache or the KV Pool, or None (compute it)."""

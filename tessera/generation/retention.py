@@ -116,9 +116,11 @@ class Retainer:
         inserted, evicted = self.cache.insert(unit_id, state, evict)
         if inserted:
             self.local_inserts += 1
-        # a declined insert is reported as "not held" so the control plane's view stays true
+        # a declined insert is reported as "not held" so the control plane's view stays true,
+        # unless it was declined because another request on this node inserted the unit already
+        held = inserted or self.cache.lookup(unit_id) is not None
         self.tasks.spawn(
-            self.control.residency([unit_id] if inserted else [], evicted if inserted else [unit_id]),
+            self.control.residency([unit_id] if held else [], evicted if held else [unit_id]),
             name="residency",
         )
 
