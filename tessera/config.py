@@ -212,11 +212,16 @@ class RetrievalConfig:
     # how often changed scope indexes are saved (a crash rebuilds the unsaved ones from SQLite)
     index_save_s: float = 30.0
 
+    # the internal plane (/control/*: the other roles' RPCs) listens here, apart from the public API
+    internal_host: str = "127.0.0.1"
+    internal_port: int = 8401
+
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
         _check(isinstance(self.data_dir, str), "retrieval.data_dir", self.data_dir, "expected a path or \"\"")
         _check(isinstance(self.index_save_s, (int, float)) and self.index_save_s > 0, "retrieval.index_save_s",
                self.index_save_s, "expected seconds > 0")
+        _port("retrieval.internal_port", self.internal_port)
         _positive("retrieval.embed_threads", self.embed_threads)
         _positive("retrieval.top_k", self.top_k)
         _positive("retrieval.max_unit_tokens", self.max_unit_tokens)
@@ -297,6 +302,38 @@ class TransportConfig:
                'expected a comma-separated list of RDMA device names, or "" to auto-discover')
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    # cluster secret (HMAC key of every internal request, grant and block MAC); `tessera up`
+    # creates one (0600) when empty or missing. "" in a role process: internal plane unauthenticated
+    secret_file: str = ""
+    # API keys of tenants (TOML or JSON, see README "Security"); "" = open API, loopback only
+    keys_file: str = ""
+    # TLS on every HTTP listener (public API and internal plane); both or neither
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # CA bundle clients trust for the cluster's own listeners ("" = the certificate itself)
+    tls_ca_file: str = ""
+    # signed internal requests older or newer than this are refused (replays are refused too)
+    max_clock_skew_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for key in ("secret_file", "keys_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
+            _check(isinstance(getattr(self, key), str), f"security.{key}", getattr(self, key),
+                   'expected a file path ("" for none)')
+        _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "security.tls_key_file", self.tls_key_file,
+               "set both tls_cert_file and tls_key_file, or neither")
+        _check(isinstance(self.max_clock_skew_s, (int, float)) and self.max_clock_skew_s > 0,
+               "security.max_clock_skew_s", self.max_clock_skew_s, "expected a number of seconds > 0")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     # B: tokens per storage block in both cache tiers
@@ -308,6 +345,7 @@ class ClusterConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     kvpools: tuple[KVPoolNodeConfig, ...] = ()
     generation: tuple[GenerationNodeConfig, ...] = ()
 
@@ -321,6 +359,7 @@ class ClusterConfig:
             dupes = sorted({n for n in names if names.count(n) > 1})
             _check(not dupes, kind, dupes, "node names must be unique")
         endpoints = [(self.retrieval.host, self.retrieval.port, "retrieval")]
+        endpoints += [(self.retrieval.internal_host, self.retrieval.internal_port, "retrieval.internal_port")]
         endpoints += [(n.host, n.port, f"kvpool.{n.name}.port") for n in self.kvpools]
         endpoints += [(n.host, n.data_port, f"kvpool.{n.name}.data_port") for n in self.kvpools]
         endpoints += [(n.host, n.port, f"generation.{n.name}.port") for n in self.generation]
@@ -344,5 +383,15 @@ class ClusterConfig:
         raise ConfigError(f"no kvpool node named {name!r}; known: {', '.join(n.name for n in self.kvpools)}")
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.security.tls else "http"
+
+    @property
     def retrieval_url(self) -> str:
-        return f"http://{self.retrieval.host}:{self.retrieval.port}"
+        """The public API (``/v1/*``)."""
+        return f"{self.scheme}://{self.retrieval.host}:{self.retrieval.port}"
+
+    @property
+    def control_url(self) -> str:
+        """The retrieval role's internal plane (``/control/*``), for the other roles."""
+        return f"{self.scheme}://{self.retrieval.internal_host}:{self.retrieval.internal_port}"

@@ -21,6 +21,7 @@ from tessera.config import (
     KVPoolNodeConfig,
     ModelConfig,
     RetrievalConfig,
+    SecurityConfig,
     TransportConfig,
 )
 from tessera.errors import ConfigError
@@ -33,6 +34,7 @@ _SECTIONS: dict[str, type] = {
     "control": ControlConfig,
     "retrieval": RetrievalConfig,
     "transport": TransportConfig,
+    "security": SecurityConfig,
 }
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tessera.auth import ClusterAuth, create_secret
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
@@ -101,7 +104,8 @@ def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, u
     return Child(role, node or "main", url, log_path, proc, log_file)
 
 
-def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None) -> None:
+def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None,
+                 context: ssl.SSLContext | None = None) -> None:
     """Poll each child's ``/health`` until it answers 200; ClusterError if one exits or time runs out."""
     deadline = time.monotonic() + timeout
     pending = list(children)
@@ -111,7 +115,7 @@ def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Chil
                 raise ClusterError(f"{child.role} {child.node} exited with code {child.proc.returncode}; "
                                    f"log {child.log_path}:\n{child.tail()}")
             with contextlib.suppress(OSError, urllib.error.URLError), \
-                    urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
+                    urllib.request.urlopen(child.url + "/health", timeout=1.0, context=context) as resp:
                 if resp.status == 200:
                     pending.remove(child)
                     if on_ready is not None:
@@ -124,6 +128,15 @@ def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Chil
             time.sleep(0.1)
 
 
+def with_secret(config: ClusterConfig, directory: Path) -> ClusterConfig:
+    """``config`` with a cluster secret: the configured file (created 0600 if missing) or a new
+    one in ``directory``. Every role of the cluster reads it; nothing else should."""
+    path = Path(config.security.secret_file) if config.security.secret_file else directory / "cluster.secret"
+    if not path.exists():
+        create_secret(path)
+    return dataclasses.replace(config, security=dataclasses.replace(config.security, secret_file=str(path.resolve())))
+
+
 class LocalCluster:
     """Every role of ``config`` as child processes of this one."""
 
@@ -131,10 +144,14 @@ class LocalCluster:
         self.config = config
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tessera-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config = with_secret(config, self.log_dir)
         self.config_path = self.log_dir / "tessera.toml"
         self.config_path.write_text(dump_toml(config))
         self.children: list[Child] = []
         self.quiet = quiet
+        self._auth = ClusterAuth.from_config(config)
+        tls = self._auth.client_ssl()
+        self._tls = tls if isinstance(tls, ssl.SSLContext) else None
 
     def _say(self, msg: str) -> None:
         if not self.quiet:
@@ -144,14 +161,14 @@ class LocalCluster:
         # a supervised restart appends to the role's log (a fresh start begins a new one);
         # the child dies with the launcher
         child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
-                           self.log_dir / f"{role}-{node}.log", f"http://{host}:{port}",
+                           self.log_dir / f"{role}-{node}.log", f"{self.config.scheme}://{host}:{port}",
                            append=append, die_with_parent=True)
         self.children.append(child)
         return child
 
     def _wait(self, children: list[Child], timeout: float) -> None:
         try:
-            wait_healthy(children, timeout,
+            wait_healthy(children, timeout, context=self._tls,
                          on_ready=lambda c: self._say(f"  {c.role:<10} {c.node:<6} ready at {c.url}"))
         except ClusterError as exc:
             raise ClusterError(f"{exc}; logs in {self.log_dir}") from None
@@ -160,8 +177,11 @@ class LocalCluster:
         """Until the control plane heard every generation node (only those are routed to)."""
         deadline = time.monotonic() + timeout
         while True:
+            url = self.config.control_url + "/control/stats"
+            # the control plane's stats are internal: the launcher signs like any role
+            req = urllib.request.Request(url, headers=self._auth.headers("GET", url))
             with contextlib.suppress(OSError, urllib.error.URLError, ValueError), \
-                    urllib.request.urlopen(self.config.retrieval_url + "/control/stats", timeout=1.0) as resp:
+                    urllib.request.urlopen(req, timeout=1.0, context=self._tls) as resp:
                 nodes = json.loads(resp.read()).get("nodes", {})
                 if all(nodes.get(name, {}).get("alive") for name in names):
                     return
@@ -174,7 +194,10 @@ class LocalCluster:
         cfg = self.config
         # convert the checkpoint once here, not concurrently in every child
         resolve(cfg.model)
-        self._say(f"starting tessera cluster (logs in {self.log_dir})")
+        self._say(f"starting tessera cluster (logs in {self.log_dir}; cluster secret {cfg.security.secret_file})")
+        if not cfg.security.keys_file:
+            self._say(f"  no API keys (security.keys_file): the API at {cfg.retrieval_url} is open to every "
+                      "process on this machine; set keys before exposing it")
         try:
             self._wait([self._spawn("retrieval", "main", cfg.retrieval.host, cfg.retrieval.port)], timeout)
             self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)

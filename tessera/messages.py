@@ -66,6 +66,15 @@ class BlockRef:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeToken:
+    """Capability for a grant's or lease's blocks on one memory node (:func:`tessera.auth.capability`)."""
+
+    node: str
+    expires: int  # unix seconds: the cluster's clocks agree within security.max_clock_skew_s
+    mac: str  # hex HMAC over (op, node, the blocks' slots in order, epoch, expires)
+
+
+@dataclass(frozen=True, slots=True)
 class ReadLease:
     """Permission to read a READY shared entry at one storage epoch; blocks stay until released."""
 
@@ -74,6 +83,7 @@ class ReadLease:
     epoch: int
     blocks: tuple[BlockRef, ...]
     ttl_s: float
+    tokens: tuple[NodeToken, ...] = ()  # one per memory node of ``blocks`` (a cluster with a secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +97,7 @@ class WriteGrant:
     n_tokens: int
     # writes must start within this many seconds; afterwards the reservation is cancelled
     deadline_s: float
+    tokens: tuple[NodeToken, ...] = ()  # one per memory node of ``blocks`` (a cluster with a secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +238,7 @@ class ExecuteRequest:
     layout: PromptLayout
     plan: RequestPlan
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = ""  # the namespace of the node's exact-prefix cache (no cross-tenant hits)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from tessera.config import ClusterConfig, Role
-from tessera.errors import TesseraError
+from tessera.config import LOOPBACK_HOSTS, ClusterConfig, Role
+from tessera.errors import ConfigError, TesseraError
 
 
 def check_registered(config: ClusterConfig) -> None:
@@ -31,6 +31,22 @@ def check_registered(config: ClusterConfig) -> None:
         registry.check(name)
 
 
+def check_secret(role: str, config: ClusterConfig, node: str | None) -> None:
+    """A role whose listeners reach beyond loopback must hold a cluster secret.
+
+    Every listener of a kvpool or generation node is internal: without a secret anyone who
+    reaches it could drive it. (The retrieval role checks its two planes itself.)
+    """
+    if config.security.secret_file or role == Role.retrieval:
+        return
+    nodes = config.kvpools if role == Role.kvpool else config.generation
+    hosts = {n.host for n in nodes if node is None or n.name == node}
+    exposed = sorted(hosts - set(LOOPBACK_HOSTS))
+    if exposed:
+        raise ConfigError(f"{role} listens on {', '.join(exposed)} without security.secret_file: its API would be "
+                          "open to the network; set a cluster secret (tessera up creates one)")
+
+
 def run_role(role: str, config: ClusterConfig, node: str | None) -> int:
     role = Role(role)
     if role == "retrieval":
@@ -49,6 +65,7 @@ def run_role(role: str, config: ClusterConfig, node: str | None) -> int:
 def main_for(role: str, config: ClusterConfig, node: str | None) -> int:
     try:
         check_registered(config)
+        check_secret(role, config, node)
         return run_role(role, config, node)
     except TesseraError as exc:
         print(f"tessera {role}: {exc}", file=sys.stderr)

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -45,34 +46,43 @@ def run(main: Callable[[], Coroutine[Any, Any, int | None]]) -> int:
         return runner.run(main()) or 0
 
 
-async def serve(app: web.Application, host: str, port: int, *, name: str, drain_s: float = 10.0) -> int:
-    """Serve ``app`` until SIGINT/SIGTERM, then drain and clean up. Returns the exit code."""
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=drain_s, access_log=None)
+async def serve(app: web.Application, host: str, port: int, *, name: str, drain_s: float = 10.0,
+                ssl_context: ssl.SSLContext | None = None,
+                also: Sequence[tuple[web.Application, str, int]] = ()) -> int:
+    """Serve ``app`` (and the ``also`` apps, e.g. an internal plane) until SIGINT/SIGTERM.
+
+    Then drain and clean up, ``app`` first: its in-flight work may still need the others.
+    Returns the exit code: 3 when a start-up (an app's ``cleanup_ctx``, e.g. loading the model)
+    or a listener fails.
+    """
+    sites = [(app, host, port), *also]
+    runners = [web.AppRunner(a, handle_signals=False, shutdown_timeout=drain_s, access_log=None) for a, _, _ in sites]
+    scheme = "https" if ssl_context is not None else "http"
+    started: list[web.AppRunner] = []
     try:
-        await runner.setup()  # runs the cleanup_ctx start-ups
+        for runner, (_, h, p) in zip(runners, sites, strict=True):
+            started.append(runner)
+            await runner.setup()  # runs the cleanup_ctx start-ups
+            await web.TCPSite(runner, h, p, reuse_address=True, ssl_context=ssl_context).start()
     except (OSError, TesseraError) as exc:
-        log.error("%s cannot start: %s", name, exc)
-        await runner.cleanup()  # stops what did start, in reverse order
-        return 3
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        log.error("%s cannot listen on %s:%s: %s (is another process using the port?)", name, host, port, exc)
+        for runner in reversed(started):
+            await runner.cleanup()  # stops what did start, in reverse order
+        log.error("%s cannot start on %s: %s%s", name, ", ".join(f"{h}:{p}" for _, h, p in sites), exc,
+                  " (is another process using the port?)" if isinstance(exc, OSError) else "")
         return 3
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"tessera {name} ready on http://{host}:{port}", flush=True)
+    print(f"tessera {name} ready on {scheme}://{host}:{port}", flush=True)
     try:
         await stop.wait()
     finally:
         log.info("%s stopping: draining in-flight work (up to %.0fs)", name, drain_s)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
         log.info("%s stopped", name)
     return 0
 

@@ -1,8 +1,9 @@
 """Context units and their identity.
 
 A context unit is an independently retrieved text segment (a document chunk or a memory
-record) inside a sharing scope. Its identity is a stable digest of (scope, token ids,
-serving fingerprint). It never depends on the unit's position or neighbours: there is no
+record) inside a sharing scope of one tenant. Its identity is a stable digest of (tenant,
+scope, token ids, serving fingerprint): the tenant is part of every key derived from it, so
+no tenant can hit or probe another tenant's units. It never depends on the unit's position or neighbours: there is no
 prefix chaining, which is the whole point (paper §5.1).
 
 This module knows nothing about tensors, caches or where a unit's state lives.
@@ -45,9 +46,15 @@ class ServingFingerprint:
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-def unit_id_for(scope: str, token_ids: Sequence[int], fingerprint: ServingFingerprint) -> str:
-    """Stable identity of a unit: blake2b-128 over (scope, token ids, fingerprint), hex."""
+def unit_id_for(scope: str, token_ids: Sequence[int], fingerprint: ServingFingerprint, tenant: str = "") -> str:
+    """Stable identity of a unit: blake2b-128 over (tenant, scope, token ids, fingerprint), hex.
+
+    The open tenant ``""`` (no API keys) hashes as before tenants existed.
+    """
     h = hashlib.blake2b(digest_size=16)
+    if tenant:
+        tenant_bytes = tenant.encode()
+        h.update(b"tenant" + struct.pack("<I", len(tenant_bytes)) + tenant_bytes)
     scope_bytes = scope.encode()
     h.update(struct.pack("<I", len(scope_bytes)))
     h.update(scope_bytes)
@@ -73,6 +80,7 @@ class ContextUnit:
     scope: str
     text: str
     token_ids: tuple[int, ...]
+    tenant: str = ""
 
     @property
     def n_tokens(self) -> int:
@@ -137,6 +145,6 @@ class UnitFactory:
         self.tokens = tokens
         self.lead = lead
 
-    def make(self, scope: str, text: str) -> ContextUnit:
+    def make(self, scope: str, text: str, tenant: str = "") -> ContextUnit:
         ids = self.lead + self.tokens.tokens(text)
-        return ContextUnit(unit_id_for(scope, ids, self.fingerprint), scope, text, ids)
+        return ContextUnit(unit_id_for(scope, ids, self.fingerprint, tenant), scope, text, ids, tenant)

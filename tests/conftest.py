@@ -81,10 +81,10 @@ class FakeEngine(EngineAdapter):
             logits[(item.token_ids[-1] + 1) % FAKE_VOCAB] = 1.0
             item.logits = logits
 
-    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
         return 0
 
-    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
         pass
 
     @property

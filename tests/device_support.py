@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import EngineAdapter, UnitState
-from tessera.generation.executor import Executor, Finished, TokenEvent
+from tessera.generation.executor import Executor
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import EngineWorker, Scheduler
+from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import (
+    DoneEvent,
     ExecuteRequest,
     Preparation,
     PromptLayout,
@@ -20,6 +21,7 @@ from tessera.messages import (
     RequestPlan,
     Retention,
     SamplingParams,
+    TokenEvent,
     UnitPlan,
     WriteGrant,
 )
@@ -53,17 +55,15 @@ class DictReader:
 @contextlib.asynccontextmanager
 async def running_executor(engine: EngineAdapter, policy: CompositionPolicy, cache: LocalUnitCache,
                            reader: DictReader | None = None) -> AsyncIterator[Executor]:
-    worker = EngineWorker(engine)
-    scheduler = Scheduler(worker, max_batch_tokens=4096)
+    scheduler = Scheduler(engine, max_batch_tokens=4096)
     scheduler.start()
     retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 24, outstanding=2)
     try:
-        yield Executor(engine, worker, scheduler, PrefillCoalescer(scheduler), cache, retainer, reader,
+        yield Executor(scheduler, PrefillCoalescer(scheduler), cache, retainer, reader,
                        lambda _lease_id: None, policy, "compose")
     finally:
         await retainer.drain(5.0)
         await scheduler.stop()
-        worker.close()
 
 
 def execute_request(layout: PromptLayout, preparations: Mapping[str, Preparation], max_tokens: int,
@@ -80,14 +80,14 @@ def execute_request(layout: PromptLayout, preparations: Mapping[str, Preparation
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-async def run_request(executor: Executor, req: ExecuteRequest) -> tuple[list[int], Finished]:
+async def run_request(executor: Executor, req: ExecuteRequest) -> tuple[list[int], DoneEvent]:
     """Run to the end, as the node does (the executor frees the slots after its last event)."""
     tokens: list[int] = []
-    finished: Finished | None = None
+    finished: DoneEvent | None = None
     async for event in executor.run(req):
         if isinstance(event, TokenEvent):
             tokens.append(event.token_id)
         else:
             finished = event
-    assert finished is not None, "the request ended without a Finished event"
+    assert finished is not None, "the request ended without a DoneEvent event"
     return tokens, finished

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import RoleProcess, free_port, write_config
+from support import RoleProcess, free_port, shared_secret_file, signed_get, with_secret, write_config
 
+from tessera.auth import CapabilityIssuer, read_secret
 from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, ModelConfig, TransportConfig
 from tessera.engines.base import ModelGeometry, UnitState
 from tessera.transport.arena import SHM_DIR
@@ -81,16 +82,18 @@ def pool_config(
     nodes: tuple[str, ...] = ("kv0",),
     capacity: int = 64,
     model_source: str | None = None,
+    secure: bool = True,
     **transport_fields: object,
 ) -> ClusterConfig:
     """A cluster on free loopback ports with the tiny model and the given memory nodes.
 
     ``model_source`` replaces the config.json-only checkpoint (a retrieval role needs a tokenizer).
+    ``secure``: with the tests' cluster secret (memory nodes then demand capabilities).
     """
     kvpools = tuple(KVPoolNodeConfig(name, port=free_port(), data_port=free_port(), capacity_blocks=capacity)
                     for name in nodes)
     base = ClusterConfig(generation=(GenerationNodeConfig("gen0", port=free_port()),))
-    return dataclasses.replace(
+    config = dataclasses.replace(
         base,
         block_tokens=BLOCK_TOKENS,
         model=ModelConfig(source=model_source or str(tiny_checkpoint(directory))),
@@ -98,6 +101,12 @@ def pool_config(
         transport=TransportConfig(name=transport, **transport_fields),  # type: ignore[arg-type]
         kvpools=kvpools,
     )
+    return with_secret(config) if secure else config
+
+
+def issuer() -> CapabilityIssuer:
+    """Capabilities as the test clusters' control plane would sign them (the test acts as the plane)."""
+    return CapabilityIssuer(read_secret(str(shared_secret_file())))
 
 
 def get_json(url: str) -> dict:
@@ -109,6 +118,7 @@ class MemoryNodeProcess:
     """A real ``tessera run --role kvpool`` process on loopback."""
 
     def __init__(self, config: ClusterConfig, config_path: Path, name: str) -> None:
+        self.config = config
         self.node = config.kvpool_node(name)
         self.url = f"http://{self.node.host}:{self.node.port}"
         self.proc = RoleProcess("kvpool", config_path, name)
@@ -121,7 +131,7 @@ class MemoryNodeProcess:
         return endpoint
 
     def endpoint(self) -> NodeEndpoint:
-        return from_wire(NodeEndpoint, get_json(f"{self.url}/info"))
+        return from_wire(NodeEndpoint, json.loads(signed_get(self.config, f"{self.url}/info")))
 
     def pause(self) -> None:
         self.proc.proc.send_signal(signal.SIGSTOP)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.config_file import load_config
 from tessera.engines.base import DTYPES, UnitState
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
-from tessera.generation.pool_client import KVPoolClient
+from tessera.generation.pool_client import KVPoolClient, capabilities
 from tessera.messages import WriteGrant
 from tessera.transport.base import SlotIO
 from tessera.transport.blocks import BlockLayout
@@ -29,8 +30,14 @@ async def main(config_path: str, grant_path: str, seed: int) -> None:
     g = geometry_from_checkpoint(resolve(config.model), config.kv_dtype)
     grant = decode(WriteGrant, Path(grant_path).read_bytes())
     pool = KVPoolClient(config, BlockLayout(g, config.block_tokens))
+    # the warm-up read needs a read capability; this harness holds the secret and signs one itself
+    secret = ClusterAuth.from_config(config).secret
+    assert secret is not None
+    token = CapabilityIssuer(secret).issue("read", grant.blocks, grant.epoch, 60)
+    caps = capabilities(grant.blocks, grant.epoch, token)
     for node in {b.node for b in grant.blocks}:  # connect before the test freezes anything
-        await pool.transport.read(await pool.endpoints.get(node), [SlotIO(0, memoryview(bytearray(1)))])
+        first = next(b.index for b in grant.blocks if b.node == node)
+        await pool.transport.read(await pool.endpoints.get(node), [SlotIO(first, memoryview(bytearray(1)), caps[node])])
     print("READY", flush=True)
     await asyncio.to_thread(sys.stdin.readline)
     gen = torch.Generator().manual_seed(seed)

@@ -52,12 +52,13 @@ def assert_same_as_offline(engine: EngineAdapter, cfg: ClusterConfig, response: 
 
 def run_mixed_scenario(cfg: ClusterConfig, log_dir: Path) -> None:
     """Serve three requests (the third: local A, remote B, missing C) and check each against offline."""
-    with running_cluster(cfg, log_dir):
+    with running_cluster(cfg, log_dir) as cluster:
         url = cfg.retrieval_url
         node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
         r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
         r2 = chat(url, [UNIT_B, UNIT_A], "What grows on the hill?")
-        wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 2, what="writeback")
+        wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cluster.config) >= 2,
+                 what="writeback")
         r3 = chat(url, [UNIT_B, UNIT_C, UNIT_A], "When does the ferry leave?")
     t = r3["usage"]["tessera"]
     assert (t["local_units"], t["remote_units"], t["computed_units"], t["fallbacks"]) == (1, 1, 1, 0), t

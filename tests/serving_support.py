@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from support import cluster_config
+from support import cluster_config, signed_get
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.launcher import LocalCluster
 from tessera.messages import PromptLayout, Segment, SegmentKind
@@ -30,10 +31,17 @@ def running_cluster(config: ClusterConfig, log_dir: Path) -> Iterator[LocalClust
         cluster.stop()
 
 
-def call(url: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
-    """POST JSON (or GET when there is no body); returns (status, parsed body or text)."""
+def call(url: str, path: str, body: Any = None, raw: bytes | None = None,
+         signed: ClusterConfig | None = None) -> tuple[int, Any]:
+    """POST JSON (or GET when there is no body); returns (status, parsed body or text).
+
+    ``signed``: call as a process of that cluster (the internal plane needs its secret).
+    """
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if signed is not None:
+        headers |= ClusterAuth.from_config(signed).headers("GET" if data is None else "POST", url + path, data or b"")
+    req = urllib.request.Request(url + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             payload = resp.read()
@@ -71,11 +79,13 @@ def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
     return PromptLayout(tuple(segments))
 
 
-def node_metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+def node_metric(url: str, name: str, config: ClusterConfig | None = None) -> float:
+    """A metric of a node; pass the cluster's config (with its secret) for a generation node's."""
+    text = signed_get(config, url + "/metrics") if config is not None else urllib.request.urlopen(
+        url + "/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import socket
 import subprocess
+import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tessera.auth import ClusterAuth, create_secret
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml, load_config
 from tessera.launcher import role_env, spawn_role, wait_healthy
@@ -19,10 +23,44 @@ from tessera.launcher import role_env, spawn_role, wait_healthy
 REPO = Path(__file__).resolve().parents[1]
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port never handed out before in this process.
+
+    The kernel may hand the same just-closed port to two calls; one config then names it twice
+    and is refused ("port already used"), which made the hypothesis plane machine flaky.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
+
+
+@functools.cache
+def shared_secret_file() -> Path:
+    """One cluster secret (0600) for every test cluster of this pytest process."""
+    path = Path(tempfile.mkdtemp(prefix="tessera-test-")) / "cluster.secret"
+    create_secret(path)
+    return path
+
+
+def with_secret(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with the tests' cluster secret and a free internal port."""
+    return dataclasses.replace(
+        config, security=dataclasses.replace(config.security, secret_file=str(shared_secret_file())),
+        retrieval=dataclasses.replace(config.retrieval, internal_port=free_port()))
+
+
+def signed_get(config: ClusterConfig, url: str, timeout: float = 10.0) -> bytes:
+    """GET an internal URL as a process of the cluster (signed with its secret)."""
+    req = urllib.request.Request(url, headers=ClusterAuth.from_config(config).headers("GET", url))
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return bytes(resp.read())
 
 
 def write_config(directory: Path, config: ClusterConfig, name: str = "tessera.toml") -> Path:
@@ -111,7 +149,7 @@ def cluster_config(model_source: str | None = None, *, nodes: int = 2, local_blo
         model=dataclasses.replace(base.model, source=model_source or base.model.source, threads=threads),
         control=dataclasses.replace(base.control, **control),
         transport=dataclasses.replace(base.transport, name=transport, timeout_s=2.0),
-        retrieval=dataclasses.replace(base.retrieval, port=free_port()),
+        retrieval=dataclasses.replace(base.retrieval, port=free_port(), internal_port=free_port()),
         kvpools=tuple(dataclasses.replace(pool_proto, name=f"kv{i}", port=free_port(), data_port=free_port(),
                                           capacity_blocks=kv_blocks)
                       for i in range(kvpools)),

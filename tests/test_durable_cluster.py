@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from serving_support import call, chat, cluster_config, node_metric, running_cluster, wait_for
+from support import signed_get
 
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
@@ -59,7 +60,7 @@ def durable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         cfg.retrieval, data_dir=str(tmp_path_factory.mktemp("data")), max_unit_tokens=256),
         composition=dataclasses.replace(cfg.composition, recompute_tokens=4))
     with running_cluster(cfg, tmp_path_factory.mktemp("durable")) as cluster:
-        yield cfg, cluster
+        yield cluster.config, cluster  # the cluster's config carries the secret it created
 
 
 def send(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -123,7 +124,7 @@ def test_replies_started_after_a_delete_is_acknowledged_never_use_the_unit(
     for _ in range(3):
         chat(url, [DOCS["reef"]], "What is off Queensland?", scope="kb")
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
-    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 1, what="writeback")
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cfg) >= 1, what="writeback")
     warm = chat(url, [DOCS["reef"]], "What is off Queensland?", scope="kb")["usage"]["tessera"]
     assert warm["remote_units"] == 1, warm
 
@@ -173,11 +174,11 @@ def test_units_and_cached_states_survive_a_kill_9_of_the_retrieval_role(
     docs = {name: text.replace(".", " (archive).") for name, text in DOCS.items()}
     ids = ingest(url, "archive", docs)
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
-    before_writes = node_metric(node_url, "tessera_node_writebacks_published_total")
+    before_writes = node_metric(node_url, "tessera_node_writebacks_published_total", cfg)
     chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")
-    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") > before_writes,
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cfg) > before_writes,
              what="writeback")
-    published = node_metric(node_url, "tessera_node_writebacks_published_total")
+    published = node_metric(node_url, "tessera_node_writebacks_published_total", cfg)
     assert chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")["usage"]["tessera"]["remote_units"] == 1
     queries = ["Where is the largest reef?", "How is espresso brewed?", "Which mountain is highest?"]
     before = [send(url, "POST", "/v1/retrieve", {"version": V, "scope": "archive", "query": q, "top_k": 3})[1]
@@ -188,10 +189,11 @@ def test_units_and_cached_states_survive_a_kill_9_of_the_retrieval_role(
     assert [[u["unit_id"] for u in b["units"]] for b in before] == [[u["unit_id"] for u in a["units"]] for a in after]
     assert after[0]["units"][0]["metadata"] == {"name": "reef"} and after[0]["units"][0]["unit_id"] == ids["reef"]
     kv_url = f"http://127.0.0.1:{cfg.kvpools[0].port}"
-    wait_for(lambda: send(kv_url, "GET", "/info")[1]["stats"]["adopted"] >= 1, timeout=90, what="recovery")
+    wait_for(lambda: json.loads(signed_get(cfg, kv_url + "/info"))["stats"]["adopted"] >= 1, timeout=90,
+             what="recovery")
     stats = chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")["usage"]["tessera"]
     assert (stats["remote_units"], stats["computed_units"], stats["fallbacks"]) == (1, 0, 0), stats
-    assert node_metric(node_url, "tessera_node_writebacks_published_total") == published  # nothing rewritten
+    assert node_metric(node_url, "tessera_node_writebacks_published_total", cfg) == published  # nothing rewritten
     # a unit deleted before the crash stays deleted
     assert send(url, "DELETE", f"/v1/units/{ids['coffee']}")[0] == 200
     cluster.restart("retrieval", crash=True)

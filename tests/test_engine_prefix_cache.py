@@ -101,3 +101,16 @@ def test_engine_match_copies_only_what_fits_the_slots(tmp_path: Path, n: int) ->
     engine.step([Extend(slots, tokens, range(64))])
     engine.insert_prefix(slots, tokens)
     assert engine.match_prefix(engine.allocate(n), tokens) == n
+
+
+def test_namespaces_never_match_each_others_entries() -> None:
+    """Regression (issue 14): one tenant's cached prompt showed as another tenant's prefix hit."""
+    cache = PrefixCache(64)
+    kv = kv_of(list(range(16)))
+    assert cache.insert(list(range(16)), kv, namespace="tenant-a") == 16
+    assert cache.match(list(range(16)), namespace="tenant-b").length == 0
+    assert cache.match(list(range(16))).length == 0
+    assert cache.match(list(range(16)), namespace="tenant-a").length == 16
+    assert cache.insert(list(range(16)), kv, namespace="tenant-b") == 16  # b stores its own copy
+    assert cache.n_tokens == 32
+    assert cache.evict(32) == 32 and cache.match(list(range(16)), namespace="tenant-a").length == 0

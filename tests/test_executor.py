@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from device_support import QuietControl
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import CompositionConfig
@@ -33,7 +34,6 @@ from tessera.messages import (
     SegmentKind,
     TokenEvent,
     UnitPlan,
-    WriteGrant,
 )
 from tessera.wire import WIRE_VERSION
 
@@ -67,19 +67,6 @@ class Reader:
         return unit_state(n_tokens)
 
 
-class Control:
-    """The residency reporter the retainer talks to; records what it was told."""
-
-    def __init__(self) -> None:
-        self.reports: list[tuple[list[str], list[str]]] = []
-
-    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None:
-        self.reports.append((list(inserted), list(evicted)))
-
-    async def give_up(self, grant: WriteGrant) -> None:
-        pass
-
-
 class Node:
     """An executor wired as on a generation node, with a fake engine and a recording lease release."""
 
@@ -88,7 +75,7 @@ class Node:
         self.released: list[str] = []
         self.scheduler = Scheduler(engine, max_batch_tokens=64)
         self.cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
-        self.retainer = Retainer(self.cache, None, Control(), staging_bytes=1 << 20, outstanding=2)
+        self.retainer = Retainer(self.cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
         policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
         self.executor = Executor(self.scheduler, PrefillCoalescer(self.scheduler), self.cache, self.retainer, reader,
                                  self.released.append, policy, "compose")
@@ -101,10 +88,11 @@ class Node:
         return [e.token_id for e in events if isinstance(e, TokenEvent)], done
 
 
-def request(preparation: Preparation, max_tokens: int = 3, layout: PromptLayout = LAYOUT) -> ExecuteRequest:
-    unit = UnitPlan("u1", len(UNIT), preparation, Retention.NEITHER,
+def request(preparation: Preparation, max_tokens: int = 3, layout: PromptLayout = LAYOUT,
+            retention: Retention = Retention.NEITHER, request_id: str = "req-1") -> ExecuteRequest:
+    unit = UnitPlan("u1", len(UNIT), preparation, retention,
                     lease=LEASE if preparation is Preparation.REMOTE else None)
-    return ExecuteRequest(WIRE_VERSION, "req-1", layout, RequestPlan(WIRE_VERSION, "req-1", "gen0", (unit,)),
+    return ExecuteRequest(WIRE_VERSION, request_id, layout, RequestPlan(WIRE_VERSION, request_id, "gen0", (unit,)),
                           SamplingParams(max_tokens=max_tokens))
 
 
@@ -172,3 +160,33 @@ async def test_cancelling_a_run_frees_its_slots_and_returns_its_lease(fake_engin
         assert [s.freed for s in fake_engine.allocated] == [True]
         assert n.released == ["lease-1"]
         assert n.cache.held("other", ["u1"]) == []  # nothing left pinned or inserted
+
+
+async def test_a_miss_that_the_cache_holds_by_now_is_reused_not_prefilled(fake_engine: Any) -> None:
+    """A unit planned COMPUTE that another request retained since the plan was made is a local hit."""
+    async with node(fake_engine) as n:
+        n.cache.insert("u1", unit_state())
+        _, done = await n.run(Preparation.COMPUTE)
+    assert (done.stats.local_units, done.stats.computed_units) == (1, 0)
+    assert [len(UNIT)] not in fake_engine.batches  # no prefill of the unit
+
+
+async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(fake_engine: Any) -> None:
+    """Requests missing one unit, started at staggered moments, prefill it once on the node.
+
+    Each arrives while the prefill is in flight (coalesced) or after it was retained (local):
+    the retention happens in the same step as the prefill's return, so there is no gap between.
+    """
+    async with node(fake_engine) as n:
+        async def one(i: int, delay: float) -> DoneEvent:
+            await asyncio.sleep(delay)
+            events = [e async for e in n.executor.run(request(Preparation.COMPUTE, 2, LAYOUT, Retention.LOCAL,
+                                                              f"req-{i}"))]
+            done = events[-1]
+            assert isinstance(done, DoneEvent)
+            return done
+
+        dones = await asyncio.gather(*(one(i, 0.0005 * i) for i in range(12)))
+    assert n.executor.prefills.started == 1
+    assert sum(d.stats.computed_units - d.stats.coalesced_units for d in dones) == 1
+    assert sum(d.stats.coalesced_units + d.stats.local_units for d in dones) == 11

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import subprocess
 import sys
 import time
@@ -22,9 +23,10 @@ import aiohttp
 import orjson
 import pytest
 import torch
-from kvpool_support import HANG_GUARD_S, MemoryNodeProcess, get_json, memory_node, pool_config, random_state
-from support import REPO, RoleProcess, child_env, write_config
+from kvpool_support import HANG_GUARD_S, MemoryNodeProcess, memory_node, pool_config, random_state
+from support import REPO, RoleProcess, child_env, shared_secret_file, signed_get, write_config
 
+from tessera.auth import ClusterAuth, read_secret
 from tessera.config import ClusterConfig, ControlConfig
 from tessera.engines.base import ModelGeometry, UnitState
 from tessera.engines.checkpoint import resolve
@@ -67,7 +69,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return self.config.retrieval_url
+        return self.config.control_url  # the internal plane: the tests act as cluster processes
 
     def layout(self) -> BlockLayout:
         return BlockLayout(self.geometry, self.config.block_tokens)
@@ -86,7 +88,8 @@ def cluster(directory: Path, model: Path, capacity: int = 64, write_timeout_s: f
             retrieval.wait_healthy(config.retrieval_url, timeout=120)
             boot = node.endpoint().boot_id
             for _ in range(int(HANG_GUARD_S / 0.1)):  # until kv0's hello has reached the control plane
-                listed = from_wire(MemoryNodeList, get_json(f"{config.retrieval_url}/control/kvpool")).nodes
+                raw = signed_get(config, f"{config.control_url}/control/kvpool")
+                listed = from_wire(MemoryNodeList, json.loads(raw)).nodes
                 if [n.boot_id for n in listed] == [boot]:
                     break
                 time.sleep(0.1)
@@ -104,7 +107,9 @@ def shared_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
+    """A session that signs its requests with the cluster secret, as the cluster's own roles do."""
+    auth = ClusterAuth(read_secret(str(shared_secret_file())))
+    async with aiohttp.ClientSession(middlewares=(auth.client_middleware(),)) as session:
         yield session
 
 

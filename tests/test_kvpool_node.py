@@ -79,7 +79,7 @@ async def test_the_node_says_hello_with_a_new_boot_id_each_start_and_keeps_beati
     app.router.add_post("/control/kvpool/hello", hello)
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, config.retrieval.host, config.retrieval.port).start()
+    await web.TCPSite(runner, config.retrieval.internal_host, config.retrieval.internal_port).start()
     try:
         boots = []
         for _ in range(2):
@@ -113,7 +113,7 @@ async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_pat
         app.router.add_post("/control/kvpool/hello", failing)
         runner = web.AppRunner(app)
         await runner.setup()
-        await web.TCPSite(runner, config.retrieval.host, config.retrieval.port).start()
+        await web.TCPSite(runner, config.retrieval.internal_host, config.retrieval.internal_port).start()
     try:
         with memory_node(config, tmp_path) as node:
             for _ in range(100):

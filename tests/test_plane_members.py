@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from control_support import Cluster, hello, preps
 
@@ -46,8 +48,19 @@ def test_hellos_from_unknown_or_inconsistent_memory_nodes_are_refused() -> None:
         c.plane.hello(hello("kv7"))
     assert info.value.status == 404
     with pytest.raises(BadRequest, match="without a new boot_id") as info:
-        c.plane.hello(hello("kv0", 32))
+        c.plane.hello(dataclasses.replace(hello("kv0"), shm_name="tessera-elsewhere"))
     assert info.value.status == 409
+
+
+def test_a_hello_claiming_more_than_the_config_gives_is_refused() -> None:
+    """Regression (issue 14): capacity_blocks = 1e9 in a hello sized the allocator and OOM-killed the plane."""
+    c = Cluster()
+    for capacity in (32, 10**9):
+        with pytest.raises(BadRequest, match="the config gives it 16") as info:
+            c.plane.hello(hello("kv0", capacity, boot=f"boot-{capacity}"))
+        assert info.value.status == 400
+    assert c.plane.allocator.capacity == 16
+    c.plane.check_invariants()
 
 
 def test_a_silent_memory_node_is_dropped_with_its_entries() -> None:

@@ -16,6 +16,7 @@ from kvpool_support import (
     HANG_GUARD_S,
     TINY_GEOMETRY,
     TRANSPORTS,
+    issuer,
     memory_node,
     pool_config,
     random_state,
@@ -26,7 +27,7 @@ from kvpool_support import (
 from tessera.config import ClusterConfig
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
-from tessera.generation.pool_client import KVPoolClient
+from tessera.generation.pool_client import KVPoolClient, capabilities
 from tessera.messages import BlockRef, ReadLease
 from tessera.transport.arena import Arena
 from tessera.transport.base import SlotIO
@@ -59,14 +60,15 @@ async def pool(two_nodes: Cluster) -> AsyncIterator[KVPoolClient]:
 
 
 def lease_for(blocks: tuple[BlockRef, ...], epoch: int = 5) -> ReadLease:
-    return ReadLease("L1", UNIT, epoch, blocks, ttl_s=30.0)
+    return ReadLease("L1", UNIT, epoch, blocks, 30.0, issuer().issue("read", blocks, epoch, 30.0))
 
 
 async def put(pool: KVPoolClient, blocks: tuple[BlockRef, ...], state: UnitState, epoch: int = 5) -> None:
-    """Write a unit's blocks the way a writer would, without the control plane."""
+    """Write a unit's blocks the way a writer would, under capabilities the test signs as the plane."""
     views = pool.layout.encode(state, UNIT, epoch)
+    caps = capabilities(blocks, epoch, issuer().issue("write", blocks, epoch, 30.0))
     for ref, view in zip(blocks, views, strict=True):
-        await pool.transport.write(await pool.endpoints.get(ref.node), [SlotIO(ref.index, view)])
+        await pool.transport.write(await pool.endpoints.get(ref.node), [SlotIO(ref.index, view, caps.get(ref.node))])
 
 
 def spread(n_blocks: int, first: int = 0) -> tuple[BlockRef, ...]:

@@ -88,7 +88,7 @@ class _SlowStore:
     def __init__(self) -> None:
         self.calls: list[int] = []
 
-    def ingest(self, items: list[Any], embeddings: Any, external_ids: Any) -> Ingested:
+    def ingest(self, items: list[Any], embeddings: Any, external_ids: Any, tenant: str = "") -> Ingested:
         self.calls.append(len(items))
         time.sleep(0.02)
         return Ingested([(ContextUnit(f"{scope}:{text}", scope, text, ()), True) for scope, text, _ in items])

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
-from support import RoleProcess, free_port, write_config
+from support import RoleProcess, free_port, with_secret, write_config
 
+from tessera.auth import ClusterAuth
 from tessera.config import (
     ClusterConfig,
     ControlConfig,
@@ -23,8 +27,15 @@ from tessera.wire import WIRE_VERSION, from_wire
 V = WIRE_VERSION
 
 
+@dataclass(frozen=True)
+class Service:
+    url: str  # the public API
+    control_url: str  # the internal plane
+    auth: ClusterAuth  # what the cluster's own processes hold
+
+
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """A retrieval process for the whole module; it must drain and exit 0 on SIGTERM."""
     directory: Path = tmp_path_factory.mktemp("retrieval")
     port = free_port()
@@ -35,31 +46,34 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         kvpools=(KVPoolNodeConfig("kv0", port=free_port(), data_port=free_port(), capacity_blocks=64),),
         generation=tuple(GenerationNodeConfig(f"gen{i}", port=free_port()) for i in range(2)),
     )
+    config = with_secret(config)
     proc = RoleProcess("retrieval", write_config(directory, config))
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_healthy(url, timeout=120)
-        yield url
+        yield Service(url, config.control_url, ClusterAuth.from_config(config))
     finally:
         code = proc.stop()
     assert code == 0, proc.log()
     assert "retrieval stopped" in proc.log()
 
 
-async def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        kwargs: dict[str, Any] = {"data": raw} if raw is not None else {"json": body}
-        async with session.request(method, url + path, **kwargs) as resp:
-            assert resp.content_type == "application/json", await resp.text()
-            return resp.status, await resp.json()
+async def call(service: Service, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """A client call to the public API, or (``/control/*``) a signed call as a cluster process."""
+    data = raw if raw is not None else (None if body is None else orjson.dumps(body))
+    url = (service.control_url if path.startswith("/control/") else service.url) + path
+    headers = service.auth.headers(method, url, data or b"") if path.startswith("/control/") else {}
+    async with aiohttp.ClientSession() as session, session.request(method, url, data=data, headers=headers) as resp:
+        assert resp.content_type == "application/json", await resp.text()
+        return resp.status, await resp.json()
 
 
-async def test_health_says_ready(service: str) -> None:
+async def test_health_says_ready(service: Service) -> None:
     """GET /health is 200 once the tokenizer and the embedder are loaded."""
     assert await call(service, "GET", "/health") == (200, {"version": V, "status": "ready", "role": "retrieval"})
 
 
-async def test_ingest_then_retrieve_the_paraphrased_passage(service: str) -> None:
+async def test_ingest_then_retrieve_the_paraphrased_passage(service: Service) -> None:
     """Ingested units come back ranked by meaning, with ids, token counts and metadata."""
     units = [
         {"scope": "kb", "text": "The Great Barrier Reef is the world's largest coral reef system, off Queensland.",
@@ -108,7 +122,7 @@ async def test_ingest_then_retrieve_the_paraphrased_passage(service: str) -> Non
         ("/no/such/path", {}, 404, "Not Found"),
     ],
 )
-async def test_bad_requests_get_a_4xx_that_says_what_to_fix(service: str, path: str, body: Any, status: int,
+async def test_bad_requests_get_a_4xx_that_says_what_to_fix(service: Service, path: str, body: Any, status: int,
                                                             needle: str) -> None:
     """Malformed JSON, wrong types, bad values, unknown scopes and nodes: 4xx with a message."""
     raw = body if isinstance(body, bytes) else None
@@ -116,7 +130,7 @@ async def test_bad_requests_get_a_4xx_that_says_what_to_fix(service: str, path: 
     assert got == status and needle in out["error"], out
 
 
-async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(service: str) -> None:
+async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(service: Service) -> None:
     """route -> plan -> publish -> a remote hit elsewhere under a lease -> release -> complete."""
     hello = {"version": V, "name": "kv0", "boot_id": "boot-a", "capacity_blocks": 64, "block_bytes": 4096,
              "shm_name": "tessera-kv0", "data_host": "127.0.0.1", "data_port": 9999}
@@ -137,22 +151,21 @@ async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(s
         assert status == 200, body
         return from_wire(RequestPlan, body)
 
+    # free shared space: the unit's first sight is computed and granted a writeback (issue 16)
     first = await plan("h1")
-    assert first.units[0].preparation.value == "compute" and first.units[0].grant is None
-    assert (await call(service, "POST", "/control/complete", {"version": V, "request_id": "h1"}))[1]["ok"]
-    second = await plan("h2")
-    grant = second.units[0].grant
-    assert grant is not None and grant.writer == second.node and len(grant.blocks) == 3
+    grant = first.units[0].grant
+    assert first.units[0].preparation.value == "compute"
+    assert grant is not None and grant.writer == first.node and len(grant.blocks) == 3
     publish = {"version": V, "unit_id": grant.unit_id, "epoch": grant.epoch, "writer": "gen-impostor",
                "blocks": [{"node": b.node, "index": b.index} for b in grant.blocks]}
     status, ack = await call(service, "POST", "/control/publish", publish)
     assert status == 409 and ack["ok"] is False and "not the authorized writer" in ack["reason"]
     status, ack = await call(service, "POST", "/control/publish", {**publish, "writer": grant.writer})
     assert status == 200 and ack["ok"] is True
-    await call(service, "POST", "/control/complete", {"version": V, "request_id": "h2"})
+    assert (await call(service, "POST", "/control/complete", {"version": V, "request_id": "h1"}))[1]["ok"]
 
-    third = await plan("h3")
-    assert third.node != second.node and third.units[0].preparation.value == "remote"
+    third = await plan("h3")  # the node's snapshot does not hold it: read from the shared tier
+    assert third.units[0].preparation.value == "remote"
     lease = third.units[0].lease
     assert lease is not None and lease.epoch == grant.epoch
     status, ack = await call(service, "POST", "/control/release", {"version": V, "lease_ids": [lease.lease_id]})
@@ -164,7 +177,7 @@ async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(s
                              {"version": V, "node": third.node, "inserted": [], "evicted": []})
     assert status == 200 and ack["ok"]
     status, stats = await call(service, "GET", "/control/stats")
-    assert stats["plans"]["plans"] == 3 and stats["shared_entries"] == 1
+    assert stats["plans"]["plans"] == 2 and stats["shared_entries"] == 1
     assert stats["nodes"][third.node]["inflight"] == 1
 
 
@@ -175,7 +188,9 @@ async def test_deeply_nested_metadata_is_refused_at_ingest_and_retrieval_keeps_w
         deep = {"k": deep}
     unit = {"scope": "deep", "text": "The lighthouse keeper writes every passing ship in a blue notebook.",
             "metadata": deep}
-    status, out = await call(service, "POST", "/v1/units", {"version": V, "units": [unit]})
+    # orjson refuses to write it (254 levels at most): a client on another JSON library may not
+    raw = json.dumps({"version": V, "units": [unit]}).encode()
+    status, out = await call(service, "POST", "/v1/units", raw=raw)
     assert status == 400 and "nested more than" in out["error"]
     status, out = await call(service, "POST", "/v1/units", {"version": V, "units": [{**unit, "metadata": {"a": 1}}]})
     assert status == 200

@@ -86,17 +86,17 @@ def assert_same_as_offline(engine: ReferenceEngine, cfg: ClusterConfig, response
 
 def test_local_remote_and_missing_units_compose_like_the_offline_engine(one_node: Any, engine: ReferenceEngine) -> None:
     """A request mixing a local hit, a remote hit and a miss returns what offline composition returns."""
-    cfg, _ = one_node
+    cfg, cluster = one_node
     url = cfg.retrieval_url
     node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
     r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
     assert r1["usage"]["tessera"]["computed_units"] == 2  # nothing is cached yet
     # free space is taken at first sight: A fills the local cache exactly, both go to the shared pool
-    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 2, what="writeback")
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cluster.config) >= 2,
+             what="writeback")
     r2 = chat(url, [UNIT_B, UNIT_A], "What grows on the hill?")
     t = r2["usage"]["tessera"]
     assert (t["local_units"], t["remote_units"], t["computed_units"]) == (1, 1, 0), t
-    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total") >= 2, what="writeback")
     r3 = chat(url, [UNIT_B, UNIT_C, UNIT_A], "When does the ferry leave?")
     t = r3["usage"]["tessera"]
     assert (t["local_units"], t["remote_units"], t["computed_units"]) == (1, 1, 1), t
@@ -200,7 +200,8 @@ def test_killing_the_kvpool_mid_run_still_answers_every_request(tcp_cluster: Any
     units = [UNIT_A, UNIT_B]
     chat(url, units, "first")
     chat(url, units, "second")  # both units are in the shared pool since the first (no local cache)
-    wait_for(lambda: sum(node_metric(f"http://127.0.0.1:{g.port}", "tessera_node_writebacks_published_total")
+    wait_for(lambda: sum(node_metric(f"http://127.0.0.1:{g.port}", "tessera_node_writebacks_published_total",
+                                     cluster.config)
                          for g in cfg.generation) >= 2, what="writeback")
     r = chat(url, units, "third")
     assert r["usage"]["tessera"]["remote_units"] == 2  # served from the pool while it lives

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from serving_support import call, chat, cluster_config, running_cluster, wait_for
+from support import signed_get
 
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
@@ -29,21 +30,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterC
     cfg = cluster_config(str(model), nodes=2, max_inflight=2, connect_timeout_s=1.0, first_token_timeout_s=3.0,
                          idle_timeout_s=3.0)
     with running_cluster(cfg, tmp_path_factory.mktemp("failures")) as c:
-        yield cfg, c
+        yield c.config, c  # with the secret the launcher made: internal calls are signed with it
 
 
 def _child(c: LocalCluster, node: str) -> Child:
     return next(ch for ch in c.children if ch.node == node)
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus series' samples whose labels include ``labels`` (0 if none)."""
+def _metric(url: str, name: str, signed: ClusterConfig | None = None, **labels: str) -> float:
+    """Sum of a Prometheus series' samples whose labels include ``labels`` (0 if none).
+
+    ``signed``: read as a process of that cluster (a generation node's metrics are internal).
+    """
     want = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in want):
-                total += float(line.rsplit(" ", 1)[1])
+    if signed is not None:
+        text = signed_get(signed, url + "/metrics").decode()
+    else:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in want):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -105,12 +113,12 @@ def test_a_node_at_its_limit_answers_429_and_the_request_goes_to_another_node(
     for i in range(4):
         hogs = (f"hog-{i}-a", f"hog-{i}-b")
         for rid in hogs:  # a snapshot admits (and pins) until its execute, an abort or the pin timeout
-            status, _ = call(gen0, "/v1/snapshot", {"version": 1, "request_id": rid, "unit_ids": []})
+            status, _ = call(gen0, "/v1/snapshot", {"version": 1, "request_id": rid, "unit_ids": []}, signed=cfg)
             assert status == 200
         status, body = call(cfg.retrieval_url, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": f"busy {i}"}], "max_tokens": 3, "temperature": 0})
         for rid in hogs:
-            call(gen0, "/v1/abort", {"request_id": rid})
+            call(gen0, "/v1/abort", {"request_id": rid}, signed=cfg)
         assert status == 200, body
         nodes.add(body["usage"]["tessera"]["node"])
     assert nodes == {"gen1"}
@@ -148,7 +156,7 @@ def test_a_client_that_disconnects_is_counted_cancelled_and_its_generation_is_ab
     url = cfg.retrieval_url
     cancelled = _metric(url, "tessera_requests_total", status="cancelled")
     ok = _metric(url, "tessera_requests_total", status="200")
-    aborted = sum(_metric(f"http://127.0.0.1:{g.port}", "tessera_node_requests_total", outcome=o)
+    aborted = sum(_metric(f"http://127.0.0.1:{g.port}", "tessera_node_requests_total", cfg, outcome=o)
                   for g in cfg.generation for o in ("aborted", "cancelled"))
     body = json.dumps({"messages": [{"role": "user", "content": "go on"}], "max_tokens": 1900,
                        "ignore_eos": True, "temperature": 0, "stream": stream}).encode()
@@ -162,7 +170,7 @@ def test_a_client_that_disconnects_is_counted_cancelled_and_its_generation_is_ab
             time.sleep(0.5)  # well into decoding (1,900 tokens take several seconds)
     wait_for(lambda: _metric(url, "tessera_requests_total", status="cancelled") == cancelled + 1,
              what="the request to be counted as cancelled")
-    wait_for(lambda: sum(_metric(f"http://127.0.0.1:{g.port}", "tessera_node_requests_total", outcome=o)
+    wait_for(lambda: sum(_metric(f"http://127.0.0.1:{g.port}", "tessera_node_requests_total", cfg, outcome=o)
                          for g in cfg.generation for o in ("aborted", "cancelled")) == aborted + 1,
              what="the node to count the request as aborted")
     wait_for(lambda: all(_node_health(cfg, i)["inflight"] == 0 for i in range(2)), what="generation to stop")

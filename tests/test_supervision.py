@@ -22,9 +22,9 @@ from tessera.transport.arena import SHM_DIR, Arena, segment_name
 class _SleepyCluster(LocalCluster):
     """A launcher whose roles are ``sleep`` processes: the supervision logic, without models."""
 
-    def _spawn(self, role: str, node: str, host: str, port: int) -> Child:
+    def _spawn(self, role: str, node: str, host: str, port: int, append: bool = False) -> Child:
         log_path = self.log_dir / f"{role}-{node}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - closed by restart/stop
+        log_file = open(log_path, "ab" if append else "wb")  # noqa: SIM115 - closed by restart/stop
         proc = subprocess.Popen(["sleep", "60"], stdout=log_file, stderr=subprocess.STDOUT)
         child = Child(role, node, f"http://{host}:{port}", log_path, proc, log_file)
         self.children.append(child)

@@ -41,7 +41,8 @@ def shared_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     """One memory node per transport, shared by the tests that do not hurt it."""
     skip_if_unavailable(request.param)
     directory = tmp_path_factory.mktemp(f"kvpool-{request.param}")
-    config = pool_config(directory, transport=request.param, capacity=64)
+    # transports move bytes; capabilities are the memory node's business (test_security.py)
+    config = pool_config(directory, transport=request.param, capacity=64, secure=False)
     with memory_node(config, directory) as proc:
         yield Node(request.param, config, proc.endpoint(), proc)
 
@@ -49,7 +50,7 @@ def shared_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.fixture
 def own_node(shared_node: Node, tmp_path: Path) -> Iterator[Node]:
     """A memory node of the same transport that a test may stop or kill."""
-    config = pool_config(tmp_path, transport=shared_node.transport, capacity=16)
+    config = pool_config(tmp_path, transport=shared_node.transport, capacity=16, secure=False)
     with memory_node(config, tmp_path) as proc:
         yield Node(shared_node.transport, config, proc.endpoint(), proc)
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
+from tessera.auth import ClusterAuth
 from tessera.errors import ControlPlaneError, PublishRejected
 from tessera.http import LazySession
 from tessera.messages import (
@@ -47,9 +48,10 @@ T = TypeVar("T")
 class ControlClient:
     """Verbs: ``publish / cancel / release / hello / memory_nodes``; ``close`` when done."""
 
-    def __init__(self, base_url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 5.0, auth: ClusterAuth | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._session = LazySession(aiohttp.ClientTimeout(total=timeout_s))
+        self.auth = auth or ClusterAuth()  # signs every request with the cluster secret
 
     async def close(self) -> None:
         await self._session.close()
@@ -57,10 +59,10 @@ class ControlClient:
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         url = self.base_url + path
         data = None if body is None else encode(body)
+        headers = {"Content-Type": "application/json", **self.auth.headers(method, url, data or b"")}
         try:
-            async with self._session.get().request(
-                method, url, data=data, headers={"Content-Type": "application/json"}
-            ) as resp:
+            async with self._session.get().request(method, url, data=data, headers=headers,
+                                                   ssl=self.auth.client_ssl()) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -136,8 +138,8 @@ class NodeControl(ControlClient):
     releases into one RPC so a request with many remote hits costs one round trip.
     """
 
-    def __init__(self, base_url: str, node: str, timeout_s: float = 5.0) -> None:
-        super().__init__(base_url, timeout_s=timeout_s)
+    def __init__(self, base_url: str, node: str, timeout_s: float = 5.0, auth: ClusterAuth | None = None) -> None:
+        super().__init__(base_url, timeout_s=timeout_s, auth=auth)
         self.node = node
         self._to_release: list[str] = []
         self._flush: asyncio.Task[None] | None = None

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tessera.auth import CapabilityIssuer
 from tessera.control.allocator import BlockAllocator
 from tessera.errors import PublishRejected
 from tessera.messages import BlockRef, ReadLease, WriteGrant
@@ -85,8 +86,11 @@ class Directory:
         write_timeout_s: float = 30.0,
         reclaim_grace_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        capabilities: CapabilityIssuer | None = None,
     ) -> None:
         self.allocator = allocator
+        # signs the tokens memory nodes demand for every read and write (None: no cluster secret)
+        self.capabilities = capabilities
         self.lease_ttl_s = lease_ttl_s
         self.write_timeout_s = write_timeout_s
         self.reclaim_grace_s = reclaim_grace_s
@@ -142,7 +146,10 @@ class Directory:
         epoch = next(self._epochs)
         deadline = self.clock() + self.write_timeout_s
         self._entries[unit_id] = Entry(unit_id, epoch, EntryState.PENDING, blocks, n_tokens, writer, deadline)
-        return WriteGrant(unit_id, epoch, blocks, writer, n_tokens, self.write_timeout_s)
+        # writes may start until the deadline and land within a transfer timeout (< reclaim grace)
+        tokens = () if self.capabilities is None else self.capabilities.issue(
+            "write", blocks, epoch, self.write_timeout_s + self.reclaim_grace_s)
+        return WriteGrant(unit_id, epoch, blocks, writer, n_tokens, self.write_timeout_s, tokens)
 
     def publish(self, unit_id: str, epoch: int, writer: str, blocks: tuple[BlockRef, ...]) -> None:
         """Flip PENDING -> READY atomically after verifying writer, epoch and the full block set."""
@@ -188,7 +195,9 @@ class Directory:
         lease = Lease(f"L{next(self._lease_ids)}", unit_id, entry.epoch, holder, self.clock() + self.lease_ttl_s)
         entry.leases[lease.lease_id] = lease
         self._leases[lease.lease_id] = lease
-        return ReadLease(lease.lease_id, unit_id, entry.epoch, entry.blocks, self.lease_ttl_s)
+        tokens = () if self.capabilities is None else self.capabilities.issue(
+            "read", entry.blocks, entry.epoch, self.lease_ttl_s)
+        return ReadLease(lease.lease_id, unit_id, entry.epoch, entry.blocks, self.lease_ttl_s, tokens)
 
     def release(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)

@@ -23,6 +23,8 @@ from tessera.control.local import LocalTier
 from tessera.errors import BadRequest
 from tessera.messages import MemoryNodeHello
 
+MAX_SLOT_BYTES = 1 << 28  # one block of B tokens of the largest models is far below this
+
 
 @dataclass(slots=True, eq=False)
 class GenerationNode:
@@ -61,8 +63,10 @@ class MemoryNode:
 class MemoryNodes:
     """Registered memory nodes and their last heartbeat. Verbs: ``hello``, ``silent``."""
 
-    def __init__(self, configured: set[str]) -> None:
-        self.configured = configured
+    def __init__(self, configured: set[str] | dict[str, int]) -> None:
+        # name -> capacity_blocks from the config (a bare set: capacities are not checked)
+        self.capacities = configured if isinstance(configured, dict) else dict.fromkeys(configured, 0)
+        self.configured = set(self.capacities)
         self._nodes: dict[str, MemoryNode] = {}
 
     def __contains__(self, name: object) -> bool:
@@ -82,6 +86,15 @@ class MemoryNodes:
             raise BadRequest(f"unknown memory node {msg.name!r}; the config declares: {known}", 404)
         if msg.capacity_blocks <= 0 or msg.block_bytes <= 0:
             raise BadRequest(f"memory node {msg.name!r}: capacity_blocks and block_bytes must be > 0")
+        # a hello's claims size the allocator: only what the config gives the node is believed
+        # (a forged capacity_blocks = 1e9 once built a billion-entry free list and OOM-killed the plane)
+        configured = self.capacities[msg.name]
+        if configured and msg.capacity_blocks != configured:
+            raise BadRequest(f"memory node {msg.name!r} claims {msg.capacity_blocks} blocks; the config gives it "
+                             f"{configured} (kvpools.{msg.name}.capacity_blocks)")
+        if msg.block_bytes > MAX_SLOT_BYTES:
+            raise BadRequest(f"memory node {msg.name!r} claims {msg.block_bytes}-byte slots; at most "
+                             f"{MAX_SLOT_BYTES} are plausible")
         known_node = self._nodes.get(msg.name)
         if known_node is None:
             self._nodes[msg.name] = MemoryNode(msg, now)

@@ -29,6 +29,7 @@ import functools
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
@@ -91,6 +92,7 @@ class ControlPlane:
             # longer than any transfer can still be in flight (transfers time out first)
             reclaim_grace_s=max(10.0, 2 * config.transport.timeout_s),
             clock=clock,
+            capabilities=CapabilityIssuer(secret) if (secret := ClusterAuth.from_config(config).secret) else None,
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self._holders: dict[str, int] = {}  # unit -> bitmask of nodes whose local view holds it
@@ -102,7 +104,7 @@ class ControlPlane:
         }
         self._live: list[GenerationNode] = []  # heard from and not declared dead since
         self.router = make_router(routing or control.routing, len(self.nodes))
-        self.memory = MemoryNodes({k.name for k in config.kvpools})
+        self.memory = MemoryNodes({k.name: k.capacity_blocks for k in config.kvpools})
         self.stats = PlaneStats()
         self.expired_requests = 0  # routed, never completed, forgotten after request_ttl_s
         self.invalidated = 0  # shared entries a reader found corrupt

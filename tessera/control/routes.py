@@ -17,6 +17,9 @@ GET  /control/kvpool   the registered memory nodes' hellos
 GET  /control/stats    counters of the control plane
 =====================  ======================================================================
 
+These routes live on the retrieval role's *internal* listener only, behind the cluster-secret
+middleware of :mod:`tessera.auth` (401 before any handler for an unsigned request).
+
 The routes see only the :class:`ControlPlane` (``app[CONTROL_PLANE]``); the role that hosts
 them may add figures of its own to ``/control/stats`` through ``app[STATS_EXTRA]``.
 """

@@ -138,12 +138,13 @@ class EngineAdapter(ABC):
         """One batched forward over unit prefills and request extends (fills results in place)."""
 
     @abstractmethod
-    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
-        """Copy the longest cached exact prefix of ``token_ids`` into slots; return its length."""
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
+        """Copy the longest exact prefix of ``token_ids`` cached in ``namespace`` (the tenant)
+        into slots; return its length. Another namespace's entries never match."""
 
     @abstractmethod
-    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
-        """Offer slots ``0 .. len(token_ids)`` (computed exactly) to the prefix cache."""
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
+        """Offer slots ``0 .. len(token_ids)`` (computed exactly) to the prefix cache of ``namespace``."""
 
     def decode(self, work: Sequence[Extend]) -> None:
         """One decode step (one token per request); backends may override with a faster path."""

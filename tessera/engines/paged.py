@@ -306,17 +306,17 @@ class PagedEngine(EngineAdapter):
 
     # --- exact prefix cache ---------------------------------------------------------------
 
-    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
         s = _paged(slots)
-        hit = self.prefix_cache.match(token_ids[:s.n_slots])
+        hit = self.prefix_cache.match(token_ids[:s.n_slots], namespace)
         for start, keys, values in hit.chunks:
             self.pool.write(s, start, keys, values)
         return hit.length
 
-    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
         s = _paged(slots)
         assert len(token_ids) <= s.n_slots, (len(token_ids), s.n_slots)
-        self.prefix_cache.insert(token_ids, lambda a, b: self.pool.read(s, a, b))
+        self.prefix_cache.insert(token_ids, lambda a, b: self.pool.read(s, a, b), namespace)
 
     # --- tokenizer ------------------------------------------------------------------------
 

@@ -8,6 +8,10 @@ Capacity is counted in tokens. When an insert needs room, least-recently-used *u
 leaves* are evicted first (an inner node always holds a prefix that some leaf extends).
 ``lock``/``unlock`` pin a matched path, for callers that read entries after ``match`` returns.
 
+Entries live in *namespaces* (one radix tree each, sharing the capacity): a request only
+matches what requests of its own namespace inserted. The generation node uses the tenant,
+so one tenant's prompts never give another tenant a hit (or a ``prefix_cached_tokens`` count).
+
 The cache stores whatever tensors ``insert`` is handed (``[L, n, H_kv, D]`` keys and values);
 it never looks inside them.
 """
@@ -57,13 +61,16 @@ class PrefixCache:
         assert capacity_tokens >= 0, capacity_tokens
         self.capacity = capacity_tokens
         self.n_tokens = 0
-        self._root = _Node(None, (), None, None)
+        self._roots: dict[str, _Node] = {}  # namespace -> root; roots are the nodes without a parent
         self._clock = itertools.count(1)
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest cached prefix of ``token_ids`` (may end inside an edge)."""
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> PrefixHit:
+        """Longest cached prefix of ``token_ids`` in ``namespace`` (may end inside an edge)."""
         hit = PrefixHit()
-        node, pos, now = self._root, 0, next(self._clock)
+        root = self._roots.get(namespace)
+        if root is None:
+            return hit
+        node, pos, now = root, 0, next(self._clock)
         while pos < len(token_ids) and (child := node.children.get(token_ids[pos])) is not None:
             n = _common(child.tokens, token_ids[pos:pos + len(child.tokens)])
             assert child.keys is not None and child.values is not None
@@ -86,17 +93,17 @@ class PrefixCache:
             assert n.locks > 0, "unlock without lock"
             n.locks -= 1
 
-    def insert(self, token_ids: Sequence[int], kv: KVRange) -> int:
+    def insert(self, token_ids: Sequence[int], kv: KVRange, namespace: str = "") -> int:
         """Store the K/V of ``token_ids`` not cached yet (``kv(start, end)`` supplies them).
 
         Returns the number of tokens newly stored (fewer than missing if capacity runs out).
         """
         if self.capacity == 0:
             return 0
-        hit = self.match(token_ids)
+        hit = self.match(token_ids, namespace)
         if hit.length == len(token_ids):
             return 0
-        parent = self._root
+        parent = self._roots.setdefault(namespace, _Node(None, (), None, None))
         if hit.nodes:
             last = hit.nodes[-1]
             consumed = hit.chunks[-1][1].shape[1]
@@ -145,15 +152,15 @@ class PrefixCache:
             del parent.children[node.tokens[0]]
             freed += len(node.tokens)
             self.n_tokens -= len(node.tokens)
-            if parent is not self._root and not parent.children and parent.locks == 0:
+            if parent.parent is not None and not parent.children and parent.locks == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
 
     def _leaves(self) -> list[_Node]:
-        out, stack = [], [self._root]
+        out, stack = [], list(self._roots.values())
         while stack:
             node = stack.pop()
-            if not node.children and node is not self._root:
+            if not node.children and node.parent is not None:
                 out.append(node)
             stack.extend(node.children.values())
         return out

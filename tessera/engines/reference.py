@@ -138,20 +138,20 @@ class ReferenceEngine(EngineAdapter):
 
     # --- exact prefix cache ---------------------------------------------------------------
 
-    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
         s = _torch_slots(slots)
-        hit = self.prefix_cache.match(token_ids[:s.n_slots])
+        hit = self.prefix_cache.match(token_ids[:s.n_slots], namespace)
         for start, keys, values in hit.chunks:
             end = start + keys.shape[1]
             s.keys[:, start:end].copy_(keys)
             s.values[:, start:end].copy_(values)
         return hit.length
 
-    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
         s = _torch_slots(slots)
         assert len(token_ids) <= s.n_slots, (len(token_ids), s.n_slots)
         self.prefix_cache.insert(
-            token_ids, lambda a, b: (s.keys[:, a:b].clone(), s.values[:, a:b].clone()))
+            token_ids, lambda a, b: (s.keys[:, a:b].clone(), s.values[:, a:b].clone()), namespace)
 
     # --- tokenizer ------------------------------------------------------------------------
 

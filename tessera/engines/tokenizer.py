@@ -37,7 +37,13 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of trusted text (templates, config): special-token markers become control tokens."""
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of untrusted text (user content, unit text): ``<|im_start|>`` and the like are
+        encoded as the plain characters they are, never as control tokens (no role injection)."""
+        return list(self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=True))
@@ -70,6 +76,10 @@ def serving_fingerprint(config: ClusterConfig, checkpoint: Checkpoint, tokenizer
 
 def unit_factory(config: ClusterConfig, fingerprint: ServingFingerprint, tokenizer: Tokenizer,
                  tokens: TokenCache | None = None) -> UnitFactory:
-    """The deployment's unit factory: identity from the fingerprint, ``composition.unit_lead`` first."""
+    """The deployment's unit factory: identity from the fingerprint, ``composition.unit_lead`` first.
+
+    The lead comes from the config (trusted: its special tokens are meant, e.g. ``<|endoftext|>``);
+    unit text comes from users and is encoded as plain text.
+    """
     lead = tuple(tokenizer.encode(config.composition.unit_lead)) if config.composition.unit_lead else ()
-    return UnitFactory(fingerprint, tokens or TokenCache(tokenizer.encode), lead)
+    return UnitFactory(fingerprint, tokens or TokenCache(tokenizer.encode_plain), lead)

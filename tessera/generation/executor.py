@@ -148,14 +148,15 @@ class Executor:
         if self.mode == "prefix" or not run.req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
-            matched = await self.scheduler.match_prefix(slots, prompt[:-1])
+            matched = await self.scheduler.match_prefix(slots, prompt[:-1], run.req.tenant)
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)))
-            await self.scheduler.insert_prefix(slots, prompt)
+            await self.scheduler.insert_prefix(slots, prompt, run.req.tenant)
             return logits
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
-        matched = await self.scheduler.match_prefix(slots, lead) if lead else 0
+        # the prefix cache is per tenant: another tenant's prompts never show as a hit
+        matched = await self.scheduler.match_prefix(slots, lead, run.req.tenant) if lead else 0
         stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
@@ -171,7 +172,7 @@ class Executor:
         stats.recomputed_tokens = len(token_ids)
         logits = await self.scheduler.extend(slots, token_ids, positions)
         if lead and matched < len(lead):
-            await self.scheduler.insert_prefix(slots, lead)
+            await self.scheduler.insert_prefix(slots, lead, run.req.tenant)
         return logits
 
     async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement]) -> None:
@@ -186,7 +187,6 @@ class Executor:
                 log.warning("placing unit %s (%s) failed (%s); computing it instead", plan.unit_id,
                             plan.preparation, exc)
                 stats.fallbacks += 1
-                state = None
             else:
                 if plan.preparation is Preparation.LOCAL:
                     stats.local_tokens += n
@@ -195,16 +195,28 @@ class Executor:
                     stats.remote_tokens += n
                     stats.remote_units += 1
                     stats.bytes_fetched += state.nbytes()
-        if state is None:
+                # retention happens off the critical path; a local hit is already retained locally
+                self.retainer.retain(plan.unit_id, state,
+                                     plan.retention.local and plan.preparation is not Preparation.LOCAL,
+                                     plan.grant, run.req.plan.local_evict, run.received_at)
+                return
+        local = plan.retention.local
+        state = self.cache.lookup(plan.unit_id) if plan.preparation is not Preparation.LOCAL else None
+        if state is not None:
+            # planned as a miss, but another request on this node computed it after this plan
+            # was made (the plane learns of local inserts only afterwards): reuse it
+            stats.local_tokens += n
+            stats.local_units += 1
+            local = False
+        else:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
-            await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
-        # retention happens off the critical path; a local hit is already retained locally
-        self.retainer.retain(plan.unit_id, state,
-                             plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                             plan.grant, run.req.plan.local_evict, run.received_at)
+        # retained before it is placed, in the same step as the prefill's return: a request
+        # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
+        self.retainer.retain(plan.unit_id, state, local, plan.grant, run.req.plan.local_evict, run.received_at)
+        await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """The unit's state from the local cache or the KV Pool, or None (compute it)."""

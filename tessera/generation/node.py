@@ -10,7 +10,9 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
     POST /v1/revoke     RevokeRequest -> {"dropped": n}   (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
 
-Only the retrieval role calls these. The node never decides admission or eviction itself;
+Only the retrieval role calls these: every route but ``/health`` needs a request signed with
+the cluster secret (:mod:`tessera.auth`), so no client can pin, execute or abort here. The node never
+decides admission or eviction itself;
 it executes the plan it is given and reports what its local cache really holds.
 """
 
@@ -27,6 +29,7 @@ import orjson
 import torch
 from aiohttp import web
 
+from tessera.auth import ClusterAuth
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
@@ -83,7 +86,8 @@ class GenerationNode:
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(load_engine, self.config, self.cfg.prefix_cache_tokens)
         log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
-        self.control = NodeControl(self.config.retrieval_url, self.name, timeout_s=self.config.transport.timeout_s)
+        self.control = NodeControl(self.config.control_url, self.name, timeout_s=self.config.transport.timeout_s,
+                                   auth=ClusterAuth.from_config(self.config))
         self.scheduler = Scheduler(self.engine, self.cfg.max_batch_tokens)
         self.scheduler.start()
         self.prefills = PrefillCoalescer(self.scheduler)
@@ -248,7 +252,8 @@ GENERATION_NODE = web.AppKey("generation_node", GenerationNode)
 
 def build_app(config: ClusterConfig, name: str) -> web.Application:
     node = GenerationNode(config, name)
-    app = application()
+    # the whole API is internal: only the retrieval role (holding the cluster secret) calls it
+    app = application([ClusterAuth.from_config(config).middleware()])
     app[GENERATION_NODE] = node
     app.cleanup_ctx.append(node.lifecycle)
     app.router.add_get("/health", node.health)
@@ -270,4 +275,6 @@ def run_generation(config: ClusterConfig, name: str | None) -> int:
         name = config.generation[0].name
     cfg = config.generation_node(name)
     app = build_app(config, name)
-    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", drain_s=30.0))
+    ssl_context = ClusterAuth.from_config(config).server_ssl()
+    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", drain_s=30.0,
+                             ssl_context=ssl_context))

@@ -18,20 +18,23 @@ a failed fetch (:class:`ChecksumMismatch`), and the caller falls back to computi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from tessera.auth import ClusterAuth, block_mac_key
 from tessera.config import ClusterConfig
 from tessera.control.client import ControlClient
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, ControlPlaneError, TransferError
 from tessera.generation.pool_endpoints import EndpointBook
-from tessera.messages import BlockRef, CancelRequest, PublishRequest, ReadLease, WriteGrant
+from tessera.messages import BlockRef, CancelRequest, NodeToken, PublishRequest, ReadLease, WriteGrant
 from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
 from tessera.transport.blocks import BlockLayout
+from tessera.transport.frames import Capability
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,16 @@ class KVPoolClient:
         reader: str = "",
         pin_memory: bool = False,
     ) -> None:
+        auth = ClusterAuth.from_config(config)
+        if auth.secret is not None and layout.mac_key is None:  # every block is signed and checked
+            layout = dataclasses.replace(layout, mac_key=block_mac_key(auth.secret))
         self.layout = layout
         self.reader = reader
         # fetched states land in pinned buffers when the engine copies them to a CUDA device
         self.pin_memory = pin_memory
         self.transport = transport or create_transport(config.transport)
-        self.control = control or ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
+        self.control = control or ControlClient(config.control_url, timeout_s=config.transport.timeout_s,
+                                                auth=auth)
         self.endpoints = endpoints or EndpointBook.from_config(config)
         # writes abandoned by a failed store may still land for up to the transport's own
         # timeout (Mooncake's engine rounds it up to whole seconds); the cancel waits that out
@@ -94,7 +101,7 @@ class KVPoolClient:
             for size in sizes:
                 views.append(whole[offset : offset + size])
                 offset += size
-            await self._move(lease.blocks, views, write=False)
+            await self._move(lease.blocks, views, write=False, epoch=lease.epoch, tokens=lease.tokens)
             try:
                 return await self._maybe_offload(
                     len(whole), lambda: self.layout.decode(views, lease.unit_id, lease.epoch, n_tokens,
@@ -143,7 +150,7 @@ class KVPoolClient:
         views = await self._maybe_offload(
             state.nbytes(), lambda: self.layout.encode(state, grant.unit_id, grant.epoch))
         try:
-            await self._move(grant.blocks, views, write=True)
+            await self._move(grant.blocks, views, write=True, epoch=grant.epoch, tokens=grant.tokens)
         except TransferError:
             await self._cancel(grant, self.settle_s)
             raise
@@ -158,10 +165,12 @@ class KVPoolClient:
 
     # --- shared --------------------------------------------------------------------------
 
-    async def _move(self, blocks: tuple[BlockRef, ...], views: list[memoryview], *, write: bool) -> None:
+    async def _move(self, blocks: tuple[BlockRef, ...], views: list[memoryview], *, write: bool, epoch: int = 0,
+                    tokens: tuple[NodeToken, ...] = ()) -> None:
+        caps = capabilities(blocks, epoch, tokens)
         by_node: dict[str, list[SlotIO]] = {}
         for ref, view in zip(blocks, views, strict=True):
-            by_node.setdefault(ref.node, []).append(SlotIO(ref.index, view))
+            by_node.setdefault(ref.node, []).append(SlotIO(ref.index, view, caps.get(ref.node)))
         endpoints = {}
         for node in by_node:
             ep = endpoints[node] = await self.endpoints.get(node)
@@ -184,3 +193,11 @@ class KVPoolClient:
         if nbytes <= OFFLOAD_BYTES:
             return fn()
         return await asyncio.to_thread(fn)
+
+
+def capabilities(blocks: tuple[BlockRef, ...], epoch: int, tokens: tuple[NodeToken, ...]) -> dict[str, Capability]:
+    """The transport-level capability per memory node: the token plus the slots it covers, in order."""
+    slots: dict[str, list[int]] = {}
+    for ref in blocks:
+        slots.setdefault(ref.node, []).append(ref.index)
+    return {t.node: Capability(epoch, t.expires, tuple(slots.get(t.node, ())), bytes.fromhex(t.mac)) for t in tokens}

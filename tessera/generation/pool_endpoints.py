@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, TransferError
 from tessera.transport.base import NodeEndpoint
@@ -21,8 +22,9 @@ from tessera.wire import from_wire
 class EndpointBook:
     """``get(node) -> NodeEndpoint`` (cached), ``forget(node)``, ``restarted_since(node, t)``."""
 
-    def __init__(self, urls: dict[str, str], timeout_s: float = 5.0) -> None:
+    def __init__(self, urls: dict[str, str], timeout_s: float = 5.0, auth: ClusterAuth | None = None) -> None:
         self.urls = urls  # node name -> control base URL
+        self.auth = auth or ClusterAuth()  # /info is internal: signed
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._cache: dict[str, NodeEndpoint] = {}
         self._boots: dict[str, str] = {}
@@ -31,8 +33,8 @@ class EndpointBook:
 
     @classmethod
     def from_config(cls, config: ClusterConfig) -> EndpointBook:
-        urls = {n.name: f"http://{n.host}:{n.port}" for n in config.kvpools}
-        return cls(urls, timeout_s=config.transport.timeout_s)
+        urls = {n.name: f"{config.scheme}://{n.host}:{n.port}" for n in config.kvpools}
+        return cls(urls, timeout_s=config.transport.timeout_s, auth=ClusterAuth.from_config(config))
 
     async def get(self, node: str) -> NodeEndpoint:
         cached = self._cache.get(node)
@@ -44,7 +46,8 @@ class EndpointBook:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         try:
-            async with self._session.get(f"{url}/info") as resp:
+            async with self._session.get(f"{url}/info", headers=self.auth.headers("GET", f"{url}/info"),
+                                         ssl=self.auth.client_ssl()) as resp:
                 if resp.status != 200:
                     raise TransferError(f"memory node {node} answered GET /info with HTTP {resp.status}")
                 endpoint = from_wire(NodeEndpoint, await resp.json())

@@ -115,12 +115,14 @@ class Retainer:
             self.local_inserts += 1
         # every victim the plan named is answered: gone, or kept (the cache evicts only as many
         # as it needs, and the control plane dropped them all when it planned); a declined
-        # insert is reported as "not held", so the plane's view stays true
+        # insert is reported as "not held", so the plane's view stays true, unless it was
+        # declined because another request on this node inserted the unit already
+        held = inserted or self.cache.lookup(unit_id) is not None
         victims = [v for v in dict.fromkeys(evict) if v != unit_id]
         kept = [v for v in victims if v in self.cache]
         gone = [v for v in victims if v not in self.cache]
         self.tasks.spawn(
-            self.control.residency([unit_id] if inserted else [], gone if inserted else [*gone, unit_id], kept),
+            self.control.residency([unit_id] if held else [], gone if held else [*gone, unit_id], kept),
             name="residency",
         )
 

@@ -111,11 +111,11 @@ class Scheduler:
     async def free(self, slots: KVSlots) -> None:
         await self.worker.call(self.engine.free, slots)
 
-    async def match_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> int:
-        return await self.worker.call(self.engine.match_prefix, slots, token_ids)
+    async def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
+        return await self.worker.call(self.engine.match_prefix, slots, token_ids, namespace)
 
-    async def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int]) -> None:
-        await self.worker.call(self.engine.insert_prefix, slots, token_ids)
+    async def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
+        await self.worker.call(self.engine.insert_prefix, slots, token_ids, namespace)
 
     async def place(self, slots: KVSlots, spans: Sequence[Placement], states: dict[str, UnitState]) -> None:
         await self.worker.call(place_units, self.engine, slots, spans, states)

@@ -84,6 +84,13 @@ class LocalUnitCache:
         entry = self._entries.get(unit_id)
         return None if entry is None else entry.state
 
+    def lookup(self, unit_id: str) -> UnitState | None:
+        """A held, unrevoked unit's state, for a request whose plan did not expect it here.
+
+        The caller keeps a reference to the tensors, so a later eviction cannot pull them away.
+        """
+        return None if unit_id in self._revoked else self.get(unit_id)
+
     # --- admission and eviction (as authorized by the plan) ------------------------------
 
     def insert(self, unit_id: str, state: UnitState, evict: Sequence[str] = ()) -> tuple[bool, list[str]]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig, KVPoolNodeConfig
 from tessera.control.client import ControlClient
 from tessera.engines.checkpoint import resolve
@@ -64,9 +65,10 @@ class MemoryNode:
         self.boot_id = uuid.uuid4().hex
         self.arena = Arena.create(segment_name(node.name, self.boot_id), layout.slot_bytes,
                                   node.capacity_blocks, self.boot_id)
-        self.server = BlockServer(self.arena, self.boot_id)
+        self.auth = ClusterAuth.from_config(config)
+        self.server = BlockServer(self.arena, self.boot_id, self.auth.secret, node.name)
         self.export: ArenaExport | None = None
-        self.control = ControlClient(config.retrieval_url, timeout_s=config.transport.timeout_s)
+        self.control = ControlClient(config.control_url, timeout_s=config.transport.timeout_s, auth=self.auth)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")
         self.hellos_acked = 0
         self.adopted = 0  # units a restarted control plane took back from this arena
@@ -163,7 +165,8 @@ class MemoryNode:
             self.close_arena()
 
     def app(self) -> web.Application:
-        app = application()
+        # /info names the shm segment and the data port: cluster processes only
+        app = application([self.auth.middleware()])
         app[KVPOOL_NODE] = self
         app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
@@ -206,6 +209,7 @@ def run_memory_node(config: ClusterConfig, name: str | None) -> int:
         log.error("kvpool cannot start: %s", exc)
         return 2
     try:
-        return run(lambda: serve(node.app(), node_cfg.host, node_cfg.port, name=f"kvpool {node_cfg.name}"))
+        return run(lambda: serve(node.app(), node_cfg.host, node_cfg.port, name=f"kvpool {node_cfg.name}",
+                                 ssl_context=node.auth.server_ssl()))
     finally:
         node.close_arena()  # when the app never started; closing twice is harmless

@@ -40,6 +40,7 @@ from tessera.retrieval.limits import check_body_size
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt import PromptBuilder, trace_record
 from tessera.retrieval.routes import RETRIEVAL_NODE
+from tessera.tenants import tenant_of
 from tessera.units import TokenCache
 
 SERVING: web.AppKey[Serving]
@@ -75,7 +76,7 @@ class Serving:
     def builder_for(self, node: RetrievalNode) -> PromptBuilder:
         if self.builder is None:
             assert node.tokenizer is not None
-            self.builder = PromptBuilder(node.tokenizer, TokenCache(node.tokenizer.encode))
+            self.builder = PromptBuilder(node.tokenizer, TokenCache(node.tokenizer.encode_plain))
             # the context limit comes from the checkpoint's config (no weights are loaded here)
             geometry = geometry_from_checkpoint(resolve(self.config.model), self.config.kv_dtype,
                                                 self.config.model.max_context)
@@ -156,7 +157,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         chat = parse_chat_request(body, default_top_k=node.config.retrieval.top_k,
                                   default_placement=node.config.retrieval.unit_placement,
                                   served_model=serving.config.model.source)
-        call = ChatCall(serving, node, chat)
+        call = ChatCall(serving, node, chat, tenant_of(request))
         layout = await call.prepare()
         trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") \
             if chat.return_layout else None

@@ -41,6 +41,7 @@ from tessera.retrieval.chat_response import PromptTokensDetails, Usage
 from tessera.retrieval.generation_client import NodeUnavailable
 from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
+from tessera.tenants import OPEN, Tenant
 from tessera.units import ContextUnit
 from tessera.wire import WIRE_VERSION, to_wire
 
@@ -64,13 +65,15 @@ class Outcome:
     tokens: int = 0  # token events received (the usage of a reply cut short by a stop string)
 
 
-async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextUnit]:
+async def request_units(node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> list[ContextUnit]:
+    """The request's units, all of ``tenant`` (403 for a scope it does not own)."""
     if chat.retrieval is not None:
         r = chat.retrieval
+        tenant.check_scope(r.scope, "retrieval.scope")
         if r.embedding is not None:
-            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k)
+            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k, tenant=tenant.name)
         else:
-            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k)
+            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k, tenant=tenant.name)
         return [h.unit for h in hits]
     if chat.units:
         by_scope: dict[str, list[int]] = {}
@@ -78,7 +81,9 @@ async def request_units(node: RetrievalNode, chat: ChatRequest) -> list[ContextU
             by_scope.setdefault(u.scope, []).append(i)
         out: list[ContextUnit | None] = [None] * len(chat.units)
         for scope, idx in by_scope.items():
-            for i, unit in zip(idx, await node.identify(scope, [chat.units[i].text for i in idx]), strict=True):
+            tenant.check_scope(scope, "context_units.scope")
+            for i, unit in zip(idx, await node.identify(scope, [chat.units[i].text for i in idx], tenant.name),
+                               strict=True):
                 out[i] = unit
         return [u for u in out if u is not None]
     return []
@@ -96,10 +101,11 @@ def usage(layout: PromptLayout, stats: RequestStats, node: str, ttft_ms: int | N
 class ChatCall:
     """One chat request's journey through the cluster."""
 
-    def __init__(self, serving: Serving, node: RetrievalNode, chat: ChatRequest) -> None:
+    def __init__(self, serving: Serving, node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> None:
         self.serving = serving
         self.node = node
         self.chat = chat
+        self.tenant = tenant
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.target = ""
         self.plan: RequestPlan | None = None
@@ -111,7 +117,7 @@ class ChatCall:
         texts = [m["content"] for m in self.chat.messages]
         # bounded work: a prompt that cannot fit is refused before anything is tokenized
         check_prompt_chars([*texts, *(u.text for u in self.chat.units)], limit)
-        units = await request_units(self.node, self.chat)
+        units = await request_units(self.node, self.chat, self.tenant)
         check_prompt_chars([*texts, *(u.text for u in units)], limit)
         # tokenizing runs on the retrieval worker thread, never on the event loop
         layout = await self.node.in_worker(builder.build, self.chat.messages, units, self.chat.placement)
@@ -168,7 +174,8 @@ class ChatCall:
                 plane.suspect(target)
                 raise
             self.plan = plane.finalize(self.request_id, target, snap.held)
-            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling)
+            msg = ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.chat.sampling,
+                                 self.tenant.name)
             delivered = False
             try:
                 async with contextlib.aclosing(nodes.execute(target, msg)) as node_events:

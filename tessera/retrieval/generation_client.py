@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 import aiohttp
 import orjson
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.http import LazySession
@@ -33,7 +35,8 @@ class NodeUnavailable(TesseraError):
 class NodeClients:
     def __init__(self, config: ClusterConfig) -> None:
         control = config.control
-        self.urls = {n.name: f"http://{n.host}:{n.port}" for n in config.generation}
+        self.urls = {n.name: f"{config.scheme}://{n.host}:{n.port}" for n in config.generation}
+        self.auth = ClusterAuth.from_config(config)  # the generation nodes' API is internal: signed
         self.connect_timeout_s = control.connect_timeout_s
         self.first_token_timeout_s = control.first_token_timeout_s
         self.idle_timeout_s = control.idle_timeout_s
@@ -49,6 +52,11 @@ class NodeClients:
         await self.aborts.drain(timeout=self.connect_timeout_s)
         await self._session.close()
 
+    def _post(self, node: str, path: str, data: bytes) -> Any:
+        url = self.urls[node] + path
+        headers = {"Content-Type": "application/json", **self.auth.headers("POST", url, data)}
+        return self._session.get().post(url, data=data, headers=headers, ssl=self.auth.client_ssl())
+
     async def _error(self, node: str, resp: aiohttp.ClientResponse) -> TesseraError:
         text = (await resp.text())[:500]
         if resp.status == 429:
@@ -61,8 +69,7 @@ class NodeClients:
         msg = SnapshotRequest(WIRE_VERSION, request_id, tuple(unit_ids))
         try:
             async with asyncio.timeout(self.first_token_timeout_s), \
-                    self._session.get().post(self.urls[node] + "/v1/snapshot", data=encode(msg),
-                                             headers={"Content-Type": "application/json"}) as resp:
+                    self._post(node, "/v1/snapshot", encode(msg)) as resp:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 return from_wire(SnapshotResponse, orjson.loads(await resp.read()))
@@ -79,8 +86,7 @@ class NodeClients:
         # that arrives as its awaitable completes, and a client's disconnect would be lost
         try:
             async with asyncio.timeout(wait):
-                resp = await self._session.get().post(self.urls[node] + "/v1/execute", data=encode(msg),
-                                                      headers={"Content-Type": "application/json"})
+                resp = await self._post(node, "/v1/execute", encode(msg))
             try:
                 if resp.status != 200:
                     raise await self._error(node, resp)
@@ -103,8 +109,7 @@ class NodeClients:
     async def abort(self, node: str, request_id: str) -> None:
         try:
             async with asyncio.timeout(self.connect_timeout_s), \
-                    self._session.get().post(self.urls[node] + "/v1/abort",
-                                             data=orjson.dumps({"request_id": request_id})) as resp:
+                    self._post(node, "/v1/abort", orjson.dumps({"request_id": request_id})) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             pass  # the node is gone or wedged; its own pin timeout frees what it holds

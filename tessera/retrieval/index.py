@@ -121,8 +121,8 @@ class UnitIndex:
     def search(self, scope: str, vector: np.ndarray, k: int) -> list[tuple[int, float]]:
         index = self._scopes.get(scope)
         if index is None:
-            known = ", ".join(self.scopes[:20]) or "none yet"
-            raise BadRequest(f"unknown scope {scope!r}: nothing was ingested into it (known scopes: {known})", 404)
+            # never list the known scopes: they are other tenants' names (issue 14)
+            raise BadRequest(f"unknown scope {scope!r}: nothing was ingested into it", 404)
         return index.search(vector, k)
 
 

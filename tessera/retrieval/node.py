@@ -106,7 +106,7 @@ class RetrievalNode:
 
     async def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
                      embeddings: Sequence[Sequence[float] | None] | None = None,
-                     external_ids: Sequence[str | None] | None = None) -> Ingested:
+                     external_ids: Sequence[str | None] | None = None, tenant: str = "") -> Ingested:
         """Ingest (committed), then revoke the units that updated external ids replaced.
 
         Without external ids, in bounded chunks, one worker job (and transaction) each: a big
@@ -119,7 +119,7 @@ class RetrievalNode:
         revoked: list[str] = []
         for at in range(0, len(items), max(step, 1)):
             chunk = None if embeddings is None else embeddings[at:at + step]
-            part = await self._run(self._pool().ingest, items[at:at + step], chunk, external_ids)
+            part = await self._run(self._pool().ingest, items[at:at + step], chunk, external_ids, tenant)
             units += part.units
             revoked += part.revoked
         done = Ingested(units, tuple(revoked))
@@ -146,8 +146,8 @@ class RetrievalNode:
         await self._revoke(done.deleted)
         return done
 
-    async def delete_where(self, scope: str, where: Mapping[str, Any] | None) -> Deleted:
-        done = await self._run(self._pool().delete_where, scope, where)
+    async def delete_where(self, scope: str, where: Mapping[str, Any] | None, tenant: str = "") -> Deleted:
+        done = await self._run(self._pool().delete_where, scope, where, tenant)
         await self._revoke(done.deleted)
         return done
 
@@ -157,13 +157,14 @@ class RetrievalNode:
             await self.revoker.broadcast(unit_ids)
 
     async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
-                       top_k: int | None = None) -> list[Hit]:
-        return await self._run(self._pool().retrieve, scope, query=query, embedding=embedding, top_k=top_k)
+                       top_k: int | None = None, tenant: str = "") -> list[Hit]:
+        return await self._run(self._pool().retrieve, scope, query=query, embedding=embedding, top_k=top_k,
+                               tenant=tenant)
 
-    async def identify(self, scope: str, texts: Sequence[str]) -> list[ContextUnit]:
+    async def identify(self, scope: str, texts: Sequence[str], tenant: str = "") -> list[ContextUnit]:
         """Units a request brings itself (retrieval skipped): same identity, not indexed."""
         pool = self._pool()
-        return await self._run(lambda: [pool.identify(scope, t, f"units[{i}]") for i, t in enumerate(texts)])
+        return await self._run(lambda: [pool.identify(scope, t, f"units[{i}]", tenant) for i, t in enumerate(texts)])
 
     def store_stats(self) -> dict[str, Any]:
         """The unit store's figures, added to ``/control/stats``."""

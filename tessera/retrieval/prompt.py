@@ -6,10 +6,16 @@ The chat template is rendered once with a sentinel where the units belong; the t
 and after it becomes TEXT segments and every unit becomes a UNIT segment carrying its own
 token ids, followed by a short TEXT separator. Unit token ids are never re-tokenized in
 context: that is what makes them reusable at any position.
+
+Only the template's own markers become control tokens. Every message's content is rendered
+as a marker, and the text that replaces the marker is encoded as plain text
+(:meth:`Tokenizer.encode_plain`), so ``<|im_start|>system`` inside a user message (or inside
+a unit, see :func:`tessera.engines.tokenizer.unit_factory`) is characters, not a new turn.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,35 +29,54 @@ SENTINEL = "\ue000tessera-units\ue001"
 UNIT_SEPARATOR = "\n"
 MEMORY_OPEN = "<relevant-memories>\n"
 MEMORY_CLOSE = "</relevant-memories>\n\n"
+# marks message i's content in the rendered template: "\ue002" i "\ue003"
+CONTENT = re.compile("\ue002([0-9]+)\ue003")
+RESERVED = re.compile("[\ue000-\ue003]")
 
 
 class PromptBuilder:
-    """Builds layouts for one tokenizer; text pieces go through a token cache."""
+    """Builds layouts for one tokenizer.
+
+    ``tokens`` caches the *plain* encoding of message content (the unit factory's cache fits);
+    the template's own text goes through a cache of the special-token-aware encoding.
+    """
 
     def __init__(self, tokenizer: Tokenizer, tokens: TokenCache) -> None:
         self.tokenizer = tokenizer
         self.tokens = tokens
+        self.template = TokenCache(tokenizer.encode)
 
     def build(self, messages: Sequence[dict[str, Any]], units: Sequence[ContextUnit], placement: str) -> PromptLayout:
-        if not units:
-            text = self.tokenizer.render_chat(list(messages))
-            return PromptLayout((Segment(SegmentKind.TEXT, self.tokens.tokens(text)),))
-        rendered = self.tokenizer.render_chat(self._with_sentinel(messages, placement))
-        if rendered.count(SENTINEL) != 1:
-            raise BadRequest("message text may not contain the reserved code points U+E000/U+E001")
-        before, after = rendered.split(SENTINEL)
+        for i, m in enumerate(messages):
+            if RESERVED.search(str(m.get("content", ""))):
+                raise BadRequest(f"messages[{i}].content may not contain the reserved code points U+E000-U+E003")
+        marked = self._with_sentinel(messages, placement) if units else [dict(m) for m in messages]
+        contents = [str(m.get("content", "")) for m in marked]
+        for i, m in enumerate(marked):
+            m["content"] = f"\ue002{i}\ue003"
+        rendered = self.tokenizer.render_chat(marked)
+        pieces = CONTENT.split(rendered)  # template, index, template, index, ..., template
+        if sorted(int(i) for i in pieces[1::2]) != list(range(len(marked))):
+            raise BadRequest("the chat template does not render every message exactly once")
         segments: list[Segment] = []
-        self._text(segments, before)
-        for unit in units:
-            segments.append(Segment(SegmentKind.UNIT, unit.token_ids, unit.unit_id))
-            self._text(segments, UNIT_SEPARATOR)
-        self._text(segments, after)
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                self._text(segments, piece, self.template)
+                continue
+            before, sentinel, after = contents[int(piece)].partition(SENTINEL)
+            self._text(segments, before, self.tokens)
+            if sentinel:
+                for unit in units:
+                    segments.append(Segment(SegmentKind.UNIT, unit.token_ids, unit.unit_id))
+                    self._text(segments, UNIT_SEPARATOR, self.tokens)
+            self._text(segments, after, self.tokens)
         return PromptLayout(tuple(segments))
 
-    def _text(self, segments: list[Segment], text: str) -> None:
+    @staticmethod
+    def _text(segments: list[Segment], text: str, cache: TokenCache) -> None:
         if not text:
             return
-        ids = self.tokens.tokens(text)
+        ids = cache.tokens(text)
         if segments and segments[-1].kind is SegmentKind.TEXT:
             segments[-1] = Segment(SegmentKind.TEXT, segments[-1].token_ids + ids)
         else:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.messages import RevokeRequest
 from tessera.wire import WIRE_VERSION, encode
@@ -29,7 +30,8 @@ class Revoker:
     """Verbs: ``broadcast``, ``close``."""
 
     def __init__(self, config: ClusterConfig, timeout_s: float = 2.0) -> None:
-        self.urls = {n.name: f"http://{n.host}:{n.port}/v1/revoke" for n in config.generation}
+        self.urls = {n.name: f"{config.scheme}://{n.host}:{n.port}/v1/revoke" for n in config.generation}
+        self.auth = ClusterAuth.from_config(config)  # the generation nodes' API is internal: signed
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.missed = 0  # broadcasts a node did not acknowledge
@@ -61,7 +63,8 @@ class Revoker:
 
     async def _one(self, url: str, body: bytes) -> bool:
         try:
-            async with self._http().post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+            headers = {"Content-Type": "application/json", **self.auth.headers("POST", url, body)}
+            async with self._http().post(url, data=body, headers=headers, ssl=self.auth.client_ssl()) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):

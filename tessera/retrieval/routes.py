@@ -24,6 +24,8 @@ from tessera.messages import MemoryNodeInventory
 from tessera.retrieval import api
 from tessera.retrieval.limits import check_metadata
 from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.store import StoredUnit
+from tessera.tenants import tenant_of
 from tessera.wire import WIRE_VERSION
 
 RETRIEVAL_NODE = web.AppKey("retrieval_node", RetrievalNode)
@@ -56,18 +58,30 @@ async def ingest(request: web.Request) -> web.Response:
         raise BadRequest("units is empty; send at least one {scope, text} unit")
     if len(msg.units) > MAX_INGEST:
         raise BadRequest(f"{len(msg.units)} units in one call; send at most {MAX_INGEST} per call", 413)
+    tenant = tenant_of(request)
     for i, u in enumerate(msg.units):
+        tenant.check_scope(u.scope, f"units[{i}].scope")
         check_metadata(f"units[{i}]", u.metadata)
     done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units],
-                                       [u.embedding for u in msg.units], [u.external_id for u in msg.units])
+                                       [u.embedding for u in msg.units], [u.external_id for u in msg.units],
+                                       tenant.name)
     return reply(api.IngestResponse(WIRE_VERSION, tuple(
         api.IngestedUnit(unit.unit_id, unit.scope, unit.n_tokens, new) for unit, new in done.units), done.revoked))
+
+
+async def _owned(request: web.Request, unit_id: str) -> StoredUnit | None:
+    """The stored unit if the caller's tenant owns it (its tenant and one of its scopes), else None."""
+    found = await ready(request).get(unit_id)
+    tenant = tenant_of(request)
+    if found is None or found.unit.tenant != tenant.name or not tenant.allows(found.unit.scope):
+        return None
+    return found
 
 
 @routes.get("/v1/units/{unit_id}")
 async def get_unit(request: web.Request) -> web.Response:
     unit_id = request.match_info["unit_id"]
-    found = await ready(request).get(unit_id)
+    found = await _owned(request, unit_id)
     if found is None:
         raise BadRequest(f"no unit {unit_id!r} is stored (never ingested, or deleted)", 404)
     u = found.unit
@@ -78,7 +92,11 @@ async def get_unit(request: web.Request) -> web.Response:
 @routes.delete("/v1/units/{unit_id}")
 async def delete_unit(request: web.Request) -> web.Response:
     unit_id = request.match_info["unit_id"]
-    done = await ready(request).delete([unit_id])
+    node = ready(request)
+    if await node.get(unit_id) is not None and await _owned(request, unit_id) is None:
+        # another tenant's unit: answered like an unknown id, so ids of others are not confirmed
+        raise BadRequest(f"no unit {unit_id!r} was ever stored here; nothing to delete", 404)
+    done = await node.delete([unit_id])
     if done.unknown:
         raise BadRequest(f"no unit {unit_id!r} was ever stored here; nothing to delete", 404)
     return reply(api.DeleteResponse(WIRE_VERSION, done.deleted, done.already))
@@ -87,20 +105,28 @@ async def delete_unit(request: web.Request) -> web.Response:
 @routes.post("/v1/units/delete")
 async def delete_units(request: web.Request) -> web.Response:
     msg = await body(request, api.DeleteRequest)
-    done = await ready(request).delete_where(msg.scope, msg.filter)
+    tenant = tenant_of(request)
+    tenant.check_scope(msg.scope)
+    done = await ready(request).delete_where(msg.scope, msg.filter, tenant.name)
     return reply(api.DeleteResponse(WIRE_VERSION, done.deleted))
-
-
-@routes.post("/control/kvpool/inventory")
-async def inventory(request: web.Request) -> web.Response:
-    msg = await body(request, MemoryNodeInventory)
-    return reply(await ready(request).adopt(msg))
 
 
 @routes.post("/v1/retrieve")
 async def retrieve(request: web.Request) -> web.Response:
     msg = await body(request, api.RetrieveRequest)
-    hits = await ready(request).retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k)
+    tenant = tenant_of(request)
+    tenant.check_scope(msg.scope)
+    hits = await ready(request).retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k,
+                                         tenant=tenant.name)
     return reply(api.RetrieveResponse(WIRE_VERSION, msg.scope, tuple(
         api.RetrievedUnit(h.unit.unit_id, h.unit.scope, h.unit.text, h.unit.n_tokens, h.score, dict(h.metadata))
         for h in hits)))
+
+
+internal_routes = web.RouteTableDef()  # served on the internal plane with the control routes
+
+
+@internal_routes.post("/control/kvpool/inventory")
+async def inventory(request: web.Request) -> web.Response:
+    msg = await body(request, MemoryNodeInventory)
+    return reply(await ready(request).adopt(msg))

@@ -50,6 +50,14 @@ MAX_TOP_K = 1000
 MAX_EXTERNAL_ID = 256
 
 
+SEP = "\x1f"  # between tenant and scope in storage scopes; check_scope refuses control characters
+
+
+def index_key(tenant: str, scope: str) -> str:
+    """The storage (records and index) name of a tenant's scope."""
+    return f"{tenant}{SEP}{scope}" if tenant else scope
+
+
 @dataclass(frozen=True, slots=True)
 class StoredUnit:
     unit: ContextUnit
@@ -80,7 +88,8 @@ class Deleted:
 
 
 def _unit(r: Record) -> ContextUnit:
-    return ContextUnit(r.unit_id, r.scope, r.text, r.token_ids)
+    tenant, sep, scope = r.scope.rpartition(SEP)
+    return ContextUnit(r.unit_id, scope if sep else r.scope, r.text, r.token_ids, tenant)
 
 
 class UnitStore:
@@ -201,12 +210,12 @@ class UnitStore:
         """Every unit id deleted or replaced (and not ingested again) in this data directory."""
         return self.records.revoked()
 
-    def identify(self, scope: str, text: str, field: str = "unit") -> ContextUnit:
-        """Tokenize and identify one unit; validates scope, emptiness and length."""
+    def identify(self, scope: str, text: str, field: str = "unit", tenant: str = "") -> ContextUnit:
+        """Tokenize and identify one unit of ``tenant``; validates scope, emptiness and length."""
         check_scope(scope, f"{field}.scope")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest(f"{field}.text is empty; a unit needs some text")
-        unit = self.factory.make(scope, text)
+        unit = self.factory.make(scope, text, tenant)
         if unit.n_tokens == 0:
             raise BadRequest(f"{field}.text has no tokens")
         if unit.n_tokens > self.config.max_unit_tokens:
@@ -218,8 +227,8 @@ class UnitStore:
 
     def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
                embeddings: Sequence[Sequence[float] | None] | None = None,
-               external_ids: Sequence[str | None] | None = None) -> Ingested:
-        """Add or update (scope, text, metadata) units as one transaction.
+               external_ids: Sequence[str | None] | None = None, tenant: str = "") -> Ingested:
+        """Add or update (scope, text, metadata) units of ``tenant`` as one transaction.
 
         ``embeddings`` may bring precomputed vectors (None entries are embedded here).
         ``external_ids``: a unit whose external id names another live unit of its scope
@@ -231,7 +240,7 @@ class UnitStore:
         externals = list(external_ids) if external_ids is not None else [None] * n
         if len(externals) != n:
             raise BadRequest(f"{len(externals)} external ids for {n} units")
-        units = [self.identify(scope, text, f"units[{i}]") for i, (scope, text, _) in enumerate(items)]
+        units = [self.identify(scope, text, f"units[{i}]", tenant) for i, (scope, text, _) in enumerate(items)]
         claims: dict[tuple[str, str], str] = {}  # (scope, external id) -> unit id, within the batch
         for i, (unit, ext) in enumerate(zip(units, externals, strict=True)):
             if ext is None:
@@ -252,7 +261,7 @@ class UnitStore:
         # old units of the external ids this batch moves to another text
         replaced: dict[str, tuple[str, int]] = {}
         for (scope, ext), unit_id in claims.items():
-            old = self.records.by_external(scope, ext)
+            old = self.records.by_external(index_key(tenant, scope), ext)
             if old is not None and old != unit_id:
                 gone = self.records.existing([old])[old]
                 replaced[old] = (gone.scope, gone.key)
@@ -264,7 +273,8 @@ class UnitStore:
             metadata, ext = dict(items[row][2]), externals[row]
             if metadata != found.metadata or (ext is not None and ext != found.external_id):
                 updates.append((unit_id, metadata, ext))
-        fresh = [NewRecord(units[r].unit_id, units[r].scope, units[r].text, units[r].token_ids,
+        # records and indexes are kept per (tenant, scope): the storage scope is index_key(tenant, scope)
+        fresh = [NewRecord(units[r].unit_id, index_key(tenant, units[r].scope), units[r].text, units[r].token_ids,
                            dict(items[last[units[r].unit_id]][2]), vectors[i], externals[last[units[r].unit_id]])
                  for i, r in enumerate(fresh_rows) if vectors is not None]
         keys = self.records.write(fresh, updates, list(replaced))
@@ -292,11 +302,11 @@ class UnitStore:
                        tuple(u for u in dict.fromkeys(unit_ids) if u in gone),
                        tuple(u for u in dict.fromkeys(unit_ids) if u not in live and u not in gone))
 
-    def delete_where(self, scope: str, where: Mapping[str, Any] | None = None) -> Deleted:
-        """Revoke every unit of ``scope`` whose metadata has all the ``where`` key/value pairs."""
+    def delete_where(self, scope: str, where: Mapping[str, Any] | None = None, tenant: str = "") -> Deleted:
+        """Revoke every unit of ``tenant``'s ``scope`` whose metadata has all the ``where`` key/value pairs."""
         check_scope(scope)
         match = dict(where or {})
-        ids = [u for u, metadata in self.records.select(scope)
+        ids = [u for u, metadata in self.records.select(index_key(tenant, scope))
                if all(k in metadata and metadata[k] == v for k, v in match.items())]
         self._revoke(self.records.existing(ids))
         return Deleted(tuple(ids))
@@ -313,14 +323,14 @@ class UnitStore:
             self._dirty.add(scope)
 
     def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,
-                 top_k: int | None = None) -> list[Hit]:
-        """Top-k units of ``scope`` for a query text or a precomputed embedding, best first."""
+                 top_k: int | None = None, tenant: str = "") -> list[Hit]:
+        """Top-k units of ``tenant``'s ``scope`` for a query text or a precomputed embedding, best first."""
         check_scope(scope)
         k = self.config.top_k if top_k is None or top_k == 0 else top_k
         if not 1 <= k <= MAX_TOP_K:
             raise BadRequest(f"top_k = {top_k} is out of range: expected 1..{MAX_TOP_K} (0 = the default)")
         vector = self._query_vector(query, embedding)
-        found = self.index.search(scope, vector, k)
+        found = self.index.search(index_key(tenant, scope), vector, k)
         records = self.records.by_keys([key for key, _ in found])
         return [Hit(_unit(records[key]), score, records[key].metadata) for key, score in found if key in records]
 

@@ -30,6 +30,7 @@ from tessera.config import TransportConfig
 from tessera.errors import TesseraError, TransferError, TransferTimeout
 from tessera.registry import Registry
 from tessera.transport.arena import Arena
+from tessera.transport.frames import Capability
 from tessera.transport.limits import TransferLimiter
 
 # one request carries at most this many bytes (one slot at least): enough to amortize
@@ -56,10 +57,15 @@ class NodeEndpoint:
 
 @dataclass(frozen=True, slots=True)
 class SlotIO:
-    """One slot transfer: ``buf`` <-> the first ``len(buf)`` bytes of ``slot``."""
+    """One slot transfer: ``buf`` <-> the first ``len(buf)`` bytes of ``slot``.
+
+    ``cap`` is the grant's or lease's capability for this node; transports that reach the
+    node over the network (``tcp``) send it, and the node refuses slots it does not cover.
+    """
 
     slot: int
     buf: memoryview
+    cap: Capability | None = None
 
 
 class ArenaExport(ABC):

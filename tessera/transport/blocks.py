@@ -6,7 +6,10 @@ A unit of T tokens occupies ceil(T / B) blocks. Block b holds tokens [b·B, min(
 
 in the storage dtype, C-contiguous. The header is written together with the payload and
 names what the payload is (unit, storage epoch, block index, token counts) plus a CRC-32 of
-the payload and of the header itself. A reader checks every field against what its lease
+the payload and of the header itself. With a cluster secret the header also carries a keyed
+MAC (HMAC-SHA256 over the header fields and the payload, truncated to 64 bits, in the
+header's padding): a CRC catches accidents, only the MAC catches a forged block. A reader checks every
+field against what its lease
 says and treats any difference as a failed fetch (:class:`ChecksumMismatch`): a torn write,
 a stale writer, a restarted memory node and a flipped bit all look the same to it.
 
@@ -15,6 +18,9 @@ This module knows nothing about where slots live or how bytes move (see the tran
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import struct
 import zlib
 from collections.abc import Sequence
@@ -35,7 +41,8 @@ SLOT_ALIGN = 64
 _FIELDS = struct.Struct("<4sHHQ16sIIIII")
 _CRC = struct.Struct("<I")
 _PAD = _FIELDS.size + _CRC.size
-assert _PAD <= HEADER_BYTES
+MAC_BYTES = 8  # the header's padding; a forgery succeeds with probability 2^-64 per try
+assert _PAD + MAC_BYTES <= HEADER_BYTES
 
 
 def _header_crc(buf: memoryview) -> int:
@@ -51,11 +58,15 @@ class BlockHeader:
     unit_tokens: int  # T of the whole unit
     payload_len: int
     payload_crc: int
+    mac: bytes = bytes(MAC_BYTES)  # zeros without a cluster secret
+
+    def fields(self) -> bytes:
+        return _FIELDS.pack(MAGIC, HEADER_VERSION, 0, self.epoch, self.unit_key, self.block_index,
+                            self.tokens, self.unit_tokens, self.payload_len, self.payload_crc)
 
     def pack_into(self, buf: memoryview) -> None:
-        _FIELDS.pack_into(buf, 0, MAGIC, HEADER_VERSION, 0, self.epoch, self.unit_key, self.block_index,
-                          self.tokens, self.unit_tokens, self.payload_len, self.payload_crc)
-        buf[_PAD:HEADER_BYTES] = bytes(HEADER_BYTES - _PAD)
+        buf[: _FIELDS.size] = self.fields()
+        buf[_PAD:HEADER_BYTES] = self.mac.ljust(HEADER_BYTES - _PAD, b"\0")
         _CRC.pack_into(buf, _FIELDS.size, _header_crc(buf))
 
     @classmethod
@@ -72,7 +83,13 @@ class BlockHeader:
             raise ChecksumMismatch(f"block header checksum {stored:#010x} != computed {computed:#010x}")
         if version != HEADER_VERSION:
             raise ChecksumMismatch(f"block header version {version}, this reader speaks {HEADER_VERSION}")
-        return cls(epoch, key, index, tokens, unit_tokens, plen, pcrc)
+        return cls(epoch, key, index, tokens, unit_tokens, plen, pcrc, bytes(buf[_PAD : _PAD + MAC_BYTES]))
+
+
+def block_mac(key: bytes, header: BlockHeader, payload: memoryview) -> bytes:
+    mac = hmac.new(key, header.fields(), hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()[:MAC_BYTES]
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,8 @@ class BlockLayout:
 
     geometry: ModelGeometry
     block_tokens: int
+    # MAC key (tessera.auth.block_mac_key of the cluster secret): writers sign, readers verify
+    mac_key: bytes | None = None
 
     @property
     def payload_bytes(self) -> int:
@@ -122,6 +141,8 @@ class BlockLayout:
         self._half(payload, end - start, 0).copy_(state.keys[:, start:end])
         self._half(payload, end - start, 1).copy_(state.values[:, start:end])
         header = BlockHeader(epoch, unit_key(unit_id), block_index, end - start, n, len(payload), zlib.crc32(payload))
+        if self.mac_key is not None:
+            header = dataclasses.replace(header, mac=block_mac(self.mac_key, header, payload))
         header.pack_into(out[:HEADER_BYTES])
 
     def encode(self, state: UnitState, unit_id: str, epoch: int) -> list[memoryview]:
@@ -161,6 +182,9 @@ class BlockLayout:
             raise ChecksumMismatch(
                 f"unit {unit_id} block {block_index}: payload crc32 {crc:#010x} != header {h.payload_crc:#010x}"
             )
+        if self.mac_key is not None and not hmac.compare_digest(block_mac(self.mac_key, h, payload), h.mac):
+            raise ChecksumMismatch(f"unit {unit_id} block {block_index}: MAC mismatch (the block was not written "
+                                   "by a holder of the cluster secret)")
         return payload
 
     def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int, *,

@@ -181,7 +181,7 @@ class _Connection(asyncio.BufferedProtocol):
         pending = _Pending(next(self._ids), op, views, asyncio.get_running_loop().create_future())
         # no await between queueing and sending: the answer order is the send order
         self.pending.append(pending)
-        head = pack_request(op, pending.req_id, [(io.slot, len(io.buf)) for io in ios])
+        head = pack_request(op, pending.req_id, [(io.slot, len(io.buf)) for io in ios], ios[0].cap if ios else None)
         if op is Op.WRITE:
             self.transport.writelines([head, *(io.buf for io in ios if len(io.buf))])
         else:

@@ -7,24 +7,32 @@ of the arena. Requests on a connection are answered in order, which is what lets
 pipeline them. When the socket's send buffer fills up the node stops reading requests until
 it drains, so a client that does not read its answers cannot grow the node's memory.
 
-The server does not know which slot belongs to whom; the control plane decides that.
+The server does not know which slot belongs to whom; the control plane decides that. With
+a cluster secret it serves only requests whose capability (the grant's or lease's token, see
+:mod:`.frames`) covers every slot they name; anything else is refused before a byte moves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
+import time
 from typing import Any, cast
 
+from tessera.auth import capability
 from tessera.transport.arena import Arena
 from tessera.transport.frames import (
     BLOCK,
+    CAP,
+    FLAG_CAPABILITY,
     HELLO,
     HELLO_MAGIC,
     MAX_BLOCKS,
     REQUEST,
     RESPONSE,
+    SLOT,
     Op,
     Status,
     unpack_blocks,
@@ -40,6 +48,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._header = bytearray(REQUEST.size)
         self._blocks_raw = bytearray(BLOCK.size * 64)
+        self._cap_raw = bytearray(CAP.size)
+        self._cap: tuple[int, int, bytes] = (0, 0, b"")  # epoch, expires, mac of the current request
+        self._flags = 0
         self._target = memoryview(self._header)
         self._got = 0
         self._phase = "header"
@@ -87,15 +98,18 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _advance(self) -> None:
         if self._phase == "header":
-            op, _, _, req_id, n, _, payload = REQUEST.unpack(self._header)
+            op, flags, _, req_id, n, _, payload = REQUEST.unpack(self._header)
             self._req_id = req_id
             if op not in (Op.READ, Op.WRITE) or n > MAX_BLOCKS:
                 return self._refuse(f"bad request header (op {op}, {n} blocks; at most {MAX_BLOCKS})")
-            self._op, self._payload = Op(op), payload
-            if n == 0:
+            self._op, self._payload, self._flags = Op(op), payload, flags
+            if n == 0 and not flags & FLAG_CAPABILITY:
                 return self._respond_ok()
             if len(self._blocks_raw) < n * BLOCK.size:
                 self._blocks_raw = bytearray(n * BLOCK.size)
+            if n == 0:
+                self._blocks = []
+                return self._expect(memoryview(self._cap_raw), "cap")
             return self._expect(memoryview(self._blocks_raw)[: n * BLOCK.size], "blocks")
         if self._phase == "blocks":
             self._blocks = unpack_blocks(memoryview(self._blocks_raw), len(self._target) // BLOCK.size)
@@ -106,13 +120,52 @@ class _Connection(asyncio.BufferedProtocol):
             total = sum(length for _, length in self._blocks)
             if self._payload != (total if self._op is Op.WRITE else 0):
                 return self._refuse(f"payload of {self._payload} B does not match the block list ({total} B)")
-            if self._op is Op.READ:
-                return self._respond_read()
-            self._next = 0
-            return self._next_payload()
+            if self._flags & FLAG_CAPABILITY:
+                return self._expect(memoryview(self._cap_raw), "cap")
+            if self.server.secret is not None:
+                return self._refuse(f"{self._op.name.lower()} without a capability: this memory node serves "
+                                    "only slots that the control plane granted or leased")
+            return self._dispatch()
+        if self._phase == "cap":
+            epoch, expires, n_slots, mac = CAP.unpack(self._cap_raw)
+            if n_slots > MAX_BLOCKS:
+                return self._refuse(f"capability of {n_slots} slots; at most {MAX_BLOCKS}")
+            self._cap = (epoch, expires, mac)
+            if len(self._blocks_raw) < n_slots * SLOT.size:
+                self._blocks_raw = bytearray(n_slots * SLOT.size)
+            if n_slots == 0:
+                return self._check_capability(())
+            return self._expect(memoryview(self._blocks_raw)[: n_slots * SLOT.size], "capslots")
+        if self._phase == "capslots":
+            n_slots = len(self._target) // SLOT.size
+            slots = tuple(s for (s,) in SLOT.iter_unpack(self._blocks_raw[: n_slots * SLOT.size]))
+            return self._check_capability(slots)
         assert self._phase == "payload", self._phase
         self._next += 1
         self._next_payload()
+
+    def _check_capability(self, slots: tuple[int, ...]) -> None:
+        secret = self.server.secret
+        if secret is not None:
+            epoch, expires, mac = self._cap
+            op = self._op.name.lower()
+            want = capability(secret, op, self.server.node, slots, epoch, expires)
+            if not hmac.compare_digest(want, mac):
+                return self._refuse(f"{op} capability is not valid for memory node {self.server.node} "
+                                    "(forged, or for other slots, epoch or node)")
+            if time.time() > expires:
+                return self._refuse(f"{op} capability expired {time.time() - expires:.0f}s ago")
+            allowed = set(slots)
+            outside = [slot for slot, _ in self._blocks if slot not in allowed]
+            if outside:
+                return self._refuse(f"slot {outside[0]} is not covered by the {op} capability")
+        return self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self._op is Op.READ:
+            return self._respond_read()
+        self._next = 0
+        return self._next_payload()
 
     def _next_payload(self) -> None:
         while self._next < len(self._blocks) and self._blocks[self._next][1] == 0:
@@ -157,9 +210,11 @@ class _Connection(asyncio.BufferedProtocol):
 class BlockServer:
     """``start(host, port)`` / ``close()``; ``port`` is the bound port (0 picks a free one)."""
 
-    def __init__(self, arena: Arena, boot_id: str) -> None:
+    def __init__(self, arena: Arena, boot_id: str, secret: bytes | None = None, node: str = "") -> None:
         self.arena = arena
         self.boot_id = boot_id
+        self.secret = secret  # None: no capabilities required (a cluster without a secret)
+        self.node = node  # the name capabilities are bound to
         self.connections: set[_Connection] = set()
         self.requests = 0
         self.bytes_read = 0

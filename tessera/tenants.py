@@ -1,0 +1,146 @@
+"""Tenants of the public API: who an API key is, which scopes it may use, whether it is admin.
+
+Keys are read from ``security.keys_file`` (TOML, or JSON when the name ends in ``.json``)::
+
+    [[tenants]]
+    name = "acme"
+    scopes = ["docs", "support/*"]     # exact scope names, or prefixes ending in "*"; "*" = any
+    keys_sha256 = ["<sha256 hex of the key>"]   # or keys = ["plain key"] (hashed on load)
+    admin = false                      # admin keys may read /metrics
+
+A request names its key OpenAI-style (``Authorization: Bearer KEY``): a missing or unknown
+key is a 401, a scope the tenant does not own a 403 whose message names only the scope the
+request asked for (never another tenant's). The tenant's name is part of every unit's
+identity (:func:`tessera.units.unit_id_for`), hence of every index, directory and cache key:
+no tenant can hit, or learn anything from, another tenant's units.
+
+With no keys file every request is the :data:`OPEN` tenant (name ``""``: ids as without
+tenants), which the retrieval role allows on a loopback interface only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from tessera.errors import BadRequest, ConfigError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    scopes: tuple[str, ...]
+    admin: bool = False
+
+    def allows(self, scope: str) -> bool:
+        return any(scope == s or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.scopes)
+
+    def check_scope(self, scope: str, where: str = "scope") -> None:
+        """403 unless this tenant owns ``scope``; the message names nothing but that scope."""
+        if not self.allows(scope):
+            raise BadRequest(f"{where} = {scope!r}: this API key may not use that scope", 403)
+
+
+OPEN = Tenant("", ("*",), admin=True)
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyRing:
+    """API key digest -> tenant. Verb: ``authenticate(authorization header) -> Tenant``."""
+
+    def __init__(self, tenants: Mapping[str, Tenant]) -> None:
+        self._by_digest = dict(tenants)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeyRing:
+        p = Path(path)
+        try:
+            text = p.read_text()
+            raw: Any = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"security.keys_file = {str(p)!r} cannot be read: {exc}") from None
+        entries = raw.get("tenants") if isinstance(raw, dict) else None
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(f"{p}: expected a non-empty list of [[tenants]] with name, scopes and keys_sha256")
+        out: dict[str, Tenant] = {}
+        for i, e in enumerate(entries):
+            where = f"{p}: tenants[{i}]"
+            if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not e["name"]:
+                raise ConfigError(f"{where}: expected a table with a non-empty name")
+            scopes = e.get("scopes", [])
+            if not isinstance(scopes, list) or not all(isinstance(s, str) and s for s in scopes):
+                raise ConfigError(f"{where}.scopes: expected a list of scope names or prefixes ending in *")
+            digests = [str(d).lower() for d in e.get("keys_sha256", [])] + [_digest(k) for k in e.get("keys", [])]
+            if not digests or not all(len(d) == 64 for d in digests):
+                raise ConfigError(f"{where}: expected keys_sha256 (64 hex digits each) or keys")
+            tenant = Tenant(e["name"], tuple(scopes), bool(e.get("admin", False)))
+            for d in digests:
+                if d in out and out[d] != tenant:
+                    raise ConfigError(f"{where}: a key is listed for two tenants")
+                out[d] = tenant
+        return cls(out)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if not authorization or not authorization.startswith("Bearer ") or not authorization[7:].strip():
+            raise BadRequest("missing API key: send the header Authorization: Bearer <key>", 401)
+        digest = _digest(authorization[7:].strip())
+        # compare every digest (constant time per key): the loop's length does not depend on the key
+        found = [t for d, t in self._by_digest.items() if hmac.compare_digest(d, digest)]
+        if not found:
+            raise BadRequest("unknown API key", 401)
+        return found[0]
+
+
+TENANT = "tessera.tenant"  # request[TENANT]: the tenant the public middleware authenticated
+
+
+def tenant_of(request: web.Request) -> Tenant:
+    tenant = request.get(TENANT)
+    assert isinstance(tenant, Tenant), "the public middleware did not run"
+    return tenant
+
+
+def _refuse(request: web.Request, message: str, status: int) -> web.Response:
+    if request.path.startswith("/v1/chat"):  # the OpenAI-compatible API keeps OpenAI's error shape
+        kind = "authentication_error" if status == 401 else "permission_error"
+        body: Any = {"error": {"message": message, "type": kind, "code": status}}
+    else:
+        body = {"error": message}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/health",),
+                      admin_paths: tuple[str, ...] = ("/metrics",)) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Authenticate every public request but ``open_paths``; ``admin_paths`` need an admin key."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in open_paths:
+            return await handler(request)
+        try:
+            tenant = OPEN if keys is None else keys.authenticate(request.headers.get("Authorization"))
+        except BadRequest as exc:
+            return _refuse(request, str(exc), exc.status)
+        if request.path in admin_paths and not tenant.admin:
+            return _refuse(request, f"{request.path} needs an admin API key", 403)
+        request[TENANT] = tenant
+        return await handler(request)
+
+    return authenticate
