@@ -33,12 +33,13 @@ class QuietControl:
 
     def __init__(self) -> None:
         self.reports: list[tuple[list[str], list[str]]] = []
+        self.given_up: list[str] = []
 
-    async def residency(self, inserted: Sequence[str], evicted: Sequence[str]) -> None:
+    async def residency(self, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str] = ()) -> None:
         self.reports.append((list(inserted), list(evicted)))
 
     async def give_up(self, grant: WriteGrant) -> None:
-        return None
+        self.given_up.append(grant.unit_id)
 
 
 class DictReader:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import torch
+from device_support import QuietControl
 
 from tessera.engines.base import UnitState
 from tessera.generation.retention import Retainer
@@ -25,17 +25,6 @@ class _BlockedWriter:
         self.stored.append(grant.unit_id)
 
 
-class _Control:
-    def __init__(self) -> None:
-        self.given_up: list[str] = []
-
-    async def residency(self, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str] = ()) -> None:
-        pass
-
-    async def give_up(self, grant: WriteGrant) -> None:
-        self.given_up.append(grant.unit_id)
-
-
 def _state(n_tokens: int) -> UnitState:
     t = torch.zeros(1, n_tokens, 1, 4)  # 16 bytes per token for keys, 32 with values
     return UnitState(t, t.clone())
@@ -47,7 +36,7 @@ def _grant(unit: str) -> WriteGrant:
 
 async def test_writebacks_beyond_the_configured_tasks_and_bytes_are_given_back_at_once() -> None:
     """Regression: one task per grant with no limit, each holding its unit's state while it waited."""
-    writer, control = _BlockedWriter(), _Control()
+    writer, control = _BlockedWriter(), QuietControl()
     cache = LocalUnitCache(64, 4, pin_memory=False)
     retainer = Retainer(cache, writer, control, staging_bytes=3 * 256, outstanding=2)
     for i in range(20):
@@ -65,7 +54,7 @@ async def test_writebacks_beyond_the_configured_tasks_and_bytes_are_given_back_a
 
 async def test_the_byte_budget_is_taken_before_the_state_is_held() -> None:
     """States are admitted to writeback while their bytes fit; one oversized state may go alone."""
-    writer, control = _BlockedWriter(), _Control()
+    writer, control = _BlockedWriter(), QuietControl()
     retainer = Retainer(LocalUnitCache(64, 4, pin_memory=False), writer, control, staging_bytes=300, outstanding=8)
     retainer.retain("big", _state(64), False, _grant("big"), (), 0.0)  # 2 KiB > budget: alone is fine
     retainer.retain("small", _state(8), False, _grant("small"), (), 0.0)
