@@ -36,6 +36,7 @@ from tessera.errors import ChecksumMismatch, PublishRejected, TransferError
 from tessera.generation.pool_client import KVPoolClient
 from tessera.messages import (
     CompleteRequest,
+    LoadReport,
     MemoryNodeList,
     PlanRequest,
     Preparation,
@@ -123,6 +124,9 @@ async def post(http: aiohttp.ClientSession, url: str, msg: Any, cls: type[T]) ->
 async def plan_unit(http: aiohttp.ClientSession, c: Cluster, unit: str, n_tokens: int) -> UnitPlan:
     """Route and finalize a one-unit request as gen0 would (holding nothing locally)."""
     rid = f"req-{next(_ids)}"
+    # gen0's heartbeat, as the real node sends it: only nodes the plane has heard are routed to
+    async with http.post(f"{c.url}/control/load", data=encode(LoadReport(WIRE_VERSION, "gen0", 0))) as resp:
+        assert resp.status == 200, await resp.text()
     route = await post(http, f"{c.url}/control/route", RouteRequest(WIRE_VERSION, rid, (RouteUnit(unit, n_tokens),)),
                        RouteResponse)
     plan = await post(http, f"{c.url}/control/plan", PlanRequest(WIRE_VERSION, rid, route.node), RequestPlan)
