@@ -12,7 +12,7 @@ from tessera.engines.base import UnitState
 from tessera.errors import Overloaded, Unavailable
 from tessera.generation.retention import Retainer
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import InvalidateRequest, LoadReport, Preparation, ReleaseRequest, ResidencyReport
+from tessera.messages import InvalidateRequest, Preparation, ReleaseRequest, ResidencyReport
 from tessera.wire import WIRE_VERSION
 
 # --- membership --------------------------------------------------------------------------
@@ -187,20 +187,40 @@ def test_a_corrupt_shared_entry_is_never_leased_again_and_its_blocks_wait_for_it
 def test_a_request_that_would_queue_too_long_everywhere_is_refused_with_a_retry_time() -> None:
     """Regression: at 3x saturation accepted requests queued 25 s; now refused at once beyond max_queue_wait_s."""
     c = Cluster(nodes=2, max_queue_wait_s=10.0, heartbeat_timeout_s=1000.0)
-    c.plane.load(LoadReport(WIRE_VERSION, "gen0", 5, queued_tokens=3000, tokens_per_s=100.0))  # 30 s of work
-    c.plane.load(LoadReport(WIRE_VERSION, "gen1", 1, queued_tokens=200, tokens_per_s=100.0))  # 2 s
-    assert {c.plane.route(f"r{i}", [], prompt_tokens=300) for i in range(2)} == {"gen1"}  # 2 s, 5 s, 8 s
-    assert c.plane.route("r2", [], prompt_tokens=300) == "gen1"
+    # two requests served side by side, 4 s each to their first token: each node measures 4 s
+    first = [c.plane.route(f"m{i}", []) for i in range(2)]
+    assert sorted(first) == ["gen0", "gen1"]
+    c.clock.advance(4.0)
+    for i in range(2):
+        c.plane.started(f"m{i}")
+        c.plane.complete(f"m{i}")
+    # 0, 1 and 2 requests ahead (0, 4, 8 s) are accepted on each node; a fourth would wait 12 s
+    accepted = [c.plane.route(f"r{i}", []) for i in range(6)]
+    assert sorted(accepted) == ["gen0"] * 3 + ["gen1"] * 3
     with pytest.raises(Overloaded, match="max_queue_wait_s") as refused:
-        c.plane.route("r3", [], prompt_tokens=300)  # gen1 is at 11 s now, gen0 at 30 s
-    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1.0
+        c.plane.route("late", [])
+    assert refused.value.retry_after_s == pytest.approx(2.0)
     assert c.plane.report()["refused_overload"] == 1
-    c.plane.load(LoadReport(WIRE_VERSION, "gen1", 1, queued_tokens=0, tokens_per_s=100.0))  # it caught up
-    assert c.plane.route("r4", [], prompt_tokens=300) == "gen1"
+    c.clock.advance(1.0)
+    c.plane.started("r0")  # a queue moved: room again
+    assert c.plane.route("r6", []) == accepted[0]
+
+
+def test_a_node_that_batches_requests_measures_its_throughput_not_each_latency() -> None:
+    """Requests that reach their first token together (one engine batch) count as one service time."""
+    c = Cluster(nodes=1, max_queue_wait_s=10.0, heartbeat_timeout_s=1000.0)
+    for i in range(4):
+        c.plane.route(f"b{i}", [])
+    c.clock.advance(6.0)
+    for i in range(4):  # one batch: every request starts at 6 s
+        c.plane.started(f"b{i}")
+    node = c.plane.generation_node("gen0")
+    # samples 6, 0, 0, 0: the average (6 s per batch of 4) is well below each request's 6 s latency
+    assert 0 < node.service_s < 6.0 and node.waiting == {}
+    assert node.expected_wait_s() == 0.0
 
 
 def test_without_a_measured_throughput_nothing_is_refused() -> None:
     """A node that has not measured its speed yet (just started) is never the reason for a 429."""
     c = Cluster(nodes=1, max_queue_wait_s=1.0)
-    c.plane.load(LoadReport(WIRE_VERSION, "gen0", 0, queued_tokens=10**6))
-    assert c.plane.route("r", [], prompt_tokens=10**6) == "gen0"
+    assert {c.plane.route(f"r{i}", []) for i in range(100)} == {"gen0"}

@@ -42,7 +42,9 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 def system_config(base: ClusterConfig, system: str) -> ClusterConfig:
     if system not in SYSTEMS:
         raise ConfigError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    control: ControlConfig = dataclasses.replace(base.control, **SYSTEMS[system])
+    # overload control off: the bench measures how queueing grows with the rate, and a 429
+    # would hide exactly that (refused requests have no TTFT); bench/overload.py measures it
+    control: ControlConfig = dataclasses.replace(base.control, **SYSTEMS[system], max_queue_wait_s=0.0)
     return dataclasses.replace(base, control=control)
 
 

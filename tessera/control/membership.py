@@ -17,7 +17,7 @@ directory and the caches.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera.control.local import LocalTier
 from tessera.errors import BadRequest
@@ -36,16 +36,34 @@ class GenerationNode:
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
     alive: bool = False  # routable: heard from, and not silent or unreachable since
     last_seen: float | None = None  # None: never heard from
-    reported_inflight: int = 0  # the node's own figures from its last LoadReport
+    reported_inflight: int = 0  # the node's own figures from its last LoadReport (metrics)
     queued_tokens: int = 0
     tokens_per_s: float = 0.0
-    routed_tokens: int = 0  # prompt tokens routed here since its last LoadReport
+    # queueing as the plane itself sees it: requests routed here that have no first token yet
+    # (request id -> when routed), and how long each one held the head of that queue
+    waiting: dict[str, float] = field(default_factory=dict)
+    service_s: float = 0.0  # moving average; 0 until a first request started
+    last_start: float = float("-inf")
 
     def expected_wait_s(self) -> float:
-        """Queueing a new request would see here: queued work over measured throughput (0 if unknown)."""
-        if self.tokens_per_s <= 0:
-            return 0.0
-        return (self.queued_tokens + self.routed_tokens) / self.tokens_per_s
+        """Queueing a new request would see here: the requests ahead of it times the measured
+        time each takes to reach its first token (0 while nothing was measured yet)."""
+        return len(self.waiting) * self.service_s
+
+    def started(self, request_id: str, now: float) -> None:
+        """A request routed here sent its first event: one service-time sample.
+
+        The sample is the time it held the head of the queue, ``start - max(routed, previous
+        start)`` (a FIFO server's service time); requests the engine batched together give
+        short samples, so the average follows the node's real throughput, batching included,
+        from what the clients see rather than from the node's own figures.
+        """
+        routed = self.waiting.pop(request_id, None)
+        if routed is None:
+            return
+        sample = max(0.0, now - max(routed, self.last_start))
+        self.last_start = now
+        self.service_s = sample if self.service_s == 0 else 0.8 * self.service_s + 0.2 * sample
 
 
 class HelloOutcome(enum.Enum):

@@ -117,12 +117,10 @@ class ControlPlane:
 
     # --- the request path ----------------------------------------------------------------
 
-    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
-              prompt_tokens: int = 0) -> str:
+    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = ()) -> str:
         """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
 
         ``exclude``: nodes this request already tried (a retry goes elsewhere).
-        ``prompt_tokens``: the prompt's size, counted as queued work until the node's next report.
         Raises Overloaded (429) when every node's expected queueing exceeds ``max_queue_wait_s``.
         """
         if request_id in self._requests:
@@ -143,9 +141,16 @@ class ControlPlane:
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
         node.inflight += 1
-        node.routed_tokens += prompt_tokens
-        self._requests[request_id] = RoutedRequest(node, tokens, pairs, self.clock())
+        now = self.clock()
+        node.waiting[request_id] = now
+        self._requests[request_id] = RoutedRequest(node, tokens, pairs, now)
         return node.name
+
+    def started(self, request_id: str) -> None:
+        """The request's node sent its first event (the end of its queueing): measures the node."""
+        r = self._requests.get(request_id)
+        if r is not None:
+            r.node.started(request_id, self.clock())
 
     def _within_queue_bound(self, live: list[GenerationNode]) -> list[GenerationNode]:
         """The nodes where a new request would queue at most ``max_queue_wait_s``.
@@ -190,6 +195,7 @@ class ControlPlane:
         if r is None:
             return False
         r.node.inflight -= 1
+        r.node.waiting.pop(request_id, None)
         return True
 
     def suspect(self, name: str) -> None:
@@ -270,7 +276,6 @@ class ControlPlane:
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
         node.tokens_per_s = msg.tokens_per_s
-        node.routed_tokens = 0  # the node's queue now includes what was routed before the report
         # first report to this plane (a new incarnation): ask for the whole local cache
         return Ack(WIRE_VERSION, True, "resync" if first else "")
 

@@ -142,7 +142,7 @@ class ChatCall:
         attempts = self.node.config.control.max_attempts
         for attempt in range(1, attempts + 1):
             try:
-                self.target = self.node.plane.route(self.request_id, list(refs.items()), tried, layout.n_tokens)
+                self.target = self.node.plane.route(self.request_id, list(refs.items()), tried)
             except Unavailable:
                 if isinstance(failed, Overloaded):
                     raise failed from None  # every node that could serve is full: 429, not 503
@@ -180,6 +180,8 @@ class ChatCall:
             try:
                 async with contextlib.aclosing(nodes.execute(target, msg)) as node_events:
                     async for event in node_events:
+                        if not delivered:
+                            plane.started(self.request_id)  # its queueing ended: overload control measures it
                         delivered = True
                         finished = isinstance(event, DoneEvent | ErrorEvent)
                         yield event
