@@ -165,7 +165,7 @@ class ControlConfig:
     # nodes one request may be tried on before anything was streamed (unreachable, 429, timeout)
     max_attempts: int = 3
     # overload control: refuse (429 + Retry-After) a request whose expected queueing on every
-    # node (queued tokens / measured throughput, from heartbeats) exceeds this; 0 = off
+    # node (requests without a first token yet × measured service time) exceeds this; 0 = off
     max_queue_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
