@@ -25,7 +25,6 @@ method is synchronous and cheap enough to run on the event loop.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -35,6 +34,7 @@ from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
+from tessera.control.locality import Locality
 from tessera.control.membership import GenerationNode, HelloOutcome, Liveness, MemoryNodes
 from tessera.control.overload import QueueBound
 from tessera.control.planner import Planner
@@ -59,12 +59,6 @@ from tessera.messages import (
     check_version,
 )
 from tessera.wire import WIRE_VERSION
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _bits(mask: int) -> tuple[int, ...]:
-    """Indices of the set bits of a holders mask (few distinct masks recur: cached)."""
-    return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
 class ControlPlane:
@@ -95,11 +89,11 @@ class ControlPlane:
             capabilities=CapabilityIssuer(secret) if (secret := ClusterAuth.from_config(config).secret) else None,
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
-        self._holders: dict[str, int] = {}  # unit -> bitmask of nodes whose local view holds it
+        self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
         self.nodes: dict[str, GenerationNode] = {
             g.name: GenerationNode(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
-                                                        bit=1 << i, holders=self._holders))
+                                                        bit=1 << i, holders=self.locality.holders))
             for i, g in enumerate(config.generation)
         }
         self.liveness = Liveness(self.nodes)
@@ -139,24 +133,10 @@ class ControlPlane:
         live = self.queue_bound.admit(live)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
-        node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
+        node = self.router.choose(live, self.locality.blocks_per_node(pairs) if self.router.uses_locality else ())
         node.routed_tokens += prompt_tokens
         self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock()))
         return node.name
-
-    def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
-        """Blocks of these units each node's local view holds, indexed by node index."""
-        holders = self._holders
-        by_mask: dict[int, int] = {}  # popular units share holder sets: add per set, not per unit
-        for u, b in pairs:
-            mask = holders.get(u)
-            if mask:
-                by_mask[mask] = by_mask.get(mask, 0) + b
-        out = [0] * len(self.nodes)
-        for mask, b in by_mask.items():
-            for i in _bits(mask):
-                out[i] += b
-        return out
 
     def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
         """Step 4: the per-unit plan against the node's snapshot ``held`` (see :class:`Planner`)."""
