@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tessera.benchmark.report import format_demo, format_report
-from tessera.benchmark.workloads import WorkloadName, select_workload
+from tessera.benchmark.options import OptionError
+from tessera.benchmark.workloads import WorkloadName
 from tessera.config import ClusterConfig, Role
 from tessera.config_file import load_config
-from tessera.errors import ConfigError
+from tessera.errors import BadRequest, ConfigError
 
 app = typer.Typer(
     name="tessera",
@@ -46,6 +48,19 @@ def _load(config: Path | None) -> ClusterConfig:
         raise typer.Exit(2) from None
 
 
+@contextmanager
+def _usage(command: str) -> Iterator[None]:
+    """A bad option value, config value or input file of ``command``: one line on stderr, exit 2."""
+    try:
+        yield
+    except OptionError as exc:  # names its flag
+        typer.echo(f"tessera: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (ConfigError, BadRequest) as exc:
+        typer.echo(f"tessera {command}: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def run(
     role: Annotated[Role, typer.Option("--role", "-r", help="Which role this process plays.")],
@@ -76,41 +91,9 @@ def up(
         "$XDG_DATA_HOME/tessera/default or ~/.local/share/tessera/default).")] = None,
 ) -> None:
     """Start every role of the config on this machine (retrieval, kvpool, generation) and wait for Ctrl-C."""
-    import dataclasses
-    import os
-    import signal
+    from tessera.launcher import serve, with_persistent_data
 
-    from tessera.launcher import ClusterError, LocalCluster
-
-    cfg = _load(config)
-    if data_dir is not None or not cfg.retrieval.data_dir:
-        # a store you ingest into survives `tessera up` twice in a row
-        home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-        chosen = data_dir or home / "tessera" / "default"
-        cfg = dataclasses.replace(cfg, retrieval=dataclasses.replace(cfg.retrieval, data_dir=str(chosen)))
-    typer.echo(f"tessera up: units persist in {cfg.retrieval.data_dir}")
-    cluster = LocalCluster(cfg, log_dir=log_dir)
-    try:
-        cluster.start()
-    except ClusterError as exc:
-        typer.echo(f"tessera up: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"tessera is up: OpenAI-compatible API at {cfg.retrieval_url}/v1/chat/completions "
-               f"(metrics at {cfg.retrieval_url}/metrics). Ctrl-C stops every role.")
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        # a role that exits is started again (with backoff); only Ctrl-C/SIGTERM stops the cluster
-        cluster.supervise(lambda: stop)
-    finally:
-        typer.echo("stopping tessera (draining in-flight requests)...", err=True)
-        cluster.stop()
+    raise typer.Exit(serve(with_persistent_data(_load(config), data_dir), log_dir))
 
 
 @app.command()
@@ -119,40 +102,10 @@ def analyze(
     per_stream: Annotated[bool, typer.Option("--per-stream", help="Also print each stream's numbers.")] = False,
 ) -> None:
     """Classify unit tokens of a trace as prefix-covered, non-prefix repeats or new (paper §3.1)."""
-    from tessera.benchmark.trace import analyze as run_analysis
-    from tessera.benchmark.trace import read_trace
-    from tessera.errors import BadRequest
+    from tessera.benchmark.trace import run_analyze
 
-    if not trace.is_file():
-        typer.echo(f"tessera analyze: {trace} does not exist", err=True)
-        raise typer.Exit(2)
-    try:
-        result = run_analysis(read_trace(trace))
-    except BadRequest as exc:
-        typer.echo(f"tessera analyze: {exc}", err=True)
-        raise typer.Exit(2) from None
-    t = result["total"]
-    typer.echo(f"requests: {t['requests']}, injected unit tokens: {t['unit_tokens']}")
-    typer.echo(f"  non-prefix repeat: {t['non_prefix_repeat']:.1%}   prefix-covered: {t['prefix_covered']:.1%}   "
-               f"new: {t['new']:.1%}")
-    typer.echo(f"  requests with >= half their unit tokens non-prefix repeats: {t['requests_mostly_repeat']:.1%}")
-    typer.echo(f"  non-prefix repeats as a share of all prompt tokens: {t['repeat_share_of_prompt_tokens']:.1%}")
-    if per_stream:
-        for name, s in result["streams"].items():
-            typer.echo(f"  {name}: repeat {s['non_prefix_repeat']:.1%} prefix {s['prefix_covered']:.1%} "
-                       f"new {s['new']:.1%} of prompt {s['repeat_share_of_prompt_tokens']:.1%} ({s['requests']} req)")
-
-
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        typer.echo(f"tessera: {what} must be comma-separated numbers, got {text!r}", err=True)
-        raise typer.Exit(2) from None
-    if not values or any(v <= 0 for v in values):
-        typer.echo(f"tessera: {what} must be positive numbers, got {text!r}", err=True)
-        raise typer.Exit(2)
-    return sorted(values)
+    with _usage("analyze"):
+        run_analyze(trace, per_stream)
 
 
 @app.command()
@@ -194,53 +147,16 @@ def bench(
     config: ConfigOpt = None,
 ) -> None:
     """Open-loop Poisson load against fresh local clusters; prints and plots TTFT per system and rate."""
-    import asyncio
-
-    from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench
+    from tessera.benchmark.sweep import SweepOptions, run_sweep
 
     cfg = _load(config)
-    names = [s.strip() for s in systems.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SYSTEMS]
-    if unknown or not names:
-        typer.echo(f"tessera bench: unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}", err=True)
-        raise typer.Exit(2)
-    if not 0 <= warmup < 1 or requests < 2 or saturation < 0:
-        typer.echo("tessera bench: --warmup must be in [0, 1), --requests >= 2 and --saturation >= 0", err=True)
-        raise typer.Exit(2)
-    try:
-        wl = select_workload(workload, requests, data_dir, zipf, top_k, unit_words, placement, seed, conversations)
-    except ConfigError as exc:
-        typer.echo(f"tessera bench: {exc}", err=True)
-        raise typer.Exit(2) from None
-    if trace_only:
-        from tessera.benchmark.render import write_traces
-
-        path = out / f"trace-{wl.name}.jsonl"
-        n = write_traces(cfg, wl, path)
-        typer.echo(f"wrote {n} rendered prompts to {path}; classify them with: tessera analyze {path}")
-        return
-    system_rates: dict[str, list[float]] = {}
-    for spec in rates_for or []:
-        system, sep, values = spec.partition("=")
-        if not sep or system.strip() not in names:
-            typer.echo(f"tessera bench: --rates-for {spec!r}: expected SYSTEM=R1,R2,... with SYSTEM one of "
-                       f"--systems ({', '.join(names)})", err=True)
-            raise typer.Exit(2)
-        system_rates[system.strip()] = _floats(values, f"--rates-for {system.strip()}")
-    opts = BenchOptions(systems=names, rates=_floats(rates, "--rates"), max_tokens=max_tokens, warmup_frac=warmup,
-                        unloaded_requests=unloaded, out_dir=out, dump_trace=dump_trace, seed=seed,
-                        drain_warmup=drain_warmup, saturation_factor=saturation, system_rates=system_rates)
-    report = asyncio.run(run_bench(cfg, wl, opts))
-    for line in format_report(report):
-        typer.echo(line)
-    if fidelity > 0:
-        import json
-
-        from tessera.benchmark.verify import format_fidelity, measured_fidelity
-
-        report["fidelity"] = measured_fidelity(cfg, wl, fidelity, warmup, seed=seed)
-        (out / "bench.json").write_text(json.dumps(report, indent=1))
-        typer.echo(format_fidelity(report["fidelity"]))
+    opts = SweepOptions(workload=workload, systems=systems, rates=rates, rates_for=tuple(rates_for or ()),
+                        requests=requests, warmup=warmup, unloaded=unloaded, max_tokens=max_tokens, zipf=zipf,
+                        top_k=top_k, unit_words=unit_words, placement=placement, conversations=conversations,
+                        data_dir=data_dir, out=out, dump_trace=dump_trace, trace_only=trace_only, seed=seed,
+                        drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity)
+    with _usage("bench"):
+        run_sweep(cfg, opts)
 
 
 @app.command(name="eval")
@@ -256,34 +172,13 @@ def evaluate_cmd(
     config: ConfigOpt = None,
 ) -> None:
     """Answer F1 of full / naive / epic composition on MuSiQue or LoCoMo (categories 1-4)."""
-    from tessera.benchmark.evaluate import evaluate
+    from tessera.benchmark.evaluate import EvalOptions, run_eval
 
-    if workload is WorkloadName.synthetic:
-        typer.echo("tessera eval: the synthetic workload has no gold answers; use rag or locomo", err=True)
-        raise typer.Exit(2)
     cfg = _load(config)
-    try:
-        wl = select_workload(workload, 0 if workload is WorkloadName.locomo else 5000, data_dir, 0.0, top_k, unit_words,
-                       placement, 0)
-    except ConfigError as exc:
-        typer.echo(f"tessera eval: {exc}", err=True)
-        raise typer.Exit(2) from None
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    result = evaluate(cfg, wl, questions, names, max_new_tokens)
-    typer.echo(f"{result['workload']}: {result['questions']} questions")
-    for name, score in result["f1"].items():
-        agree = result["agreement_with_full"].get(name)
-        extra = f"  (answer F1 vs full: {agree:.1f})" if agree is not None else ""
-        typer.echo(f"  {name:<6} F1 {score:5.1f}{extra}")
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        typer.echo(f"tessera: {what} must be comma-separated integers, got {text!r}", err=True)
-        raise typer.Exit(2) from None
-    return values
+    opts = EvalOptions(workload=workload, questions=questions, policies=policies, max_new_tokens=max_new_tokens,
+                       top_k=top_k, unit_words=unit_words, placement=placement, data_dir=data_dir)
+    with _usage("eval"):
+        run_eval(cfg, opts)
 
 
 @app.command()
@@ -325,83 +220,17 @@ def verify(
     config: ConfigOpt = None,
 ) -> None:
     """Fidelity of composed prefill vs full prefill (KL, greedy agreement, top-1, 95% CIs) per setting."""
-    import json
-
-    from tessera.benchmark import verify as vf
-    from tessera.composition.policies import policy_from_config
-    from tessera.engines.reference import ReferenceEngine
+    from tessera.benchmark.verify_run import VerifyOptions, run_verify
 
     cfg = _load(config)
-    lead_of = {"none": "", "lead": cfg.composition.unit_lead or vf.LEAD}
-    lead_names = [x.strip() for x in leads.split(",") if x.strip()]
-    if not lead_names or any(x not in lead_of for x in lead_names) or answer_tokens < 1 or kl_positions < 1:
-        typer.echo("tessera verify: --leads takes none and/or lead; --answer-tokens and --kl-positions must be >= 1",
-                   err=True)
-        raise typer.Exit(2)
-    try:
-        fracs = [float(x) for x in fractions.split(",") if x.strip()]
-    except ValueError:
-        typer.echo(f"tessera verify: --fractions must be comma-separated numbers, got {fractions!r}", err=True)
-        raise typer.Exit(2) from None
-    grid = vf.settings_grid([p.strip() for p in policies.split(",") if p.strip()], _ints(ks, "--ks"), fracs,
-                            [lead_of[x] for x in lead_names])
-    configured = vf.Setting.of(cfg.composition)
-    settings = list(dict.fromkeys([configured, *grid]))
-    try:
-        for s in settings:
-            policy_from_config(s.composition(cfg.composition))  # a known policy, valid k and fraction
-        engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
-        if prompts is not None:
-            pool = vf.prompts_from_file(prompts, cfg)
-        else:
-            n = 0 if workload is WorkloadName.locomo else max(4 * samples, 200)
-            wl = select_workload(workload, n, data_dir, 1.0, top_k, unit_words, placement, seed, conversations)
-            pool = vf.prompts_from_workload(cfg, wl, engine.tokenizer)
-    except ConfigError as exc:
-        typer.echo(f"tessera verify: {exc}", err=True)
-        raise typer.Exit(2) from None
-    chosen_prompts = vf.sample(pool, samples, seed)
-    scores = vf.verify(engine, engine.tokenizer, cfg, chosen_prompts, settings, answer_tokens=answer_tokens,
-                       kl_positions=kl_positions, progress=True, timed=frontier)
-    rows = vf.summarize(scores)
-    source = str(prompts) if prompts is not None else workload.value
-    typer.echo(f"{source}: {len(chosen_prompts)} prompts, reference = full prefill of the plain prompt, "
-               f"answer {answer_tokens} tokens, KL over the first {kl_positions}")
-    for line in vf.format_rows(rows, configured):
-        typer.echo(line)
-    report: dict[str, object] = {"source": source, "prompts": len(chosen_prompts), "answer_tokens": answer_tokens,
-                                 "kl_positions": kl_positions, "configured": configured.label,
-                                 "rows": [r.as_dict() for r in rows]}
-    code = 0
-    mine = next(r for r in rows if r.setting == configured)
-    if not mine.meets(max_kl, min_agreement):
-        typer.echo(f"FAIL: {configured.label} has mean KL {mine.kl.mean:.4f} and greedy agreement "
-                   f"{mine.prefix.mean:.3f} (limits: max KL {max_kl}, min agreement {min_agreement})", err=True)
-        code = 1
-    if calibrate:
-        if target_kl is None and target_agreement is None:  # no worse than what the config serves today
-            target_kl, target_agreement = mine.kl.mean, mine.prefix.mean
-        best = vf.cheapest(rows, target_kl, target_agreement)
-        if best is None:
-            typer.echo(f"calibration: no setting meets KL <= {target_kl} and agreement >= {target_agreement}; "
-                       "add larger --ks or more policies", err=True)
-            code = 1
-        else:
-            overlay.parent.mkdir(parents=True, exist_ok=True)
-            overlay.write_text(vf.overlay_toml(best.setting, "default" if config is None else str(config.resolve())))
-            report["calibrated"] = best.as_dict()
-            typer.echo(f"calibration: {best.setting.label} ({best.cost:.1f} recomputed unit tokens per prompt, "
-                       f"KL {best.kl}, agreement {best.prefix}); overlay written to {overlay}")
-    if frontier:
-        from tessera.benchmark.frontier import plot_frontier
-
-        path = plot_frontier(rows, out.with_suffix(".frontier.png"),
-                                f"{source}: speed vs fidelity ({len(chosen_prompts)} prompts)")
-        report["frontier_plot"] = str(path)
-        typer.echo(f"plot: {path}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    typer.echo(f"wrote {out}")
+    opts = VerifyOptions(workload=workload, prompts=prompts, samples=samples, policies=policies, ks=ks,
+                         fractions=fractions, leads=leads, answer_tokens=answer_tokens, kl_positions=kl_positions,
+                         max_kl=max_kl, min_agreement=min_agreement, calibrate=calibrate, target_kl=target_kl,
+                         target_agreement=target_agreement, overlay=overlay, out=out, top_k=top_k,
+                         unit_words=unit_words, placement=placement, conversations=conversations, data_dir=data_dir,
+                         seed=seed, frontier=frontier, config_path=config)
+    with _usage("verify"):
+        code = run_verify(cfg, opts)
     raise typer.Exit(code)
 
 
@@ -418,20 +247,11 @@ def demo(
     order, so the same records recur at different positions: exact prefix caching reuses only
     the system prompt, Tessera reuses the records.
     """
-    import asyncio
-
-    from tessera.benchmark.runner import BenchOptions, run_bench
-    from tessera.benchmark.workloads import synthetic_workload
+    from tessera.benchmark.sweep import run_demo
 
     cfg = _load(config)
-    wl = synthetic_workload(requests, n_units=60, unit_words=120, units_per_request=4, zipf_s=1.0, seed=0)
-    opts = BenchOptions(systems=["prefix", "tessera"], rates=_floats(rates, "--rates"), max_tokens=1,
-                        warmup_frac=0.5, unloaded_requests=0, out_dir=out, seed=0)
-    typer.echo(f"tessera demo: {requests} requests per run at {rates} req/s, systems prefix and tessera; "
-               f"each run starts a fresh cluster from the embedded config", err=True)
-    report = asyncio.run(run_bench(cfg, wl, opts))
-    for line in format_demo(report):
-        typer.echo(line)
+    with _usage("demo"):
+        run_demo(cfg, out, requests, rates)
 
 
 @app.command()

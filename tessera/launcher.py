@@ -299,3 +299,43 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def with_persistent_data(config: ClusterConfig, data_dir: Path | None) -> ClusterConfig:
+    """``data_dir``, else ``retrieval.data_dir``, else ``$XDG_DATA_HOME/tessera/default`` as the store's folder.
+
+    A store you ingest into survives ``tessera up`` twice in a row.
+    """
+    if data_dir is None and config.retrieval.data_dir:
+        return config
+    home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    chosen = data_dir or home / "tessera" / "default"
+    return dataclasses.replace(config, retrieval=dataclasses.replace(config.retrieval, data_dir=str(chosen)))
+
+
+def serve(config: ClusterConfig, log_dir: Path | None) -> int:
+    """``tessera up``: start every role, keep them up until SIGINT/SIGTERM, then stop; the exit code."""
+    print(f"tessera up: units persist in {config.retrieval.data_dir}", flush=True)
+    cluster = LocalCluster(config, log_dir=log_dir)
+    try:
+        cluster.start()
+    except ClusterError as exc:
+        print(f"tessera up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"tessera is up: OpenAI-compatible API at {config.retrieval_url}/v1/chat/completions "
+          f"(metrics at {config.retrieval_url}/metrics). Ctrl-C stops every role.", flush=True)
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        # a role that exits is started again (with backoff); only Ctrl-C/SIGTERM stops the cluster
+        cluster.supervise(lambda: stop)
+    finally:
+        print("stopping tessera (draining in-flight requests)...", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0

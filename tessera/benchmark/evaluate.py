@@ -14,18 +14,21 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tessera.benchmark.options import names, say
 from tessera.benchmark.quality import best_f1
 from tessera.benchmark.render import PromptRenderer
-from tessera.benchmark.workloads import BenchRequest, Workload
+from tessera.benchmark.workloads import BenchRequest, Workload, WorkloadName, select_workload
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.engines.base import UnitPrefill, UnitState
 from tessera.engines.offline import compose
 from tessera.engines.reference import ReferenceEngine
+from tessera.errors import ConfigError
 
 
 @dataclass
@@ -78,3 +81,31 @@ def evaluate(config: ClusterConfig, workload: Workload, questions: int, policies
             pair = [100.0 * best_f1(a, [b]) for a, b in zip(s.answers, ref.answers, strict=True)]
             out["agreement_with_full"][name] = float(np.mean(pair)) if pair else float("nan")
     return out
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """``tessera eval``'s options as given (see ``tessera eval --help`` for each one's meaning)."""
+
+    workload: WorkloadName
+    questions: int
+    policies: str  # comma-separated composition policies
+    max_new_tokens: int
+    top_k: int | None
+    unit_words: int
+    placement: str
+    data_dir: Path | None
+
+
+def run_eval(config: ClusterConfig, opts: EvalOptions) -> None:
+    """``tessera eval``: answer F1 per policy (and agreement with full) on the chosen workload, printed."""
+    if opts.workload is WorkloadName.synthetic:
+        raise ConfigError("the synthetic workload has no gold answers; use rag or locomo")
+    n = 0 if opts.workload is WorkloadName.locomo else 5000
+    wl = select_workload(opts.workload, n, opts.data_dir, 0.0, opts.top_k, opts.unit_words, opts.placement, 0)
+    result = evaluate(config, wl, opts.questions, names(opts.policies), opts.max_new_tokens)
+    say(f"{result['workload']}: {result['questions']} questions")
+    for name, score in result["f1"].items():
+        agree = result["agreement_with_full"].get(name)
+        extra = f"  (answer F1 vs full: {agree:.1f})" if agree is not None else ""
+        say(f"  {name:<6} F1 {score:5.1f}{extra}")

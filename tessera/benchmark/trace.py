@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessera.errors import BadRequest
+from tessera.errors import BadRequest, ConfigError
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
@@ -133,3 +133,22 @@ def analyze(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "total": total.summary(),
         "streams": {name: c.summary() for name, c in sorted(per_stream.items())},
     }
+
+
+def run_analyze(trace: Path, per_stream: bool) -> None:
+    """``tessera analyze``: print the trace's classification (and each stream's, if asked)."""
+    from tessera.benchmark.options import say
+
+    if not trace.is_file():
+        raise ConfigError(f"{trace} does not exist")
+    result = analyze(read_trace(trace))
+    t = result["total"]
+    say(f"requests: {t['requests']}, injected unit tokens: {t['unit_tokens']}")
+    say(f"  non-prefix repeat: {t['non_prefix_repeat']:.1%}   prefix-covered: {t['prefix_covered']:.1%}   "
+        f"new: {t['new']:.1%}")
+    say(f"  requests with >= half their unit tokens non-prefix repeats: {t['requests_mostly_repeat']:.1%}")
+    say(f"  non-prefix repeats as a share of all prompt tokens: {t['repeat_share_of_prompt_tokens']:.1%}")
+    if per_stream:
+        for name, s in result["streams"].items():
+            say(f"  {name}: repeat {s['non_prefix_repeat']:.1%} prefix {s['prefix_covered']:.1%} "
+                f"new {s['new']:.1%} of prompt {s['repeat_share_of_prompt_tokens']:.1%} ({s['requests']} req)")

@@ -17,6 +17,7 @@ directory and the caches.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tessera.control.local import LocalTier
@@ -64,6 +65,33 @@ class GenerationNode:
         sample = max(0.0, now - max(routed, self.last_start))
         self.last_start = now
         self.service_s = sample if self.service_s == 0 else 0.8 * self.service_s + 0.2 * sample
+
+
+class Liveness:
+    """Which generation nodes are routable: heard from, and not silent or unreachable since.
+
+    Verbs: ``heard`` (any report), ``down`` (silent or unreachable), ``silent``. The plane
+    decides what a departure means for the directory and the node's local view.
+    """
+
+    def __init__(self, nodes: Mapping[str, GenerationNode]) -> None:
+        self._nodes = nodes
+        self.live: list[GenerationNode] = []  # alive nodes in config order, rebuilt on each change
+
+    def heard(self, node: GenerationNode, now: float) -> None:
+        node.last_seen = now
+        if not node.alive:
+            node.alive = True
+            self.live = [n for n in self._nodes.values() if n.alive]
+
+    def down(self, node: GenerationNode) -> None:
+        node.alive = False
+        self.live = [n for n in self._nodes.values() if n.alive]
+
+    def silent(self, now: float, timeout_s: float) -> list[GenerationNode]:
+        """The alive nodes last heard more than ``timeout_s`` before ``now``."""
+        return [n for n in self._nodes.values()
+                if n.alive and n.last_seen is not None and now - n.last_seen > timeout_s]
 
 
 class HelloOutcome(enum.Enum):

@@ -25,7 +25,6 @@ method is synchronous and cheap enough to run on the event loop.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -35,13 +34,16 @@ from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
 from tessera.control.local import LocalTier
-from tessera.control.membership import GenerationNode, HelloOutcome, MemoryNodes
-from tessera.control.planner import Planner, RoutedRequest
+from tessera.control.locality import Locality
+from tessera.control.membership import GenerationNode, HelloOutcome, Liveness, MemoryNodes
+from tessera.control.overload import QueueBound
+from tessera.control.planner import Planner
 from tessera.control.recovery import Reassembly
+from tessera.control.requests import RequestTable, RoutedRequest
 from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.errors import BadRequest, Overloaded, Unavailable
+from tessera.errors import BadRequest, Unavailable
 from tessera.messages import (
     Ack,
     CancelRequest,
@@ -57,12 +59,6 @@ from tessera.messages import (
     check_version,
 )
 from tessera.wire import WIRE_VERSION
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _bits(mask: int) -> tuple[int, ...]:
-    """Indices of the set bits of a holders mask (few distinct masks recur: cached)."""
-    return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
 class ControlPlane:
@@ -82,8 +78,6 @@ class ControlPlane:
         self.block_tokens = config.block_tokens
         self.clock = clock
         self.heartbeat_timeout_s = control.heartbeat_timeout_s
-        self.request_ttl_s = control.request_ttl_s
-        self.max_queue_wait_s = control.max_queue_wait_s
         self.allocator = BlockAllocator()
         self.directory = Directory(
             self.allocator,
@@ -95,21 +89,20 @@ class ControlPlane:
             capabilities=CapabilityIssuer(secret) if (secret := ClusterAuth.from_config(config).secret) else None,
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
-        self._holders: dict[str, int] = {}  # unit -> bitmask of nodes whose local view holds it
+        self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
         self.nodes: dict[str, GenerationNode] = {
             g.name: GenerationNode(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
-                                                        bit=1 << i, holders=self._holders))
+                                                        bit=1 << i, holders=self.locality.holders))
             for i, g in enumerate(config.generation)
         }
-        self._live: list[GenerationNode] = []  # heard from and not declared dead since
+        self.liveness = Liveness(self.nodes)
         self.router = make_router(routing or control.routing, len(self.nodes))
         self.memory = MemoryNodes({k.name: k.capacity_blocks for k in config.kvpools})
         self.stats = PlaneStats()
-        self.expired_requests = 0  # routed, never completed, forgotten after request_ttl_s
         self.invalidated = 0  # shared entries a reader found corrupt
-        self.refused_overload = 0  # requests refused because every node's queue was too long
-        self._requests: dict[str, RoutedRequest] = {}
+        self.queue_bound = QueueBound(control.max_queue_wait_s)
+        self.requests = RequestTable(control.request_ttl_s)
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
         self.planner = Planner(self.directory, self.shared, self.stats, self.revoked)
         self._reassembly = Reassembly(self.block_tokens)  # recovery: reported blocks, not complete yet
@@ -123,80 +116,38 @@ class ControlPlane:
         ``exclude``: nodes this request already tried (a retry goes elsewhere).
         Raises Overloaded (429) when every node's expected queueing exceeds ``max_queue_wait_s``.
         """
-        if request_id in self._requests:
-            raise BadRequest(f"request {request_id!r} is already routed; use a new request id", 409)
+        self.requests.check_new(request_id)
         tokens: dict[str, int] = {}
         for u, n in units:
             if u not in tokens:
                 if n <= 0:
                     raise BadRequest(f"unit {u}: n_tokens must be > 0, got {n}")
                 tokens[u] = n
-        live = [n for n in self._live if n.name not in exclude] if exclude else self._live
+        live = self.liveness.live
+        live = [n for n in live if n.name not in exclude] if exclude else live
         if not live:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
-        if self.max_queue_wait_s > 0:
-            live = self._within_queue_bound(live)
+        live = self.queue_bound.admit(live)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
-        node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
-        node.inflight += 1
+        node = self.router.choose(live, self.locality.blocks_per_node(pairs) if self.router.uses_locality else ())
         now = self.clock()
-        node.waiting[request_id] = now
-        self._requests[request_id] = RoutedRequest(node, tokens, pairs, now)
+        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, now))
         return node.name
 
     def started(self, request_id: str) -> None:
         """The request's node sent its first event (the end of its queueing): measures the node."""
-        r = self._requests.get(request_id)
-        if r is not None:
-            r.node.started(request_id, self.clock())
-
-    def _within_queue_bound(self, live: list[GenerationNode]) -> list[GenerationNode]:
-        """The nodes where a new request would queue at most ``max_queue_wait_s``.
-
-        Refusing at once keeps the accepted requests' time to first token bounded; queueing
-        everything only makes every request late.
-        """
-        bound = self.max_queue_wait_s
-        waits = [n.expected_wait_s() for n in live]
-        ok = [n for n, w in zip(live, waits, strict=True) if w <= bound]
-        if not ok:
-            shortest = min(waits)
-            self.refused_overload += 1
-            raise Overloaded(f"every generation node is busy: a new request would queue {shortest:.1f}s or more "
-                             f"(control.max_queue_wait_s = {bound:g}); retry later",
-                             retry_after_s=max(1.0, shortest - bound))
-        return ok
-
-    def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
-        """Blocks of these units each node's local view holds, indexed by node index."""
-        holders = self._holders
-        by_mask: dict[int, int] = {}  # popular units share holder sets: add per set, not per unit
-        for u, b in pairs:
-            mask = holders.get(u)
-            if mask:
-                by_mask[mask] = by_mask.get(mask, 0) + b
-        out = [0] * len(self.nodes)
-        for mask, b in by_mask.items():
-            for i in _bits(mask):
-                out[i] += b
-        return out
+        self.requests.started(request_id, self.clock())
 
     def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
         """Step 4: the per-unit plan against the node's snapshot ``held`` (see :class:`Planner`)."""
-        r = self._routed(request_id, node)
-        r.finalized = True
-        return self.planner.plan(request_id, r, held, self._requests.keys())
+        r = self.requests.claim_plan(request_id, node)
+        return self.planner.plan(request_id, r, held, self.requests.ids())
 
     def complete(self, request_id: str) -> bool:
         """The request finished (or was abandoned); False if it was not outstanding."""
-        r = self._requests.pop(request_id, None)
-        if r is None:
-            return False
-        r.node.inflight -= 1
-        r.node.waiting.pop(request_id, None)
-        return True
+        return self.requests.complete(request_id)
 
     def suspect(self, name: str) -> None:
         """The serving layer could not reach the node (connect, snapshot, execute, deadline).
@@ -207,16 +158,6 @@ class ControlPlane:
         node = self.generation_node(name)
         if node.alive:
             self._declare_dead(node)
-
-    def _routed(self, request_id: str, node: str) -> RoutedRequest:
-        r = self._requests.get(request_id)
-        if r is None:
-            raise BadRequest(f"request {request_id!r} is not routed (call route first) or already completed", 404)
-        if r.node.name != node:
-            raise BadRequest(f"request {request_id!r} was routed to {r.node.name!r}, not {node!r}", 409)
-        if r.finalized:
-            raise BadRequest(f"request {request_id!r} already has a plan", 409)
-        return r
 
     # --- reports from generation nodes ---------------------------------------------------
 
@@ -257,7 +198,7 @@ class ControlPlane:
     def residency(self, msg: ResidencyReport) -> Ack:
         check_version(msg.version)
         node = self.generation_node(msg.node)
-        self._heard(node)
+        self.liveness.heard(node, self.clock())
         for u, b in zip(msg.inserted, msg.blocks, strict=False):
             self.planner.admitted_blocks.setdefault(u, b)  # a re-report after this plane restarted
         node.local.drop(msg.evicted)
@@ -272,7 +213,7 @@ class ControlPlane:
         check_version(msg.version)
         node = self.generation_node(msg.node)
         first = node.last_seen is None
-        self._heard(node)
+        self.liveness.heard(node, self.clock())
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
         node.tokens_per_s = msg.tokens_per_s
@@ -284,12 +225,6 @@ class ControlPlane:
         if node is None:
             raise BadRequest(f"unknown generation node {name!r}; the config declares: {', '.join(self.nodes)}", 404)
         return node
-
-    def _heard(self, node: GenerationNode) -> None:
-        node.last_seen = self.clock()
-        if not node.alive:
-            node.alive = True
-            self._live = [n for n in self.nodes.values() if n.alive]
 
     # --- revocation ----------------------------------------------------------------------
 
@@ -387,39 +322,24 @@ class ControlPlane:
         self.shared.forget(u for u, _ in expired.reservations)
         for name in self.memory.silent(now, self.heartbeat_timeout_s):
             self.shared.forget(self.directory.drop_node(name))
-        for node in self.nodes.values():
-            if node.alive and node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s:
-                self._declare_dead(node)
+        for node in self.liveness.silent(now, self.heartbeat_timeout_s):
+            self._declare_dead(node)
         self._expire_requests(now)
         if self._draining:
             self._forget_drained()
 
     def _expire_requests(self, now: float) -> None:
-        """Forget requests routed longer than ``request_ttl_s`` ago and never completed.
-
-        Their caller died between route and complete: they would pin the node's in-flight
-        count (and the units their plans admitted) forever. Their leases and reservations
-        expire in the directory on their own TTLs.
-        """
-        expired: set[str] = set()
-        for request_id, r in self._requests.items():  # in route order: stop at the first young one
-            if now - r.routed_at <= self.request_ttl_s:
-                break
-            expired.add(request_id)
-        if not expired:
-            return
-        for request_id in expired:
-            self.complete(request_id)
-        for node in self.nodes.values():
-            node.local.abandon(expired)
-        self.expired_requests += len(expired)
+        """Forget requests never completed within ``request_ttl_s`` (see :mod:`tessera.control.requests`)."""
+        expired = self.requests.expire(now)
+        if expired:
+            for node in self.nodes.values():
+                node.local.abandon(expired)
 
     def _declare_dead(self, node: GenerationNode) -> None:
-        node.alive = False
+        self.liveness.down(node)
         report = self.directory.forget_holder(node.name)
         self.shared.forget(u for u, _ in report.reservations)
         node.local.clear()
-        self._live = [n for n in self.nodes.values() if n.alive]
 
     def report(self) -> dict[str, object]:
         """Plan counters, shared-tier and per-node occupancy (``GET /control/stats``)."""
@@ -429,9 +349,9 @@ class ControlPlane:
             "shared_free_blocks": self.allocator.free_blocks,
             "shared_capacity_blocks": self.allocator.capacity,
             "shared_evictions": self.shared.evictions,
-            "expired_requests": self.expired_requests,
+            "expired_requests": self.requests.expired,
             "invalidated_entries": self.invalidated,
-            "refused_overload": self.refused_overload,
+            "refused_overload": self.queue_bound.refused,
             "nodes": {
                 n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
                          "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}
@@ -445,4 +365,4 @@ class ControlPlane:
         self.shared.check_invariants()
         for node in self.nodes.values():
             node.local.check_invariants()
-            assert node.inflight == sum(1 for r in self._requests.values() if r.node is node), node.name
+        self.requests.check_invariants(list(self.nodes.values()))

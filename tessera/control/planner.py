@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Container
 
 from tessera.control.directory import Directory
-from tessera.control.membership import GenerationNode
+from tessera.control.requests import RoutedRequest
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
 from tessera.messages import Preparation, ReadLease, RequestPlan, Retention, UnitPlan
@@ -30,20 +30,6 @@ LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMP
 # UnitPlans without a lease or grant are equal across requests for the same unit; they are
 # immutable, so the planner interns them instead of building ten dataclasses per plan.
 _INTERNED_MAX = 1 << 16  # per kind of plan
-
-
-class RoutedRequest:
-    """A request between route and complete."""
-
-    __slots__ = ("finalized", "node", "pairs", "routed_at", "tokens")
-
-    def __init__(self, node: GenerationNode, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...],
-                 routed_at: float = 0.0) -> None:
-        self.node = node
-        self.routed_at = routed_at  # clock of the plane at route: a request never completed expires
-        self.tokens = tokens  # distinct unit -> n_tokens, in first-occurrence order
-        self.pairs = pairs  # (unit, blocks), same order
-        self.finalized = False
 
 
 class Planner:

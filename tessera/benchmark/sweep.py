@@ -1,0 +1,105 @@
+"""``tessera bench`` and ``tessera demo``: the options of a TTFT sweep, checked, run and printed.
+
+The sweep itself (fresh clusters, Poisson load, saturation cut-off) is
+:func:`tessera.benchmark.runner.run_bench`; this module turns the command-line options into
+its :class:`~tessera.benchmark.runner.BenchOptions` and a workload, and prints the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.benchmark import options
+from tessera.benchmark.options import say
+from tessera.benchmark.report import format_demo, format_report
+from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench
+from tessera.benchmark.workloads import WorkloadName, select_workload, synthetic_workload
+from tessera.config import ClusterConfig
+from tessera.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """``tessera bench``'s options as given (see ``tessera bench --help`` for each one's meaning)."""
+
+    workload: WorkloadName
+    systems: str  # comma-separated names of SYSTEMS
+    rates: str  # comma-separated req/s
+    rates_for: tuple[str, ...]  # SYSTEM=R1,R2,... each
+    requests: int
+    warmup: float
+    unloaded: int
+    max_tokens: int
+    zipf: float
+    top_k: int | None
+    unit_words: int
+    placement: str
+    conversations: int
+    data_dir: Path | None
+    out: Path
+    dump_trace: bool
+    trace_only: bool
+    seed: int
+    drain_warmup: bool
+    saturation: float
+    fidelity: int
+
+
+def _system_rates(specs: tuple[str, ...], systems: list[str]) -> dict[str, list[float]]:
+    """``--rates-for SYSTEM=R1,R2,...``: each named system's own rates."""
+    out: dict[str, list[float]] = {}
+    for spec in specs:
+        system, sep, values = spec.partition("=")
+        if not sep or system.strip() not in systems:
+            raise ConfigError(f"--rates-for {spec!r}: expected SYSTEM=R1,R2,... with SYSTEM one of "
+                              f"--systems ({', '.join(systems)})")
+        out[system.strip()] = options.floats(values, f"--rates-for {system.strip()}")
+    return out
+
+
+def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
+    """Check the options, render traces (``trace_only``) or sweep systems × rates; print the report."""
+    names = options.names(opts.systems)
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.saturation < 0:
+        raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --saturation >= 0")
+    wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
+                         opts.placement, opts.seed, opts.conversations)
+    if opts.trace_only:
+        from tessera.benchmark.render import write_traces
+
+        path = opts.out / f"trace-{wl.name}.jsonl"
+        n = write_traces(config, wl, path)
+        say(f"wrote {n} rendered prompts to {path}; classify them with: tessera analyze {path}")
+        return
+    system_rates = _system_rates(opts.rates_for, names)
+    bench = BenchOptions(systems=names, rates=options.floats(opts.rates, "--rates"), max_tokens=opts.max_tokens,
+                         warmup_frac=opts.warmup, unloaded_requests=opts.unloaded, out_dir=opts.out,
+                         dump_trace=opts.dump_trace, seed=opts.seed, drain_warmup=opts.drain_warmup,
+                         saturation_factor=opts.saturation, system_rates=system_rates)
+    report = asyncio.run(run_bench(config, wl, bench))
+    for line in format_report(report):
+        say(line)
+    if opts.fidelity > 0:
+        from tessera.benchmark.verify import format_fidelity, measured_fidelity
+
+        report["fidelity"] = measured_fidelity(config, wl, opts.fidelity, opts.warmup, seed=opts.seed)
+        (opts.out / "bench.json").write_text(json.dumps(report, indent=1))
+        say(format_fidelity(report["fidelity"]))
+
+
+def run_demo(config: ClusterConfig, out: Path, requests: int, rates: str) -> None:
+    """The demo sweep: agent-memory style requests (4 of 60 Zipf-popular records), prefix vs tessera."""
+    wl = synthetic_workload(requests, n_units=60, unit_words=120, units_per_request=4, zipf_s=1.0, seed=0)
+    bench = BenchOptions(systems=["prefix", "tessera"], rates=options.floats(rates, "--rates"), max_tokens=1,
+                         warmup_frac=0.5, unloaded_requests=0, out_dir=out, seed=0)
+    say(f"tessera demo: {requests} requests per run at {rates} req/s, systems prefix and tessera; "
+        f"each run starts a fresh cluster from the embedded config", err=True)
+    report = asyncio.run(run_bench(config, wl, bench))
+    for line in format_demo(report):
+        say(line)

@@ -1,0 +1,136 @@
+"""``tessera verify``: the options of a fidelity run, the settings they name, thresholds and calibration.
+
+Scoring itself is :mod:`tessera.benchmark.verify`; this module picks the prompts and the
+settings from the command-line options, checks the configured setting against ``--max-kl`` /
+``--min-agreement``, calibrates (the cheapest setting meeting a target, written as a config
+overlay), optionally plots the speed-fidelity frontier, and writes the JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.benchmark import options
+from tessera.benchmark import verify as vf
+from tessera.benchmark.options import say
+from tessera.benchmark.workloads import WorkloadName, select_workload
+from tessera.composition.policies import policy_from_config
+from tessera.config import ClusterConfig
+from tessera.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """``tessera verify``'s options as given (see ``tessera verify --help`` for each one's meaning)."""
+
+    workload: WorkloadName
+    prompts: Path | None
+    samples: int
+    policies: str  # comma-separated composition policies
+    ks: str  # comma-separated epic k
+    fractions: str  # comma-separated epic recompute fractions
+    leads: str  # comma-separated: none, lead
+    answer_tokens: int
+    kl_positions: int
+    max_kl: float | None
+    min_agreement: float | None
+    calibrate: bool
+    target_kl: float | None
+    target_agreement: float | None
+    overlay: Path
+    out: Path
+    top_k: int | None
+    unit_words: int
+    placement: str
+    conversations: int
+    data_dir: Path | None
+    seed: int
+    frontier: bool
+    config_path: Path | None  # the --config file, named as the overlay's base
+
+
+def _settings(config: ClusterConfig, opts: VerifyOptions) -> tuple[vf.Setting, list[vf.Setting]]:
+    """The configured setting and every setting to score (the configured one first), each a valid policy."""
+    lead_of = {"none": "", "lead": config.composition.unit_lead or vf.LEAD}
+    lead_names = options.names(opts.leads)
+    if not lead_names or any(x not in lead_of for x in lead_names) or opts.answer_tokens < 1 or opts.kl_positions < 1:
+        raise ConfigError("--leads takes none and/or lead; --answer-tokens and --kl-positions must be >= 1")
+    try:
+        fracs = [float(x) for x in opts.fractions.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--fractions must be comma-separated numbers, got {opts.fractions!r}") from None
+    grid = vf.settings_grid(options.names(opts.policies), options.ints(opts.ks, "--ks"), fracs,
+                            [lead_of[x] for x in lead_names])
+    configured = vf.Setting.of(config.composition)
+    settings = list(dict.fromkeys([configured, *grid]))
+    for s in settings:
+        policy_from_config(s.composition(config.composition))  # a known policy, valid k and fraction
+    return configured, settings
+
+
+def _calibrate(rows: list[vf.Row], mine: vf.Row, opts: VerifyOptions, report: dict[str, object]) -> int:
+    """Write the cheapest setting meeting the targets as an overlay; 1 if none meets them."""
+    target_kl, target_agreement = opts.target_kl, opts.target_agreement
+    if target_kl is None and target_agreement is None:  # no worse than what the config serves today
+        target_kl, target_agreement = mine.kl.mean, mine.prefix.mean
+    best = vf.cheapest(rows, target_kl, target_agreement)
+    if best is None:
+        say(f"calibration: no setting meets KL <= {target_kl} and agreement >= {target_agreement}; "
+            "add larger --ks or more policies", err=True)
+        return 1
+    opts.overlay.parent.mkdir(parents=True, exist_ok=True)
+    base = "default" if opts.config_path is None else str(opts.config_path.resolve())
+    opts.overlay.write_text(vf.overlay_toml(best.setting, base))
+    report["calibrated"] = best.as_dict()
+    say(f"calibration: {best.setting.label} ({best.cost:.1f} recomputed unit tokens per prompt, "
+        f"KL {best.kl}, agreement {best.prefix}); overlay written to {opts.overlay}")
+    return 0
+
+
+def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
+    """Score every setting, print the table, check thresholds, calibrate; the exit code (0 or 1)."""
+    from tessera.engines.reference import ReferenceEngine
+
+    configured, settings = _settings(config, opts)
+    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
+    if opts.prompts is not None:
+        pool = vf.prompts_from_file(opts.prompts, config)
+    else:
+        n = 0 if opts.workload is WorkloadName.locomo else max(4 * opts.samples, 200)
+        wl = select_workload(opts.workload, n, opts.data_dir, 1.0, opts.top_k, opts.unit_words, opts.placement,
+                             opts.seed, opts.conversations)
+        pool = vf.prompts_from_workload(config, wl, engine.tokenizer)
+    chosen_prompts = vf.sample(pool, opts.samples, opts.seed)
+    scores = vf.verify(engine, engine.tokenizer, config, chosen_prompts, settings, answer_tokens=opts.answer_tokens,
+                       kl_positions=opts.kl_positions, progress=True, timed=opts.frontier)
+    rows = vf.summarize(scores)
+    source = str(opts.prompts) if opts.prompts is not None else opts.workload.value
+    say(f"{source}: {len(chosen_prompts)} prompts, reference = full prefill of the plain prompt, "
+        f"answer {opts.answer_tokens} tokens, KL over the first {opts.kl_positions}")
+    for line in vf.format_rows(rows, configured):
+        say(line)
+    report: dict[str, object] = {"source": source, "prompts": len(chosen_prompts),
+                                 "answer_tokens": opts.answer_tokens, "kl_positions": opts.kl_positions,
+                                 "configured": configured.label, "rows": [r.as_dict() for r in rows]}
+    code = 0
+    mine = next(r for r in rows if r.setting == configured)
+    if not mine.meets(opts.max_kl, opts.min_agreement):
+        say(f"FAIL: {configured.label} has mean KL {mine.kl.mean:.4f} and greedy agreement "
+            f"{mine.prefix.mean:.3f} (limits: max KL {opts.max_kl}, min agreement {opts.min_agreement})", err=True)
+        code = 1
+    if opts.calibrate:
+        code = _calibrate(rows, mine, opts, report) or code
+    if opts.frontier:
+        from tessera.benchmark.frontier import plot_frontier
+
+        path = plot_frontier(rows, opts.out.with_suffix(".frontier.png"),
+                             f"{source}: speed vs fidelity ({len(chosen_prompts)} prompts)")
+        report["frontier_plot"] = str(path)
+        say(f"plot: {path}")
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.write_text(json.dumps(report, indent=2))
+    say(f"wrote {opts.out}")
+    return code
+

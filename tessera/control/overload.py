@@ -1,0 +1,36 @@
+"""Overload control on expected queueing time: refuse a request at once rather than queue it late.
+
+A node's expected wait is the requests routed there without a first token yet, times its
+measured service time (:meth:`~tessera.control.membership.GenerationNode.expected_wait_s`). A new request goes only
+to nodes where it would queue at most ``control.max_queue_wait_s``; when there is none it is
+refused with 429 and a Retry-After. Refusing at once keeps the accepted requests' time to
+first token bounded; queueing everything only makes every request late.
+"""
+
+from __future__ import annotations
+
+from tessera.control.membership import GenerationNode
+from tessera.errors import Overloaded
+
+
+class QueueBound:
+    """Admits a request to the nodes within ``max_wait_s`` of expected queueing (0: no bound)."""
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+        self.refused = 0  # requests refused because every node's queue was too long
+
+    def admit(self, live: list[GenerationNode]) -> list[GenerationNode]:
+        """The nodes of ``live`` a new request may go to; raises Overloaded (counted) if none."""
+        bound = self.max_wait_s
+        if bound <= 0:
+            return live
+        waits = [n.expected_wait_s() for n in live]
+        ok = [n for n, w in zip(live, waits, strict=True) if w <= bound]
+        if not ok:
+            shortest = min(waits)
+            self.refused += 1
+            raise Overloaded(f"every generation node is busy: a new request would queue {shortest:.1f}s or more "
+                             f"(control.max_queue_wait_s = {bound:g}); retry later",
+                             retry_after_s=max(1.0, shortest - bound))
+        return ok
