@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from kvpool_support import random_state, tiny_layout
+from helpers.kvpool import random_state, tiny_layout
 
 from tessera.auth import Unauthorized, Verifier, block_mac_key, create_secret, read_secret, sign
 from tessera.config import ClusterConfig, GenerationNodeConfig

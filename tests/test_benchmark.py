@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import child_env
+from helpers.cluster import child_env
 
 from tessera.benchmark.client import Result
 from tessera.benchmark.report import compare, summarize, sustained_rate

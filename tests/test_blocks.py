@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpool_support import BLOCK_TOKENS, TINY_GEOMETRY, random_state, tiny_layout
+from helpers.kvpool import BLOCK_TOKENS, TINY_GEOMETRY, random_state, tiny_layout
 
 from tessera.errors import ChecksumMismatch
 from tessera.transport.blocks import HEADER_BYTES, BlockHeader, BlockLayout, unit_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from serving_support import cluster_config
+from helpers.cluster import cluster_config
 
 from tessera.benchmark.chaos import FAULTS, ChaosOptions, ChaosRun
 from tessera.engines.tiny import write_tiny_checkpoint

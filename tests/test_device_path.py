@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from device_support import DictReader, execute_request, run_request, running_executor
-from engine_support import ENGINE_NAMES, random_layout, tiny_engine
+from helpers.engines import ENGINE_NAMES, random_layout, tiny_engine
+from helpers.executor import DictReader, StartExecutor, execute_request, run_request
 
 from tessera.composition.policies import get_policy
 from tessera.engines.base import EngineAdapter, UnitState
@@ -70,7 +70,8 @@ async def test_copies_are_the_identity_on_cpu(engine: EngineAdapter) -> None:
 
 
 @pytest.mark.parametrize("break_state", [_bad_dtype, _bad_shape], ids=["dtype", "shape"])
-async def test_unplaceable_local_and_remote_states_fall_back_to_compute(engine: EngineAdapter, break_state) -> None:  # type: ignore[no-untyped-def]
+async def test_unplaceable_local_and_remote_states_fall_back_to_compute(engine: EngineAdapter, break_state,
+        start_executor: StartExecutor) -> None:  # type: ignore[no-untyped-def]
     """A local and a fetched state that fail placement are computed; the tokens equal offline composition."""
     layout = random_layout(PARTS, seed=3)
     policy = get_policy("epic", recompute_tokens=4)
@@ -81,14 +82,15 @@ async def test_unplaceable_local_and_remote_states_fall_back_to_compute(engine: 
     reader = DictReader({"u3": break_state(good["u3"])})
     req = execute_request(layout, {"u1": Preparation.LOCAL, "u3": Preparation.REMOTE}, max_tokens=5)
     assert cache.held(req.request_id, ["u1"]) == ["u1"]
-    async with running_executor(engine, policy, cache, reader) as executor:
-        tokens, done = await run_request(executor, req)
+    executor = start_executor(engine, policy, cache, reader)
+    tokens, done = await run_request(executor, req)
     assert tokens == oracle.generated
     s = done.stats
     assert (s.fallbacks, s.computed_units, s.local_units, s.remote_units) == (2, 2, 0, 0)
 
 
-async def test_local_and_remote_states_that_fit_are_placed(engine: EngineAdapter) -> None:
+async def test_local_and_remote_states_that_fit_are_placed(engine: EngineAdapter,
+        start_executor: StartExecutor) -> None:
     """Control: the same request with good states reuses both and returns the same tokens."""
     layout = random_layout(PARTS, seed=3)
     policy = get_policy("epic", recompute_tokens=4)
@@ -98,30 +100,32 @@ async def test_local_and_remote_states_that_fit_are_placed(engine: EngineAdapter
     cache.insert("u1", good["u1"])
     req = execute_request(layout, {"u1": Preparation.LOCAL, "u3": Preparation.REMOTE}, max_tokens=5)
     cache.held(req.request_id, ["u1"])
-    async with running_executor(engine, policy, cache, DictReader({"u3": good["u3"]})) as executor:
-        tokens, done = await run_request(executor, req)
+    executor = start_executor(engine, policy, cache, DictReader({"u3": good["u3"]}))
+    tokens, done = await run_request(executor, req)
     assert tokens == oracle.generated
     s = done.stats
     assert (s.fallbacks, s.computed_units, s.local_units, s.remote_units) == (0, 0, 1, 1)
 
 
-async def test_a_missing_unit_is_retained_locally_as_a_host_state(engine: EngineAdapter) -> None:
+async def test_a_missing_unit_is_retained_locally_as_a_host_state(engine: EngineAdapter,
+        start_executor: StartExecutor) -> None:
     """A computed unit with local retention lands in the cache in host memory, usable by the next request."""
     layout = random_layout(PARTS, seed=4)
     policy = get_policy("epic", recompute_tokens=4)
     cache = LocalUnitCache(capacity_blocks=64, block_tokens=16)
     req = execute_request(layout, {"u1": Preparation.COMPUTE, "u3": Preparation.COMPUTE}, max_tokens=2,
                           retain_local=True)
-    async with running_executor(engine, policy, cache) as executor:
-        await run_request(executor, req)
-        await executor.retainer.drain(5.0)
+    executor = start_executor(engine, policy, cache)
+    await run_request(executor, req)
+    await executor.retainer.drain(5.0)
     assert sorted(cache.unit_ids()) == ["u1", "u3"]
     kept = cache.get("u1")
     assert kept is not None and kept.keys.device.type == "cpu" and kept.keys.dtype == torch.float16
 
 
 
-async def test_a_request_waits_for_kv_pages_instead_of_failing(tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_a_request_waits_for_kv_pages_instead_of_failing(tmp_path_factory: pytest.TempPathFactory,
+        start_executor: StartExecutor) -> None:
     """Paged engine with a pool for one request at a time: two concurrent requests both succeed."""
     import asyncio
 
@@ -133,7 +137,7 @@ async def test_a_request_waits_for_kv_pages_instead_of_failing(tmp_path_factory:
     cache = LocalUnitCache(capacity_blocks=64, block_tokens=16)
     reqs = [execute_request(layout, {"u1": Preparation.COMPUTE, "u3": Preparation.COMPUTE}, max_tokens=8,
                             request_id=f"req-{i}") for i in range(2)]
-    async with running_executor(engine, policy, cache) as executor:
-        results = await asyncio.gather(*(run_request(executor, r) for r in reqs))
+    executor = start_executor(engine, policy, cache)
+    results = await asyncio.gather(*(run_request(executor, r) for r in reqs))
     assert [tokens for tokens, _ in results] == [oracle.generated, oracle.generated]
     assert engine.pool.free_pages == engine.pool.n_pages

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from helpers.clock import Clock
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import Clock
 
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory, EntryState
@@ -315,10 +315,9 @@ def _directory(clock: Clock, capacity: int = 2) -> Directory:
                      reclaim_grace_s=RECLAIM_GRACE, clock=clock)
 
 
-def test_blocks_of_a_writer_declared_dead_stay_quarantined_until_its_deadline_passed() -> None:
+def test_blocks_of_a_writer_declared_dead_stay_quarantined_until_its_deadline_passed(clock: Clock) -> None:
     """Regression: forget_holder freed blocks after the grace although the writer (maybe just
     slow to heartbeat) could still start writes until its grant's deadline."""
-    clock = Clock(0.0)
     d = _directory(clock, capacity=1)
     grant = d.reserve("u0", 4, 1, "gen0")
     assert grant is not None
@@ -329,10 +328,9 @@ def test_blocks_of_a_writer_declared_dead_stay_quarantined_until_its_deadline_pa
     assert d.reserve("u1", 4, 2, "gen1") is not None
 
 
-def test_surviving_blocks_of_a_pending_unit_wait_for_its_writer_when_a_node_dies() -> None:
+def test_surviving_blocks_of_a_pending_unit_wait_for_its_writer_when_a_node_dies(clock: Clock) -> None:
     """Regression: drop_node freed the pending unit's blocks on the other node after the grace
     while its writer could still write them until the deadline."""
-    clock = Clock(0.0)
     d = _directory(clock, capacity=1)
     grant = d.reserve("u0", 8, 2, "gen0")
     assert grant is not None and {b.node for b in grant.blocks} == set(NODES)

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving_support import call, chat, cluster_config, node_metric, running_cluster, wait_for
-from support import signed_get
+from helpers.cluster import StartCluster, cluster_config, signed_get
+from helpers.http import call, chat, node_metric, wait_for
 
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
 from tessera.engines.checkpoint import Checkpoint
-from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer
 from tessera.launcher import LocalCluster
 from tessera.wire import WIRE_VERSION
@@ -39,17 +38,12 @@ DOCS = {
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Tokenizer:
     return load_tokenizer(Checkpoint(tiny_model, "tiny", "x"))
 
 
 @pytest.fixture(scope="module")
-def durable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def durable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, start_module_cluster: StartCluster) -> Any:
     """One generation node with a one-block local cache (units are reused from the shared pool),
     one memory node, admission on first sight, a data directory."""
     cfg = cluster_config(str(tiny_model), nodes=1, local_blocks=1, admission="lru", write_timeout_s=4.0,
@@ -59,8 +53,8 @@ def durable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     cfg = dataclasses.replace(cfg, retrieval=dataclasses.replace(
         cfg.retrieval, data_dir=str(tmp_path_factory.mktemp("data")), max_unit_tokens=256),
         composition=dataclasses.replace(cfg.composition, recompute_tokens=4))
-    with running_cluster(cfg, tmp_path_factory.mktemp("durable")) as cluster:
-        yield cluster.config, cluster  # the cluster's config carries the secret it created
+    cluster = start_module_cluster(cfg, tmp_path_factory.mktemp("durable"))
+    yield cluster.config, cluster  # the cluster's config carries the secret it created
 
 
 def send(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:

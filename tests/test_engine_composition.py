@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import ENGINE_NAMES, max_diff, random_layout, tiny_engine
+from helpers.engines import ENGINE_NAMES, max_diff, random_layout, tiny_engine
 
 from tessera.composition.layout import Ranges, placements, tokens_to_compute
 from tessera.composition.policies import (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import LLAMA3_SCALING, max_diff, random_tokens
+from helpers.engines import LLAMA3_SCALING, max_diff, random_tokens
 
 from tessera.config import ModelConfig
 from tessera.engines.checkpoint import load_config_dict, resolve

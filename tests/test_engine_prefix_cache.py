@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import max_diff, random_tokens, tiny_engine
+from helpers.engines import max_diff, random_tokens, tiny_engine
 
 from tessera.engines.base import Extend
 from tessera.engines.offline import prefill

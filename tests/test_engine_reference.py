@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import ENGINE_NAMES, max_diff, random_tokens, slot_kv, tiny_engine
+from helpers.engines import ENGINE_NAMES, max_diff, random_tokens, slot_kv, tiny_engine
 
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill
 from tessera.engines.offline import prefill

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import LLAMA3_SCALING, max_diff, random_tokens, tiny_engine
+from helpers.engines import LLAMA3_SCALING, max_diff, random_tokens, tiny_engine
 
 from tessera.engines.base import Extend, UnitPrefill
 from tessera.engines.reference import ReferenceEngine, TorchSlots

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from device_support import QuietControl
+from helpers.executor import QuietControl
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import CompositionConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvpool_support import TINY_CONFIG, tiny_checkpoint
+from helpers.kvpool import TINY_CONFIG, tiny_checkpoint
 
 from tessera.config import ModelConfig
 from tessera.engines.checkpoint import load_config_dict, resolve

@@ -9,17 +9,21 @@ same properties are checked on a tiny random checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from engine_support import LLAMA3_SCALING, max_diff, random_layout, random_tokens, tiny_config, tiny_engine
+from helpers.engines import LLAMA3_SCALING, max_diff, random_layout, random_tokens, tiny_config, tiny_engine
 
 from tessera.composition.policies import get_policy
 from tessera.config import ModelConfig
 from tessera.engines.base import ENGINES, EngineAdapter, UnitState
 from tessera.engines.offline import compose, prefill, prefill_units
 from tessera.engines.rope import RopeSpec, RopeTable
+
+if TYPE_CHECKING:
+    from helpers.cluster import StartCluster
+    from helpers.executor import StartExecutor
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,13 +43,6 @@ def _smollm2_dir() -> Path:
     if not list(path.glob("*.safetensors")):
         pytest.skip(f"{path} holds SmolLM2's tokenizer but not its weights")
     return path
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tessera.engines.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
 
 
 def _engine(source: Path, engine_name: str, device: str, dtype: str, kv_dtype: str) -> Any:
@@ -79,14 +76,14 @@ def test_smollm2_logits_on_cuda_equal_cpu(engine_name: str) -> None:
 
 
 @ENGINES_ON_GPU
-def test_tiny_logits_on_cuda_equal_cpu(tiny_dir: Path, engine_name: str) -> None:
+def test_tiny_logits_on_cuda_equal_cpu(tiny_model: Path, engine_name: str) -> None:
     """The same check on a tiny random Llama (always runnable): a ragged step and decodes included."""
     tokens = random_tokens(200, 2)
-    cpu = _engine(tiny_dir, "reference", "cpu", "float32", "float32")
-    gpu = _engine(tiny_dir, engine_name, "cuda", "float32", "float32")
+    cpu = _engine(tiny_model, "reference", "cpu", "float32", "float32")
+    gpu = _engine(tiny_model, engine_name, "cuda", "float32", "float32")
     a, b = prefill(cpu, tokens, max_new_tokens=8), prefill(gpu, tokens, max_new_tokens=8)
     assert max_diff(b.logits.cpu(), a.logits) < 1e-4 and a.generated == b.generated
-    half = _engine(tiny_dir, engine_name, "cuda", "bfloat16", "bfloat16")
+    half = _engine(tiny_model, engine_name, "cuda", "bfloat16", "bfloat16")
     _assert_bf16_close(prefill(half, tokens).logits, a.logits)
 
 
@@ -95,12 +92,12 @@ def test_tiny_logits_on_cuda_equal_cpu(tiny_dir: Path, engine_name: str) -> None
 
 @ENGINES_ON_GPU
 @pytest.mark.parametrize("policy", ["epic", "naive"])
-def test_composed_prefill_on_cuda_equals_offline_composition(tiny_dir: Path, engine_name: str, policy: str) -> None:
+def test_composed_prefill_on_cuda_equals_offline_composition(tiny_model: Path, engine_name: str, policy: str) -> None:
     """Composition on CUDA (states on the device) equals the CPU reference's offline composition."""
     layout = random_layout(PARTS, seed=5)
     pol = get_policy(policy, recompute_tokens=16) if policy == "epic" else get_policy(policy)
-    cpu = _engine(tiny_dir, "reference", "cpu", "float32", "float32")
-    gpu = _engine(tiny_dir, engine_name, "cuda", "float32", "float32")
+    cpu = _engine(tiny_model, "reference", "cpu", "float32", "float32")
+    gpu = _engine(tiny_model, engine_name, "cuda", "float32", "float32")
     want = compose(cpu, layout, pol, prefill_units(cpu, layout), max_new_tokens=6, use_prefix_cache=False)
     got = compose(gpu, layout, pol, prefill_units(gpu, layout), max_new_tokens=6, use_prefix_cache=False)
     assert max_diff(got.logits.cpu(), want.logits) < 1e-4
@@ -108,12 +105,12 @@ def test_composed_prefill_on_cuda_equals_offline_composition(tiny_dir: Path, eng
 
 
 @ENGINES_ON_GPU
-def test_composition_from_pinned_host_states_equals_device_states(tiny_dir: Path, engine_name: str) -> None:
+def test_composition_from_pinned_host_states_equals_device_states(tiny_model: Path, engine_name: str) -> None:
     """States staged to pinned host memory (cache / pool) and copied back compose exactly like device states."""
     from tessera.engines.device import to_host
 
     layout = random_layout(PARTS, seed=6)
-    gpu = _engine(tiny_dir, engine_name, "cuda", "bfloat16", "bfloat16")
+    gpu = _engine(tiny_model, engine_name, "cuda", "bfloat16", "bfloat16")
     states = prefill_units(gpu, layout)
     host: dict[str, UnitState] = {}
     for uid, st in states.items():
@@ -128,11 +125,11 @@ def test_composition_from_pinned_host_states_equals_device_states(tiny_dir: Path
 
 
 @ENGINES_ON_GPU
-def test_pageable_host_state_is_a_placement_error_not_a_kernel_error(tiny_dir: Path, engine_name: str) -> None:
+def test_pageable_host_state_is_a_placement_error_not_a_kernel_error(tiny_model: Path, engine_name: str) -> None:
     """A CPU state that is not pinned is refused at the adapter boundary with the tensor's name."""
     from tessera.errors import PlacementError
 
-    gpu = _engine(tiny_dir, engine_name, "cuda", "float32", "float16")
+    gpu = _engine(tiny_model, engine_name, "cuda", "float32", "float16")
     state = prefill_units(gpu, random_layout(PARTS, seed=7))["u1"]
     pageable = UnitState(state.keys.cpu(), state.values.cpu())
     slots = gpu.allocate(200)
@@ -153,21 +150,22 @@ def test_fetched_blocks_land_in_pinned_buffers() -> None:
     assert back.keys.is_pinned() and torch.equal(back.keys, state.keys) and torch.equal(back.values, state.values)
 
 
-async def test_retainer_stages_device_states_into_the_local_cache_as_pinned_host(tiny_dir: Path) -> None:
+async def test_retainer_stages_device_states_into_the_local_cache_as_pinned_host(tiny_model: Path,
+        start_executor: StartExecutor) -> None:
     """A unit computed on CUDA and retained locally lands in the cache in pinned host memory."""
-    from device_support import execute_request, run_request, running_executor
+    from helpers.executor import execute_request, run_request
 
     from tessera.generation.unit_cache import LocalUnitCache
     from tessera.messages import Preparation
 
-    gpu = _engine(tiny_dir, "paged", "cuda", "bfloat16", "bfloat16")
+    gpu = _engine(tiny_model, "paged", "cuda", "bfloat16", "bfloat16")
     layout = random_layout(PARTS, seed=8)
     cache = LocalUnitCache(capacity_blocks=256, block_tokens=16)
     req = execute_request(layout, dict.fromkeys(("u1", "u3", "u5"), Preparation.COMPUTE), max_tokens=2,
                           retain_local=True)
-    async with running_executor(gpu, get_policy("epic", recompute_tokens=16), cache) as executor:
-        await run_request(executor, req)
-        await executor.retainer.drain(10.0)
+    executor = start_executor(gpu, get_policy("epic", recompute_tokens=16), cache)
+    await run_request(executor, req)
+    await executor.retainer.drain(10.0)
     assert sorted(cache.unit_ids()) == ["u1", "u3", "u5"]
     kept = cache.get("u1")
     assert kept is not None and kept.keys.device.type == "cpu" and kept.keys.is_pinned()
@@ -212,12 +210,12 @@ def test_triton_rope_kernel_equals_torch_on_gpu(rope_config: dict[str, Any], lay
 # --- the paged engine's decode graphs --------------------------------------------------------------
 
 
-def test_cuda_graph_decode_equals_eager_decode(tiny_dir: Path) -> None:
+def test_cuda_graph_decode_equals_eager_decode(tiny_model: Path) -> None:
     """model.cuda_graphs: replayed batched decodes give the eager path's logits (ragged lengths, padding)."""
     from tessera.engines.base import Extend
 
-    eager = _engine(tiny_dir, "paged", "cuda", "float32", "float32")
-    cfg = tiny_config(tiny_dir, engine="paged", device="cuda", kv_pool_tokens=1 << 15)
+    eager = _engine(tiny_model, "paged", "cuda", "float32", "float32")
+    cfg = tiny_config(tiny_model, engine="paged", device="cuda", kv_pool_tokens=1 << 15)
     import dataclasses
 
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cuda_graphs=True))
@@ -244,30 +242,31 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_dir: Path) -> None:
 
 @ENGINES_ON_GPU
 def test_served_request_on_cuda_mixing_local_remote_and_missing_units_equals_offline(
-        tiny_dir: Path, engine_name: str, tmp_path: Path) -> None:
+        tiny_model: Path, engine_name: str, tmp_path: Path, start_cluster: StartCluster) -> None:
     """A generation node on CUDA serves local, remote and missing units with offline composition's tokens."""
-    from mixed_support import mixed_config, run_mixed_scenario
+    from helpers.mixed import mixed_config, run_mixed_scenario
 
     from tessera.engines.checkpoint import Checkpoint
     from tessera.engines.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(Checkpoint(tiny_dir, "tiny", "x"))
-    run_mixed_scenario(mixed_config(tiny_dir, tokenizer, engine=engine_name, device="cuda"), tmp_path / "logs")
+    tokenizer = load_tokenizer(Checkpoint(tiny_model, "tiny", "x"))
+    run_mixed_scenario(mixed_config(tiny_model, tokenizer, engine=engine_name, device="cuda"), start_cluster,
+                       tmp_path / "logs")
 
 
-def test_engines_used_here_are_the_cuda_ones(tiny_dir: Path) -> None:
+def test_engines_used_here_are_the_cuda_ones(tiny_model: Path) -> None:
     """Guard: the engines of this module really run on CUDA (a silent CPU fallback would pass the rest)."""
-    engine: EngineAdapter = tiny_engine(tiny_dir, engine="paged", device="cuda")
+    engine: EngineAdapter = tiny_engine(tiny_model, engine="paged", device="cuda")
     state = prefill_units(engine, random_layout(PARTS, seed=9))["u1"]
     assert state.keys.is_cuda
     assert ENGINES.get("paged") is type(engine)
 
 
-def test_device_without_index_accepts_its_own_states(tiny_dir: Path) -> None:
+def test_device_without_index_accepts_its_own_states(tiny_model: Path) -> None:
     """Regression: model.device = "cuda" (no index) must accept states on cuda:0 (no spurious PlacementError)."""
     from tessera.engines.device import check_state, concrete
 
-    engine = _engine(tiny_dir, "paged", "cuda", "float32", "float16")
+    engine = _engine(tiny_model, "paged", "cuda", "float32", "float16")
     state = prefill_units(engine, random_layout(PARTS, seed=10))["u1"]
     assert state.keys.device == concrete(torch.device("cuda"))
     check_state(state, engine.geometry, torch.float16, torch.device("cuda"))

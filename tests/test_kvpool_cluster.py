@@ -23,15 +23,15 @@ import aiohttp
 import orjson
 import pytest
 import torch
-from kvpool_support import HANG_GUARD_S, MemoryNodeProcess, memory_node, pool_config, random_state
-from support import REPO, RoleProcess, child_env, shared_secret_file, signed_get, write_config
+from helpers.cluster import REPO, child_env, signed_get, write_config
+from helpers.kvpool import HANG_GUARD_S, PoolConfig, random_state
+from helpers.processes import MemoryNodeProcess, RoleProcess
 
 from tessera.auth import ClusterAuth, read_secret
 from tessera.config import ClusterConfig, ControlConfig
 from tessera.engines.base import ModelGeometry, UnitState
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
-from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.errors import ChecksumMismatch, PublishRejected, TransferError
 from tessera.generation.pool_client import KVPoolClient
 from tessera.messages import (
@@ -56,11 +56,6 @@ T = TypeVar("T")
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-
-
 @dataclasses.dataclass
 class Cluster:
     config: ClusterConfig
@@ -77,7 +72,8 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(directory: Path, model: Path, capacity: int = 64, write_timeout_s: float = 10.0) -> Iterator[Cluster]:
+def cluster(pool_config: PoolConfig, directory: Path, model: Path, capacity: int = 64,
+            write_timeout_s: float = 10.0) -> Iterator[Cluster]:
     """A retrieval role (control plane) and memory node kv0 speaking tcp (2 s transfer timeout)."""
     config = pool_config(directory, transport="tcp", capacity=capacity, timeout_s=2.0, model_source=str(model))
     config = dataclasses.replace(config, control=ControlConfig(admission="lru", write_timeout_s=write_timeout_s,
@@ -85,7 +81,7 @@ def cluster(directory: Path, model: Path, capacity: int = 64, write_timeout_s: f
     path = write_config(directory, config)
     retrieval = RoleProcess("retrieval", path)
     try:
-        with memory_node(config, directory) as node:
+        with MemoryNodeProcess.started(config, directory) as node:
             retrieval.wait_healthy(config.retrieval_url, timeout=120)
             boot = node.endpoint().boot_id
             for _ in range(int(HANG_GUARD_S / 0.1)):  # until kv0's hello has reached the control plane
@@ -101,15 +97,16 @@ def cluster(directory: Path, model: Path, capacity: int = 64, write_timeout_s: f
 
 
 @pytest.fixture(scope="module")
-def shared_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with cluster(tmp_path_factory.mktemp("pool-cluster"), tiny_model) as c:
+def shared_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+        pool_config: PoolConfig) -> Iterator[Cluster]:
+    with cluster(pool_config, tmp_path_factory.mktemp("pool-cluster"), tiny_model) as c:
         yield c
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
+async def http(cluster_secret: Path) -> AsyncIterator[aiohttp.ClientSession]:
     """A session that signs its requests with the cluster secret, as the cluster's own roles do."""
-    auth = ClusterAuth(read_secret(str(shared_secret_file())))
+    auth = ClusterAuth(read_secret(str(cluster_secret)))
     async with aiohttp.ClientSession(middlewares=(auth.client_middleware(),)) as session:
         yield session
 
@@ -206,11 +203,11 @@ async def test_stale_second_or_partial_writers_cannot_publish(shared_cluster: Cl
 
 
 async def test_a_writer_killed_mid_write_never_publishes_and_its_blocks_return_after_the_grace(
-    tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession
+    tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession, pool_config: PoolConfig
 ) -> None:
     """The reservation expires unpublished; its blocks stay quarantined (a write of the dead
     writer still lands after it died), then come back once the grace has passed."""
-    with cluster(tmp_path, tiny_model, capacity=4, write_timeout_s=1.0) as c:
+    with cluster(pool_config, tmp_path, tiny_model, capacity=4, write_timeout_s=1.0) as c:
         grant = await granted(http, c, "unit-orphaned", 14)  # 4 blocks of B = 4: the whole pool
         (tmp_path / "grant.json").write_bytes(encode(grant))
         cmd = [sys.executable, str(REPO / "tests" / "kvpool_writer.py"), str(tmp_path / "tessera.toml"),
@@ -289,10 +286,10 @@ async def test_a_failed_write_cancels_the_reservation_with_a_settle_time(
 
 
 async def test_a_restarted_memory_node_comes_back_empty_and_the_directory_drops_its_units(
-    tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession
+    tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession, pool_config: PoolConfig
 ) -> None:
     """A new boot id in the hello drops the node's entries; the old lease reads nothing."""
-    with cluster(tmp_path, tiny_model) as c:
+    with cluster(pool_config, tmp_path, tiny_model) as c:
         grant = await granted(http, c, "unit-lost", 7)
         pool = KVPoolClient(c.config, c.layout())
         try:

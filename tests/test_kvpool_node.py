@@ -11,8 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 from aiohttp import web
-from kvpool_support import MemoryNodeProcess, memory_node, pool_config, tiny_layout
-from support import child_env, write_config
+from helpers.cluster import child_env, write_config
+from helpers.kvpool import PoolConfig, tiny_layout
+from helpers.processes import MemoryNodeProcess, StartMemoryNode
 
 from tessera.config import ControlConfig
 from tessera.messages import MemoryNodeHello
@@ -25,7 +26,8 @@ def run_to_exit(config_path: Path, node: str, timeout: float = 60.0) -> subproce
     return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=timeout)
 
 
-def test_info_describes_the_arena_sized_from_the_model_geometry(tmp_path: Path) -> None:
+def test_info_describes_the_arena_sized_from_the_model_geometry(tmp_path: Path, pool_config: PoolConfig,
+        memory_node: StartMemoryNode) -> None:
     """Slots of B tokens of K and V for all layers (+ header); capacity from the config."""
     config = pool_config(tmp_path, capacity=32)
     with memory_node(config, tmp_path) as node:
@@ -38,7 +40,7 @@ def test_info_describes_the_arena_sized_from_the_model_geometry(tmp_path: Path) 
     assert not segment.exists(), "a clean shutdown unlinks the segment"
 
 
-def test_a_node_that_cannot_allocate_its_arena_refuses_to_start(tmp_path: Path) -> None:
+def test_a_node_that_cannot_allocate_its_arena_refuses_to_start(tmp_path: Path, pool_config: PoolConfig) -> None:
     """Asking for more than /dev/shm holds exits non-zero with a message saying what to change."""
     config = pool_config(tmp_path, capacity=1 << 40)
     result = run_to_exit(write_config(tmp_path, config), "kv0")
@@ -47,12 +49,13 @@ def test_a_node_that_cannot_allocate_its_arena_refuses_to_start(tmp_path: Path) 
     assert "Traceback" not in result.stderr
 
 
-def test_an_unknown_node_name_is_refused(tmp_path: Path) -> None:
+def test_an_unknown_node_name_is_refused(tmp_path: Path, pool_config: PoolConfig) -> None:
     result = run_to_exit(write_config(tmp_path, pool_config(tmp_path)), "kv9")
     assert result.returncode == 2 and "no kvpool node named 'kv9'" in result.stderr
 
 
-def test_a_crashed_nodes_segment_is_swept_when_it_starts_again(tmp_path: Path) -> None:
+def test_a_crashed_nodes_segment_is_swept_when_it_starts_again(tmp_path: Path, pool_config: PoolConfig,
+        memory_node: StartMemoryNode) -> None:
     """SIGKILL leaves the segment behind; the next start of that node removes it."""
     config = pool_config(tmp_path)
     path = write_config(tmp_path, config)
@@ -65,7 +68,8 @@ def test_a_crashed_nodes_segment_is_swept_when_it_starts_again(tmp_path: Path) -
         assert not leftover.exists()
 
 
-async def test_the_node_says_hello_with_a_new_boot_id_each_start_and_keeps_beating(tmp_path: Path) -> None:
+async def test_the_node_says_hello_with_a_new_boot_id_each_start_and_keeps_beating(tmp_path: Path,
+        pool_config: PoolConfig, memory_node: StartMemoryNode) -> None:
     """Registration and heartbeat are the same MemoryNodeHello; a restart changes only boot_id."""
     hellos: list[MemoryNodeHello] = []
 
@@ -101,7 +105,8 @@ async def test_the_node_says_hello_with_a_new_boot_id_each_start_and_keeps_beati
 
 
 @pytest.mark.parametrize("status", [500, None])
-async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_path: Path, status: int | None) -> None:
+async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_path: Path, status: int | None,
+        pool_config: PoolConfig, memory_node: StartMemoryNode) -> None:
     """The node serves its arena and keeps trying to say hello."""
     config = pool_config(tmp_path)
     runner = None

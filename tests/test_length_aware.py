@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_support import random_layout, tiny_engine
+from helpers.engines import random_layout, tiny_engine
 
 from tessera.composition.policies import LegoLink, get_policy, policy_from_config
 from tessera.config import CompositionConfig

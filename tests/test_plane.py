@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from control_support import B, Cluster, preps, retentions
+from helpers.plane import B, Cluster, preps, retentions
 
 from tessera.errors import BadRequest
 from tessera.messages import Preparation, ResidencyReport

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from control_support import B, Cluster
+from helpers.plane import B, Cluster
 
 from tessera.engines.base import UnitState
 from tessera.errors import Overloaded, Unavailable

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from control_support import Cluster, cluster_config, hello
+from helpers.plane import Cluster, hello, plane_config
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -55,7 +55,7 @@ class PlaneMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        config = cluster_config(nodes=len(NODES), local_blocks=LOCAL_BLOCKS, shared_blocks=SHARED_BLOCKS,
+        config = plane_config(nodes=len(NODES), local_blocks=LOCAL_BLOCKS, shared_blocks=SHARED_BLOCKS,
                                 window=3, theta=1.5, admission=self.admission, lease_ttl_s=LEASE_TTL,
                                 write_timeout_s=30.0, heartbeat_timeout_s=15.0)
         self.c = Cluster(config)

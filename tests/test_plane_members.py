@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from control_support import Cluster, hello, preps
+from helpers.plane import Cluster, hello, preps
 
 from tessera.errors import BadRequest, PublishRejected, Unavailable
 from tessera.messages import CancelRequest, LoadReport, Preparation, PublishRequest, ReleaseRequest

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from control_support import Cluster, hello, preps, retentions
+from helpers.plane import Cluster, hello, preps, retentions
 
 from tessera.control.directory import Directory
 from tessera.errors import PublishRejected

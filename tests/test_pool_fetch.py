@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvpool_support import (
+from helpers.kvpool import (
     BLOCK_TOKENS,
     HANG_GUARD_S,
     TINY_GEOMETRY,
     TRANSPORTS,
-    issuer,
-    memory_node,
-    pool_config,
+    PoolConfig,
     random_state,
     skip_if_unavailable,
     tiny_layout,
 )
+from helpers.processes import MemoryNodeProcess, StartMemoryNode
 
+from tessera.auth import CapabilityIssuer
 from tessera.config import ClusterConfig
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
@@ -43,12 +43,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+        pool_config: PoolConfig) -> Iterator[Cluster]:
     """Memory nodes kv0 and kv1 speaking one transport."""
     skip_if_unavailable(request.param)
     directory = tmp_path_factory.mktemp(f"pool-{request.param}")
     config = pool_config(directory, transport=request.param, nodes=("kv0", "kv1"), capacity=32)
-    with memory_node(config, directory, "kv0"), memory_node(config, directory, "kv1"):
+    with MemoryNodeProcess.started(config, directory, "kv0"), MemoryNodeProcess.started(config, directory, "kv1"):
         yield Cluster(config, directory)
 
 
@@ -59,14 +60,15 @@ async def pool(two_nodes: Cluster) -> AsyncIterator[KVPoolClient]:
     await client.close()
 
 
-def lease_for(blocks: tuple[BlockRef, ...], epoch: int = 5) -> ReadLease:
-    return ReadLease("L1", UNIT, epoch, blocks, 30.0, issuer().issue("read", blocks, epoch, 30.0))
+def lease_for(issuer: CapabilityIssuer, blocks: tuple[BlockRef, ...], epoch: int = 5) -> ReadLease:
+    return ReadLease("L1", UNIT, epoch, blocks, 30.0, issuer.issue("read", blocks, epoch, 30.0))
 
 
-async def put(pool: KVPoolClient, blocks: tuple[BlockRef, ...], state: UnitState, epoch: int = 5) -> None:
+async def put(issuer: CapabilityIssuer, pool: KVPoolClient, blocks: tuple[BlockRef, ...], state: UnitState,
+              epoch: int = 5) -> None:
     """Write a unit's blocks the way a writer would, under capabilities the test signs as the plane."""
     views = pool.layout.encode(state, UNIT, epoch)
-    caps = capabilities(blocks, epoch, issuer().issue("write", blocks, epoch, 30.0))
+    caps = capabilities(blocks, epoch, issuer.issue("write", blocks, epoch, 30.0))
     for ref, view in zip(blocks, views, strict=True):
         await pool.transport.write(await pool.endpoints.get(ref.node), [SlotIO(ref.index, view, caps.get(ref.node))])
 
@@ -79,19 +81,21 @@ def assert_same_state(a: UnitState, b: UnitState) -> None:
     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-async def test_a_unit_spread_over_two_memory_nodes_is_fetched_intact(pool: KVPoolClient) -> None:
+async def test_a_unit_spread_over_two_memory_nodes_is_fetched_intact(pool: KVPoolClient,
+        issuer: CapabilityIssuer) -> None:
     """Blocks on several nodes are read concurrently, verified, and assembled in order."""
     state = random_state(11, seed=1)  # 3 blocks, the last one partial
     blocks = spread(3)
-    await put(pool, blocks, state)
-    assert_same_state(await pool.fetch(lease_for(blocks), 11, release=False), state)
+    await put(issuer, pool, blocks, state)
+    assert_same_state(await pool.fetch(lease_for(issuer, blocks), 11, release=False), state)
 
 
-async def test_a_flipped_byte_in_a_stored_block_fails_the_fetch(pool: KVPoolClient, two_nodes: Cluster) -> None:
+async def test_a_flipped_byte_in_a_stored_block_fails_the_fetch(pool: KVPoolClient, two_nodes: Cluster,
+        issuer: CapabilityIssuer) -> None:
     """Corruption in the arena itself is caught by the reader's checksum."""
     state = random_state(8, seed=2)
     blocks = spread(2, first=10)
-    await put(pool, blocks, state)
+    await put(issuer, pool, blocks, state)
     ep = await pool.endpoints.get("kv1")
     arena = Arena.attach(ep.shm_name)
     try:
@@ -99,7 +103,7 @@ async def test_a_flipped_byte_in_a_stored_block_fails_the_fetch(pool: KVPoolClie
     finally:
         arena.close()
     with pytest.raises(ChecksumMismatch, match="crc32"):
-        await pool.fetch(lease_for(blocks), 8, release=False)
+        await pool.fetch(lease_for(issuer, blocks), 8, release=False)
 
 
 class _RecordingControl:
@@ -115,21 +119,22 @@ class _RecordingControl:
         pass
 
 
-async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: Cluster) -> None:
+async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: Cluster,
+        issuer: CapabilityIssuer) -> None:
     """Regression: on a checksum failure the reader only forgot endpoints; the entry stayed leasable."""
     control = _RecordingControl()
     pool = KVPoolClient(two_nodes.config, tiny_layout(), control=control, reader="gen3")  # type: ignore[arg-type]
     try:
         state = random_state(8, seed=4)
         blocks = spread(2, first=20)
-        await put(pool, blocks, state, epoch=7)
+        await put(issuer, pool, blocks, state, epoch=7)
         arena = Arena.attach((await pool.endpoints.get("kv0")).shm_name)
         try:
             arena.slot(blocks[0].index)[200] ^= 0x01
         finally:
             arena.close()
         with pytest.raises(ChecksumMismatch):
-            await pool.fetch(lease_for(blocks, epoch=7), 8, release=False)
+            await pool.fetch(lease_for(issuer, blocks, epoch=7), 8, release=False)
         assert control.invalidated == [(UNIT, 7, "gen3")]
     finally:
         await pool.close()
@@ -137,24 +142,24 @@ async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: 
 
 @pytest.mark.parametrize(("epoch", "n_tokens"), [(6, 8), (5, 7)])
 async def test_a_lease_that_does_not_describe_the_blocks_fails_the_fetch(
-    pool: KVPoolClient, epoch: int, n_tokens: int
+    pool: KVPoolClient, epoch: int, n_tokens: int, issuer: CapabilityIssuer
 ) -> None:
     """Another epoch (a stale writer's blocks) or another length is a failed fetch, not data."""
     blocks = spread(2, first=20)
-    await put(pool, blocks, random_state(8, seed=3))
+    await put(issuer, pool, blocks, random_state(8, seed=3))
     with pytest.raises(ChecksumMismatch):
-        await pool.fetch(lease_for(blocks, epoch), n_tokens, release=False)
+        await pool.fetch(lease_for(issuer, blocks, epoch), n_tokens, release=False)
 
 
-async def test_reading_never_written_slots_fails_the_fetch(pool: KVPoolClient) -> None:
+async def test_reading_never_written_slots_fails_the_fetch(pool: KVPoolClient, issuer: CapabilityIssuer) -> None:
     """A zeroed slot has no header; it is never returned as a unit state."""
     with pytest.raises(ChecksumMismatch, match="no block header"):
-        await pool.fetch(lease_for((BlockRef("kv0", 31),)), 4, release=False)
+        await pool.fetch(lease_for(issuer, (BlockRef("kv0", 31),)), 4, release=False)
 
 
 @pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "shm"])
 async def test_killing_a_memory_node_during_a_read_fails_it_fast_with_a_typed_error(
-    tmp_path: Path, transport: str
+    tmp_path: Path, transport: str, issuer: CapabilityIssuer, pool_config: PoolConfig, memory_node: StartMemoryNode
 ) -> None:
     """The reader sees a TransferError from the dead peer, well before its timeout."""
     skip_if_unavailable(transport)
@@ -163,9 +168,9 @@ async def test_killing_a_memory_node_during_a_read_fails_it_fast_with_a_typed_er
         client = KVPoolClient(config, tiny_layout())
         try:
             blocks = tuple(BlockRef("kv0", i) for i in range(4))
-            await put(client, blocks, random_state(16, seed=4))
+            await put(issuer, client, blocks, random_state(16, seed=4))
             node.pause()  # the read request is sent and sits unanswered...
-            fetch = asyncio.create_task(client.fetch(lease_for(blocks), 16, release=False))
+            fetch = asyncio.create_task(client.fetch(lease_for(issuer, blocks), 16, release=False))
             await asyncio.sleep(0.5)
             assert not fetch.done()
             node.kill()  # ...until the node dies under it
@@ -177,22 +182,22 @@ async def test_killing_a_memory_node_during_a_read_fails_it_fast_with_a_typed_er
                 await client.close()
 
 
-async def test_a_copy_that_could_outlive_its_lease_is_not_started(pool: KVPoolClient) -> None:
+async def test_a_copy_that_could_outlive_its_lease_is_not_started(pool: KVPoolClient, issuer: CapabilityIssuer) -> None:
     """Leased blocks are protected only until the lease ends; with less than a transfer timeout
     left the reader falls back instead of racing reclamation."""
     blocks = spread(1, first=25)
-    await put(pool, blocks, random_state(4, seed=5))
-    lease = lease_for(blocks)
+    await put(issuer, pool, blocks, random_state(4, seed=5))
+    lease = lease_for(issuer, blocks)
     with pytest.raises(TransferError, match="left"):
         await pool.fetch(lease, 4, release=False, received_at=time.monotonic() - lease.ttl_s + 1.0)
     await pool.fetch(lease, 4, release=False, received_at=time.monotonic())
 
 
-async def test_a_memory_node_with_another_block_layout_is_refused(two_nodes: Cluster) -> None:
+async def test_a_memory_node_with_another_block_layout_is_refused(two_nodes: Cluster, issuer: CapabilityIssuer) -> None:
     """Slots sized for another model or block_tokens are never read as this node's blocks."""
     client = KVPoolClient(two_nodes.config, BlockLayout(TINY_GEOMETRY, BLOCK_TOKENS * 2))
     try:
         with pytest.raises(TransferError, match="block_tokens"):
-            await client.fetch(lease_for((BlockRef("kv0", 0),)), 4, release=False)
+            await client.fetch(lease_for(issuer, (BlockRef("kv0", 0),)), 4, release=False)
     finally:
         await client.close()

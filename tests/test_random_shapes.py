@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import random_tokens
+from helpers.engines import random_tokens
 
 from tessera.config import ClusterConfig, GenerationNodeConfig, ModelConfig
 from tessera.engines.checkpoint import load_config_dict, resolve

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 import torch
-from control_support import cluster_config
+from helpers.plane import plane_config
 
 from tessera.engines.sampling import Sampler
 from tessera.errors import BadRequest
@@ -99,7 +99,7 @@ class _SlowStore:
 
 async def test_a_big_ingest_runs_in_chunks_and_retrieval_is_served_between_them() -> None:
     """Regression: one /v1/units call with 4,096 units held the worker and blocked every chat for 111 s."""
-    node = RetrievalNode(cluster_config())
+    node = RetrievalNode(plane_config())
     store = _SlowStore()
     node.pool = store  # type: ignore[assignment]
     node._executor = ThreadPoolExecutor(max_workers=1)

@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from support import RoleProcess, free_port, with_secret, write_config
+from helpers.cluster import free_port, with_secret_file, write_config
+from helpers.processes import RoleProcess
 
 from tessera.auth import ClusterAuth
 from tessera.config import (
@@ -35,7 +36,7 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def service(tmp_path_factory: pytest.TempPathFactory, cluster_secret: Path) -> Iterator[Service]:
     """A retrieval process for the whole module; it must drain and exit 0 on SIGTERM."""
     directory: Path = tmp_path_factory.mktemp("retrieval")
     port = free_port()
@@ -46,7 +47,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         kvpools=(KVPoolNodeConfig("kv0", port=free_port(), data_port=free_port(), capacity_blocks=64),),
         generation=tuple(GenerationNodeConfig(f"gen{i}", port=free_port()) for i in range(2)),
     )
-    config = with_secret(config)
+    config = with_secret_file(config, cluster_secret)
     proc = RoleProcess("retrieval", write_config(directory, config))
     url = f"http://127.0.0.1:{port}"
     try:

@@ -23,10 +23,11 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from kvpool_support import issuer, memory_node, pool_config
-from support import RoleProcess, free_port, write_config
+from helpers.cluster import StartCluster, free_port, write_config
+from helpers.kvpool import PoolConfig
+from helpers.processes import MemoryNodeProcess, RoleProcess, StartRole
 
-from tessera.auth import ClusterAuth, capability, sign
+from tessera.auth import CapabilityIssuer, ClusterAuth, capability, sign
 from tessera.config import ClusterConfig, ControlConfig, RetrievalConfig, SecurityConfig
 from tessera.errors import TransferError
 from tessera.generation.pool_client import capabilities
@@ -63,7 +64,7 @@ class Plane:
 
 
 @pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+def plane(tmp_path_factory: pytest.TempPathFactory, pool_config: PoolConfig) -> Iterator[Plane]:
     """A retrieval role (API keys, cluster secret) and memory node kv0 on tcp, 16 slots."""
     directory = tmp_path_factory.mktemp("security")
     config = pool_config(directory, transport="tcp", capacity=16, model_source="smollm2")
@@ -74,7 +75,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     path = write_config(directory, config)
     retrieval = RoleProcess("retrieval", path)
     try:
-        with memory_node(config, directory) as node:
+        with MemoryNodeProcess.started(config, directory) as node:
             retrieval.wait_healthy(config.retrieval_url, timeout=120)
             p = Plane(config, config.retrieval_url, config.control_url, ClusterAuth.from_config(config),
                       node.endpoint(), node.url)
@@ -211,7 +212,7 @@ async def _write(plane: Plane, slots: list[int], cap: Capability | None) -> None
         await t.close()
 
 
-async def test_the_data_port_refuses_writes_without_a_valid_capability(plane: Plane) -> None:
+async def test_the_data_port_refuses_writes_without_a_valid_capability(plane: Plane, issuer: CapabilityIssuer) -> None:
     """Regression: the tcp data port accepted writes to any slot from anyone."""
     grant = await _grant(plane, "u" * 32, 8)  # 2 blocks of B = 4
     cap = capabilities(grant.blocks, grant.epoch, grant.tokens)["kv0"]
@@ -227,16 +228,16 @@ async def test_the_data_port_refuses_writes_without_a_valid_capability(plane: Pl
     widened = dataclasses.replace(cap, slots=(*cap.slots, other))  # claims a slot its MAC does not cover
     with pytest.raises(TransferError, match="not valid"):
         await _write(plane, [other], widened)
-    read_cap = capabilities(grant.blocks, grant.epoch, issuer().issue("read", grant.blocks, grant.epoch, 30))["kv0"]
+    read_cap = capabilities(grant.blocks, grant.epoch, issuer.issue("read", grant.blocks, grant.epoch, 30))["kv0"]
     with pytest.raises(TransferError, match="not valid"):  # a read token does not allow writing
         await _write(plane, list(cap.slots), read_cap)
     await _write(plane, list(cap.slots), cap)  # the grant's own token works
 
 
-async def test_an_expired_capability_is_refused(plane: Plane) -> None:
+async def test_an_expired_capability_is_refused(plane: Plane, issuer: CapabilityIssuer) -> None:
     """A token past its expiry is refused even though its MAC is genuine."""
     blocks = (BlockRef("kv0", 3),)
-    expired = issuer().issue("write", blocks, 7, -10.0)
+    expired = issuer.issue("write", blocks, 7, -10.0)
     with pytest.raises(TransferError, match="expired"):
         await _write(plane, [3], capabilities(blocks, 7, expired)["kv0"])
 
@@ -316,11 +317,12 @@ async def test_the_same_text_is_two_units_for_two_tenants(plane: Plane) -> None:
 # --- exposure and TLS ----------------------------------------------------------------------
 
 
-def test_a_public_interface_without_keys_is_refused(tmp_path: Path) -> None:
+def test_a_public_interface_without_keys_is_refused(tmp_path: Path, pool_config: PoolConfig,
+        start_role: StartRole) -> None:
     """Binding the API beyond loopback without API keys fails at start-up with a clear error."""
     config = pool_config(tmp_path, transport="tcp", model_source="smollm2")
     config = dataclasses.replace(config, retrieval=dataclasses.replace(config.retrieval, host="0.0.0.0"))
-    proc = RoleProcess("retrieval", write_config(tmp_path, config))
+    proc = start_role("retrieval", write_config(tmp_path, config))
     assert proc.proc.wait(120) == 2
     proc.stop()
     assert "without API keys" in proc.log()
@@ -334,14 +336,15 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-async def test_both_planes_speak_tls_when_configured(tmp_path: Path) -> None:
+async def test_both_planes_speak_tls_when_configured(tmp_path: Path, pool_config: PoolConfig,
+        start_role: StartRole) -> None:
     """With tls_cert_file/tls_key_file, the public API and the internal plane are https only."""
     cert, key = _self_signed(tmp_path)
     config = ClusterConfig(retrieval=RetrievalConfig(port=free_port(), internal_port=free_port()),
                            generation=pool_config(tmp_path).generation)
     config = dataclasses.replace(config, security=SecurityConfig(
         secret_file=pool_config(tmp_path).security.secret_file, tls_cert_file=str(cert), tls_key_file=str(key)))
-    proc = RoleProcess("retrieval", write_config(tmp_path, config))
+    proc = start_role("retrieval", write_config(tmp_path, config))
     try:
         ctx = ssl.create_default_context(cafile=str(cert))
         auth = ClusterAuth.from_config(config)
@@ -373,9 +376,10 @@ async def test_both_planes_speak_tls_when_configured(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterConfig, Any]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+        start_module_cluster: StartCluster) -> Iterator[tuple[ClusterConfig, Any]]:
     """Retrieval, kvpool and one generation node (tiny random Llama) behind API keys."""
-    from serving_support import cluster_config, running_cluster
+    from helpers.cluster import cluster_config
 
     from tessera.engines.tiny import write_tiny_checkpoint
 
@@ -383,8 +387,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterC
     model = write_tiny_checkpoint(directory / "llama", "llama", seed=3)
     cfg = cluster_config(str(model), nodes=1, admit_first=True)
     cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, keys_file=str(keys_file(directory))))
-    with running_cluster(cfg, directory / "logs") as running:
-        yield running.config, running
+    running = start_module_cluster(cfg, directory / "logs")
+    yield running.config, running
 
 
 def _chat(cfg: ClusterConfig, key: str, units: list[str], content: str = "What do the records say?") -> dict[str, Any]:

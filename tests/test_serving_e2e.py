@@ -10,22 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from serving_support import (
-    call,
-    chat,
-    layout_from_trace,
-    node_metric,
-    running_cluster,
-    wait_for,
-)
-from support import cluster_config
+from helpers.cluster import StartCluster, cluster_config
+from helpers.http import call, chat, layout_from_trace, node_metric, wait_for
 
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
 from tessera.engines.offline import compose, prefill_units
 from tessera.engines.reference import ReferenceEngine
-from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer
 from tessera.launcher import LocalCluster
 from tessera.units import blocks_for
@@ -36,11 +28,6 @@ UNIT_C = "Record C: the ferry leaves the harbour at seven and returns before dus
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Tokenizer:
     from tessera.engines.checkpoint import Checkpoint
 
@@ -48,13 +35,14 @@ def tokenizer(tiny_model: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def one_node(tiny_model: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def one_node(tiny_model: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory,
+        start_module_cluster: StartCluster) -> Any:
     """One generation node whose local cache fits exactly unit A; a shared pool for the rest."""
     lead = tokenizer.encode(load_config().composition.unit_lead)  # every unit starts with the sink token
     a_blocks = blocks_for(len(lead) + len(tokenizer.encode(UNIT_A)), 16)
     cfg = cluster_config(str(tiny_model), nodes=1, local_blocks=a_blocks)
-    with running_cluster(cfg, tmp_path_factory.mktemp("one-node")) as cluster:
-        yield cfg, cluster
+    cluster = start_module_cluster(cfg, tmp_path_factory.mktemp("one-node"))
+    yield cfg, cluster
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +163,10 @@ def test_the_openapi_schema_of_the_chat_endpoint_is_served(one_node: Any) -> Non
 
 
 @pytest.fixture
-def tcp_cluster(tiny_model: Path, tmp_path: Path) -> Any:
+def tcp_cluster(tiny_model: Path, tmp_path: Path, start_cluster: StartCluster) -> Any:
     cfg = cluster_config(str(tiny_model), nodes=2, local_blocks=0, transport="tcp", max_inflight=2)
-    with running_cluster(cfg, tmp_path) as cluster:
-        yield cfg, cluster
+    cluster = start_cluster(cfg, tmp_path)
+    yield cfg, cluster
 
 
 def test_overload_answers_503_or_429_instead_of_queueing(tcp_cluster: Any) -> None:

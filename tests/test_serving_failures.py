@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving_support import call, chat, cluster_config, running_cluster, wait_for
-from support import signed_get
+from helpers.cluster import StartCluster, cluster_config, signed_get
+from helpers.http import call, chat, wait_for
 
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
@@ -25,12 +25,13 @@ UNITS = [f"Record {i}: the harbour log lists ship {i} arriving at dawn with {i} 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterConfig, LocalCluster]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+        start_module_cluster: StartCluster) -> Iterator[tuple[ClusterConfig, LocalCluster]]:
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5)
     cfg = cluster_config(str(model), nodes=2, max_inflight=2, connect_timeout_s=1.0, first_token_timeout_s=3.0,
                          idle_timeout_s=3.0)
-    with running_cluster(cfg, tmp_path_factory.mktemp("failures")) as c:
-        yield c.config, c  # with the secret the launcher made: internal calls are signed with it
+    c = start_module_cluster(cfg, tmp_path_factory.mktemp("failures"))
+    yield c.config, c  # with the secret the launcher made: internal calls are signed with it
 
 
 def _child(c: LocalCluster, node: str) -> Child:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from control_support import Cluster, hello, preps
-from kvpool_support import BLOCK_TOKENS, random_state, tiny_layout
+from helpers.kvpool import BLOCK_TOKENS, random_state, tiny_layout
+from helpers.plane import Cluster, hello, preps
 
 from tessera.errors import PublishRejected
 from tessera.kvpool.inventory import scan

@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from control_support import cluster_config
-from serving_support import wait_for
+from helpers.http import wait_for
+from helpers.plane import plane_config
 
 from tessera.launcher import Child, LocalCluster
 from tessera.transport.arena import SHM_DIR, Arena, segment_name
@@ -33,7 +33,7 @@ class _SleepyCluster(LocalCluster):
 
 def test_a_role_that_exits_is_started_again_while_the_others_keep_running(tmp_path: Path) -> None:
     """Regression: one role's exit stopped the whole cluster; now only that role restarts (with backoff)."""
-    cfg = cluster_config(nodes=2)
+    cfg = plane_config(nodes=2)
     c = _SleepyCluster(cfg, log_dir=tmp_path, quiet=True)
     for n in cfg.generation:
         c._spawn("generation", n.name, n.host, n.port)

@@ -14,14 +14,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from kvpool_support import (
-    HANG_GUARD_S,
-    TRANSPORTS,
-    MemoryNodeProcess,
-    memory_node,
-    pool_config,
-    skip_if_unavailable,
-)
+from helpers.kvpool import HANG_GUARD_S, TRANSPORTS, PoolConfig, skip_if_unavailable
+from helpers.processes import MemoryNodeProcess, StartMemoryNode
 
 from tessera.config import ClusterConfig
 from tessera.errors import ConfigError, TransferError, TransferTimeout
@@ -37,18 +31,20 @@ class Node:
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def shared_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+def shared_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+        pool_config: PoolConfig) -> Iterator[Node]:
     """One memory node per transport, shared by the tests that do not hurt it."""
     skip_if_unavailable(request.param)
     directory = tmp_path_factory.mktemp(f"kvpool-{request.param}")
     # transports move bytes; capabilities are the memory node's business (test_security.py)
     config = pool_config(directory, transport=request.param, capacity=64, secure=False)
-    with memory_node(config, directory) as proc:
+    with MemoryNodeProcess.started(config, directory) as proc:
         yield Node(request.param, config, proc.endpoint(), proc)
 
 
 @pytest.fixture
-def own_node(shared_node: Node, tmp_path: Path) -> Iterator[Node]:
+def own_node(shared_node: Node, tmp_path: Path, pool_config: PoolConfig,
+        memory_node: StartMemoryNode) -> Iterator[Node]:
     """A memory node of the same transport that a test may stop or kill."""
     config = pool_config(tmp_path, transport=shared_node.transport, capacity=16, secure=False)
     with memory_node(config, tmp_path) as proc:
@@ -217,6 +213,6 @@ async def test_a_restarted_memory_node_is_not_mistaken_for_the_old_one(
         restarted.stop()
 
 
-def test_an_unknown_transport_name_lists_the_known_ones() -> None:
+def test_an_unknown_transport_name_lists_the_known_ones(pool_config: PoolConfig) -> None:
     with pytest.raises(ConfigError, match="shm, tcp"):
         create_transport(dataclasses.replace(pool_config(Path(os.devnull).parent).transport, name="carrier-pigeon"))

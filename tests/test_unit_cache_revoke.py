@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool_support import random_state
+from helpers.kvpool import random_state
 
 from tessera.generation.unit_cache import LocalUnitCache
 

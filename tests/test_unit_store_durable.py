@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import child_env
+from helpers.cluster import child_env
 
 from tessera.config import RetrievalConfig
 from tessera.config_file import load_config

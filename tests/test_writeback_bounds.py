@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from device_support import QuietControl
+from helpers.executor import QuietControl
 
 from tessera.engines.base import UnitState
 from tessera.generation.retention import Retainer
@@ -34,9 +34,10 @@ def _grant(unit: str) -> WriteGrant:
     return WriteGrant(unit, 1, (), "gen0", 8, 30.0)
 
 
-async def test_writebacks_beyond_the_configured_tasks_and_bytes_are_given_back_at_once() -> None:
+async def test_writebacks_beyond_the_configured_tasks_and_bytes_are_given_back_at_once(
+        quiet_control: QuietControl) -> None:
     """Regression: one task per grant with no limit, each holding its unit's state while it waited."""
-    writer, control = _BlockedWriter(), QuietControl()
+    writer, control = _BlockedWriter(), quiet_control
     cache = LocalUnitCache(64, 4, pin_memory=False)
     retainer = Retainer(cache, writer, control, staging_bytes=3 * 256, outstanding=2)
     for i in range(20):
@@ -52,9 +53,9 @@ async def test_writebacks_beyond_the_configured_tasks_and_bytes_are_given_back_a
     assert writer.stored[-1] == "late"
 
 
-async def test_the_byte_budget_is_taken_before_the_state_is_held() -> None:
+async def test_the_byte_budget_is_taken_before_the_state_is_held(quiet_control: QuietControl) -> None:
     """States are admitted to writeback while their bytes fit; one oversized state may go alone."""
-    writer, control = _BlockedWriter(), QuietControl()
+    writer, control = _BlockedWriter(), quiet_control
     retainer = Retainer(LocalUnitCache(64, 4, pin_memory=False), writer, control, staging_bytes=300, outstanding=8)
     retainer.retain("big", _state(64), False, _grant("big"), (), 0.0)  # 2 KiB > budget: alone is fine
     retainer.retain("small", _state(8), False, _grant("small"), (), 0.0)

@@ -1,27 +1,24 @@
-"""Shared test helpers: free ports, the one config builder, the one fake clock, real role processes."""
+"""Cluster configs on free loopback ports, config files, and calls made as a process of a cluster."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import os
-import signal
 import socket
-import subprocess
-import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tessera.auth import ClusterAuth, create_secret
+from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml, load_config
-from tessera.launcher import role_env, spawn_role, wait_healthy
+from tessera.launcher import LocalCluster, role_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
+# the ``start_cluster`` fixtures: (config, log_dir) -> a healthy cluster, stopped at teardown
+StartCluster = Callable[[ClusterConfig, Path], LocalCluster]
 
 _GIVEN_PORTS: set[int] = set()
 
@@ -41,18 +38,10 @@ def free_port() -> int:
             return port
 
 
-@functools.cache
-def shared_secret_file() -> Path:
-    """One cluster secret (0600) for every test cluster of this pytest process."""
-    path = Path(tempfile.mkdtemp(prefix="tessera-test-")) / "cluster.secret"
-    create_secret(path)
-    return path
-
-
-def with_secret(config: ClusterConfig) -> ClusterConfig:
-    """``config`` with the tests' cluster secret and a free internal port."""
+def with_secret_file(config: ClusterConfig, secret_file: Path) -> ClusterConfig:
+    """``config`` with the given cluster secret (the ``cluster_secret`` fixture) and a free internal port."""
     return dataclasses.replace(
-        config, security=dataclasses.replace(config.security, secret_file=str(shared_secret_file())),
+        config, security=dataclasses.replace(config.security, secret_file=str(secret_file)),
         retrieval=dataclasses.replace(config.retrieval, internal_port=free_port()))
 
 
@@ -72,66 +61,6 @@ def write_config(directory: Path, config: ClusterConfig, name: str = "tessera.to
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for child processes: a role's environment that imports this checkout."""
     return role_env(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
-
-
-class RoleProcess:
-    """One ``tessera run --role ...`` process (the launcher's own runner) with its output in a log file."""
-
-    def __init__(self, role: str, config_path: Path, node: str | None = None, log_dir: Path | None = None) -> None:
-        self.role = role
-        self.node = node
-        self.log_path = (log_dir or config_path.parent) / f"{role}-{node or 'main'}.log"
-        self.child = spawn_role(role, node, config_path, self.log_path, url="", env=child_env())
-        self.proc = self.child.proc
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, url: str, timeout: float = 60.0) -> None:
-        self.child.url = url
-        wait_healthy([self.child], timeout)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM, wait for a clean drain; SIGKILL if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.child.log_file.close()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.child.log_file.close()
-
-
-@contextlib.contextmanager
-def running(role: str, config_path: Path, url: str, node: str | None = None,
-            timeout: float = 60.0) -> Iterator[RoleProcess]:
-    proc = RoleProcess(role, config_path, node)
-    try:
-        proc.wait_healthy(url, timeout)
-        yield proc
-    finally:
-        proc.stop()
-
-
-class Clock:
-    """The one fake clock of the tests: time moves only when a test advances it."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def cluster_config(model_source: str | None = None, *, nodes: int = 2, local_blocks: int = 1024, kvpools: int = 1,

@@ -1,26 +1,19 @@
-"""Helpers for KV-pool tests: a tiny model geometry, cluster configs, memory-node processes."""
+"""The KV pool's test values: a tiny model geometry, random unit states, memory-node cluster configs."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import signal
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from support import RoleProcess, free_port, shared_secret_file, signed_get, with_secret, write_config
 
-from tessera.auth import CapabilityIssuer, read_secret
+from helpers.cluster import free_port, with_secret_file
 from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, ModelConfig, TransportConfig
 from tessera.engines.base import ModelGeometry, UnitState
-from tessera.transport.arena import SHM_DIR
-from tessera.transport.base import NodeEndpoint
 from tessera.transport.blocks import BlockLayout
-from tessera.wire import from_wire
 
 # 2 layers, 2 kv heads of dim 8, fp16: 128 bytes per token; B = 4 -> 512-byte payloads
 TINY_CONFIG = {
@@ -75,20 +68,21 @@ def tiny_checkpoint(directory: Path) -> Path:
     return path
 
 
-def pool_config(
+def build_pool_config(
     directory: Path,
     *,
+    secret_file: Path | None,
     transport: str = "tcp",
     nodes: tuple[str, ...] = ("kv0",),
     capacity: int = 64,
     model_source: str | None = None,
-    secure: bool = True,
     **transport_fields: object,
 ) -> ClusterConfig:
     """A cluster on free loopback ports with the tiny model and the given memory nodes.
 
     ``model_source`` replaces the config.json-only checkpoint (a retrieval role needs a tokenizer).
-    ``secure``: with the tests' cluster secret (memory nodes then demand capabilities).
+    ``secret_file``: the cluster secret (memory nodes then demand capabilities), or None for none.
+    Tests take the ``pool_config`` fixture, which passes the tests' cluster secret.
     """
     kvpools = tuple(KVPoolNodeConfig(name, port=free_port(), data_port=free_port(), capacity_blocks=capacity)
                     for name in nodes)
@@ -101,66 +95,8 @@ def pool_config(
         transport=TransportConfig(name=transport, **transport_fields),  # type: ignore[arg-type]
         kvpools=kvpools,
     )
-    return with_secret(config) if secure else config
+    return with_secret_file(config, secret_file) if secret_file is not None else config
 
 
-def issuer() -> CapabilityIssuer:
-    """Capabilities as the test clusters' control plane would sign them (the test acts as the plane)."""
-    return CapabilityIssuer(read_secret(str(shared_secret_file())))
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
-class MemoryNodeProcess:
-    """A real ``tessera run --role kvpool`` process on loopback."""
-
-    def __init__(self, config: ClusterConfig, config_path: Path, name: str) -> None:
-        self.config = config
-        self.node = config.kvpool_node(name)
-        self.url = f"http://{self.node.host}:{self.node.port}"
-        self.proc = RoleProcess("kvpool", config_path, name)
-        self.shm_name = ""
-
-    def wait_healthy(self, timeout: float = 60.0) -> NodeEndpoint:
-        self.proc.wait_healthy(self.url, timeout)
-        endpoint = self.endpoint()
-        self.shm_name = endpoint.shm_name
-        return endpoint
-
-    def endpoint(self) -> NodeEndpoint:
-        return from_wire(NodeEndpoint, json.loads(signed_get(self.config, f"{self.url}/info")))
-
-    def pause(self) -> None:
-        self.proc.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.proc.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """SIGKILL (no cleanup in the node; works on a paused node too, which must not run again)."""
-        self.proc.kill()
-        if self.shm_name:
-            (SHM_DIR / self.shm_name).unlink(missing_ok=True)
-
-    def stop(self) -> int:
-        self.resume()
-        return self.proc.stop()
-
-
-@contextlib.contextmanager
-def memory_node(config: ClusterConfig, directory: Path, name: str = "kv0") -> Iterator[MemoryNodeProcess]:
-    path = directory / "tessera.toml"
-    if not path.exists():
-        write_config(directory, config)
-    node = MemoryNodeProcess(config, path, name)
-    try:
-        node.wait_healthy()
-        yield node
-    finally:
-        if node.proc.proc.poll() is None:
-            node.stop()
-        if node.shm_name:
-            (SHM_DIR / node.shm_name).unlink(missing_ok=True)
+# the ``pool_config`` fixture: ``build_pool_config`` with the tests' cluster secret unless ``secure=False``
+PoolConfig = Callable[..., ClusterConfig]

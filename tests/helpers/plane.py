@@ -1,13 +1,12 @@
-"""A tiny cluster around a real ControlPlane: fake clock, generation nodes that follow plans."""
+"""An in-process control plane (fake clock) with generation nodes that follow its plans, and plan views."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from typing import Any
 
-import support
-from support import Clock
-
+from helpers.clock import Clock
+from helpers.cluster import cluster_config
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
 from tessera.messages import (
@@ -25,11 +24,11 @@ from tessera.wire import WIRE_VERSION
 B = 4  # block size of every test cluster
 
 
-def cluster_config(*, nodes: int = 2, local_blocks: int = 16, shared_blocks: int = 16,
-                   kvpools: int = 1, **control: object) -> ClusterConfig:
+def plane_config(*, nodes: int = 2, local_blocks: int = 16, shared_blocks: int = 16,
+                 kvpools: int = 1, **control: Any) -> ClusterConfig:
     """A small cluster (B = 4, 16 blocks per tier) for an in-process control plane."""
-    return support.cluster_config(nodes=nodes, local_blocks=local_blocks, kvpools=kvpools, kv_blocks=shared_blocks,
-                                  block_tokens=B, **control)
+    return cluster_config(nodes=nodes, local_blocks=local_blocks, kvpools=kvpools, kv_blocks=shared_blocks,
+                          block_tokens=B, **control)
 
 
 def hello(name: str = "kv0", capacity: int = 16, boot: str = "boot-1") -> MemoryNodeHello:
@@ -41,7 +40,7 @@ class Cluster:
 
     def __init__(self, config: ClusterConfig | None = None, *, join_memory: bool = True, join_generation: bool = True,
                  **kw: object) -> None:
-        self.config = config or cluster_config(**kw)  # type: ignore[arg-type]
+        self.config = config or plane_config(**kw)  # type: ignore[arg-type]
         self.clock = Clock()
         self.plane = ControlPlane(self.config, clock=self.clock)
         self.caches: dict[str, set[str]] = {n.name: set() for n in self.config.generation}
@@ -115,7 +114,3 @@ def preps(plan: RequestPlan) -> dict[str, Preparation]:
 
 def retentions(plan: RequestPlan) -> dict[str, str]:
     return {u.unit_id: u.retention.value for u in plan.units}
-
-
-def with_control(config: ClusterConfig, **control: object) -> ClusterConfig:
-    return replace(config, control=replace(config.control, **control))  # type: ignore[arg-type]

@@ -4,19 +4,22 @@ and a miss, whose tokens must equal the same engine's offline composition."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from serving_support import chat, cluster_config, layout_from_trace, node_metric, running_cluster, wait_for
 
+from helpers.cluster import cluster_config
+from helpers.http import chat, layout_from_trace, node_metric, wait_for
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
 from tessera.engines.base import ENGINES, EngineAdapter
 from tessera.engines.offline import compose, prefill_units
 from tessera.engines.tokenizer import Tokenizer
+from tessera.launcher import LocalCluster
 from tessera.units import blocks_for
 
 UNIT_A = "Record A: the lighthouse keeper logs every passing ship in a blue notebook. " * 2
@@ -50,16 +53,21 @@ def assert_same_as_offline(engine: EngineAdapter, cfg: ClusterConfig, response: 
         assert entry["logprob"] == pytest.approx(float(first[entry["token_id"]]), abs=1e-3)
 
 
-def run_mixed_scenario(cfg: ClusterConfig, log_dir: Path) -> None:
-    """Serve three requests (the third: local A, remote B, missing C) and check each against offline."""
-    with running_cluster(cfg, log_dir) as cluster:
-        url = cfg.retrieval_url
-        node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
-        r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
-        r2 = chat(url, [UNIT_B, UNIT_A], "What grows on the hill?")
-        wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cluster.config) >= 2,
-                 what="writeback")
-        r3 = chat(url, [UNIT_B, UNIT_C, UNIT_A], "When does the ferry leave?")
+def run_mixed_scenario(cfg: ClusterConfig, start_cluster: Callable[[ClusterConfig, Path], LocalCluster],
+                       log_dir: Path) -> None:
+    """Serve three requests (the third: local A, remote B, missing C) and check each against offline.
+
+    ``start_cluster``: the fixture; the cluster is stopped before the offline engine loads.
+    """
+    cluster = start_cluster(cfg, log_dir)
+    url = cfg.retrieval_url
+    node_url = f"http://127.0.0.1:{cfg.generation[0].port}"
+    r1 = chat(url, [UNIT_A, UNIT_B], "Who keeps the log?")
+    r2 = chat(url, [UNIT_B, UNIT_A], "What grows on the hill?")
+    wait_for(lambda: node_metric(node_url, "tessera_node_writebacks_published_total", cluster.config) >= 2,
+             what="writeback")
+    r3 = chat(url, [UNIT_B, UNIT_C, UNIT_A], "When does the ferry leave?")
+    cluster.stop()
     t = r3["usage"]["tessera"]
     assert (t["local_units"], t["remote_units"], t["computed_units"], t["fallbacks"]) == (1, 1, 1, 0), t
     engine = ENGINES.get(cfg.model.engine).from_config(cfg, 4096)

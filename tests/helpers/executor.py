@@ -1,17 +1,11 @@
-"""An in-process executor over a real engine (no HTTP): for the data-path tests on CPU and CUDA."""
+"""An executor's requests and fake collaborators (no HTTP, no control plane); ``start_executor`` runs one."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from tessera.composition.policies import CompositionPolicy
-from tessera.engines.base import EngineAdapter, UnitState
+from tessera.engines.base import UnitState
 from tessera.generation.executor import Executor
-from tessera.generation.prefills import PrefillCoalescer
-from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import Scheduler
-from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import (
     DoneEvent,
     ExecuteRequest,
@@ -53,18 +47,8 @@ class DictReader:
         return self.states[lease.unit_id]
 
 
-@contextlib.asynccontextmanager
-async def running_executor(engine: EngineAdapter, policy: CompositionPolicy, cache: LocalUnitCache,
-                           reader: DictReader | None = None) -> AsyncIterator[Executor]:
-    scheduler = Scheduler(engine, max_batch_tokens=4096)
-    scheduler.start()
-    retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 24, outstanding=2)
-    try:
-        yield Executor(scheduler, PrefillCoalescer(scheduler), cache, retainer, reader,
-                       lambda _lease_id: None, policy, "compose")
-    finally:
-        await retainer.drain(5.0)
-        await scheduler.stop()
+# the ``start_executor`` fixture: (engine, policy, cache, reader=None) -> a running executor
+StartExecutor = Callable[..., Executor]
 
 
 def execute_request(layout: PromptLayout, preparations: Mapping[str, Preparation], max_tokens: int,

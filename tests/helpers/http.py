@@ -1,4 +1,4 @@
-"""Real clusters on loopback for the end-to-end serving tests."""
+"""Calling a running cluster over HTTP: JSON calls, chat requests, metrics, waiting for a condition."""
 
 from __future__ import annotations
 
@@ -6,29 +6,12 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from support import cluster_config, signed_get
-
+from helpers.cluster import signed_get
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
-from tessera.launcher import LocalCluster
 from tessera.messages import PromptLayout, Segment, SegmentKind
-
-__all__ = ["call", "chat", "cluster_config", "layout_from_trace", "node_metric", "running_cluster", "wait_for"]
-
-
-@contextmanager
-def running_cluster(config: ClusterConfig, log_dir: Path) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(config, log_dir=log_dir, quiet=True)
-    cluster.start(timeout=120)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def call(url: str, path: str, body: Any = None, raw: bytes | None = None,

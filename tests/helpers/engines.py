@@ -1,7 +1,8 @@
-"""Helpers for the engine tests: tiny engines on random checkpoints, random prompt layouts."""
+"""Engines for tests: tiny engines on random checkpoints, random prompt layouts, and a fake engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 
 from tessera.config import ClusterConfig, CompositionConfig, GenerationNodeConfig, ModelConfig
-from tessera.engines.base import ENGINES, EngineAdapter, KVSlots
+from tessera.engines.base import ENGINES, EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
 from tessera.engines.paged import PagedEngine
 from tessera.engines.reference import TorchSlots
 from tessera.engines.tiny import write_tiny_checkpoint
@@ -79,3 +80,75 @@ def random_layout(parts: Sequence[tuple[str, int]], seed: int = 0) -> PromptLayo
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+# --- a fake engine for CPU unit tests of the scheduler and the executor ----------------------
+
+FAKE_VOCAB = 32
+FAKE_EOS = 31
+
+
+@dataclasses.dataclass(eq=False)
+class FakeSlots(KVSlots):
+    n_slots: int
+    filled: set[int] = dataclasses.field(default_factory=set)
+    freed: bool = False
+
+
+class FakeEngine(EngineAdapter):
+    """An engine without a model: the next token after ``t`` is ``t + 1``; it records every call.
+
+    It checks the adapter contract an executor must respect: slots below a computed position
+    are filled first, and freed slots are never used again.
+    """
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []  # token counts of each step's items, in batch order
+        self.allocated: list[FakeSlots] = []
+        self.placed: list[tuple[int, int]] = []  # (offset, n_tokens)
+
+    def allocate(self, n_slots: int) -> KVSlots:
+        slots = FakeSlots(n_slots)
+        self.allocated.append(slots)
+        return slots
+
+    def free(self, slots: KVSlots) -> None:
+        assert isinstance(slots, FakeSlots) and not slots.freed
+        slots.freed = True
+
+    def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
+        assert isinstance(slots, FakeSlots) and not slots.freed
+        slots.filled.update(range(offset, offset + state.n_tokens))
+        self.placed.append((offset, state.n_tokens))
+
+    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
+        self.batches.append([len(item.token_ids) for item in work])
+        for item in work:
+            if isinstance(item, UnitPrefill):
+                t = torch.zeros(1, len(item.token_ids), 1, 2)
+                item.state = UnitState(t, t.clone())
+                continue
+            slots = item.slots
+            assert isinstance(slots, FakeSlots) and not slots.freed
+            missing = set(range(min(item.positions))) - slots.filled
+            assert not missing, f"positions {sorted(missing)} are read before they are filled"
+            slots.filled.update(item.positions)
+            logits = torch.zeros(FAKE_VOCAB)
+            logits[(item.token_ids[-1] + 1) % FAKE_VOCAB] = 1.0
+            item.logits = logits
+
+    def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
+        return 0
+
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
+        pass
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (FAKE_EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % FAKE_VOCAB for c in text]
+
+    def decode_tokens(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)

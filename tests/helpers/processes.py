@@ -1,0 +1,128 @@
+"""The role processes tests start: ``tessera run --role ...`` children with their output in a log file.
+
+Tests get them from fixtures (``start_role``, ``memory_node``), which stop them at teardown; a
+module-scoped fixture that needs one uses the class as a context manager.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from helpers.cluster import child_env, signed_get, write_config
+from tessera.config import ClusterConfig
+from tessera.launcher import spawn_role, wait_healthy
+from tessera.transport.arena import SHM_DIR
+from tessera.transport.base import NodeEndpoint
+from tessera.wire import from_wire
+
+
+class RoleProcess:
+    """One ``tessera run --role ...`` process (the launcher's own runner) with its output in a log file."""
+
+    def __init__(self, role: str, config_path: Path, node: str | None = None, log_dir: Path | None = None) -> None:
+        self.role = role
+        self.node = node
+        self.log_path = (log_dir or config_path.parent) / f"{role}-{node or 'main'}.log"
+        self.child = spawn_role(role, node, config_path, self.log_path, url="", env=child_env())
+        self.proc = self.child.proc
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, url: str, timeout: float = 60.0) -> None:
+        self.child.url = url
+        wait_healthy([self.child], timeout)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait for a clean drain; SIGKILL if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.child.log_file.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.child.log_file.close()
+
+
+class MemoryNodeProcess:
+    """A real ``tessera run --role kvpool`` process on loopback.
+
+    As a context manager it is closed (stopped, its segment removed) when the block ends.
+    """
+
+    def __init__(self, config: ClusterConfig, config_path: Path, name: str) -> None:
+        self.config = config
+        self.node = config.kvpool_node(name)
+        self.url = f"http://{self.node.host}:{self.node.port}"
+        self.proc = RoleProcess("kvpool", config_path, name)
+        self.shm_name = ""
+
+    @classmethod
+    def started(cls, config: ClusterConfig, directory: Path, name: str = "kv0") -> MemoryNodeProcess:
+        """Node ``name`` of ``config`` started from ``directory/tessera.toml`` (written if absent), healthy."""
+        path = directory / "tessera.toml"
+        if not path.exists():
+            write_config(directory, config)
+        node = cls(config, path, name)
+        try:
+            node.wait_healthy()
+        except BaseException:
+            node.close()
+            raise
+        return node
+
+    def wait_healthy(self, timeout: float = 60.0) -> NodeEndpoint:
+        self.proc.wait_healthy(self.url, timeout)
+        endpoint = self.endpoint()
+        self.shm_name = endpoint.shm_name
+        return endpoint
+
+    def endpoint(self) -> NodeEndpoint:
+        return from_wire(NodeEndpoint, json.loads(signed_get(self.config, f"{self.url}/info")))
+
+    def pause(self) -> None:
+        self.proc.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup in the node; works on a paused node too, which must not run again)."""
+        self.proc.kill()
+        if self.shm_name:
+            (SHM_DIR / self.shm_name).unlink(missing_ok=True)
+
+    def stop(self) -> int:
+        self.resume()
+        return self.proc.stop()
+
+    def close(self) -> None:
+        """Stop the node if it still runs and remove its segment (a killed node leaves it behind)."""
+        if self.proc.proc.poll() is None:
+            self.stop()
+        if self.shm_name:
+            (SHM_DIR / self.shm_name).unlink(missing_ok=True)
+
+    def __enter__(self) -> MemoryNodeProcess:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+# the fixtures' factories: ``start_role(role, config_path, node=None)``, ``memory_node(config, directory, name)``
+StartRole = Callable[..., RoleProcess]
+StartMemoryNode = Callable[..., MemoryNodeProcess]
