@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tessera.composition.layout import layout_from_trace
 from tessera.composition.policies import get_policy
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
@@ -221,19 +222,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
-    """The PromptLayout a response's ``tessera_layout`` describes (token ids and unit spans)."""
-    tokens, segments, at = trace["tokens"], [], 0
-    for start, end in trace["units"]:
-        if start > at:
-            segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:start])))
-        segments.append(Segment(SegmentKind.UNIT, tuple(tokens[start:end]), f"u{start}-{end}"))
-        at = end
-    if at < len(tokens):
-        segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:])))
-    return PromptLayout(tuple(segments))
 
 
 def _free_ports(cfg: ClusterConfig) -> ClusterConfig:

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 from helpers.cluster import StartCluster, cluster_config
-from helpers.http import call, chat, layout_from_trace, node_metric, wait_for
+from helpers.http import call, chat, node_metric, wait_for
 
+from tessera.composition.layout import layout_from_trace
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config

@@ -35,9 +35,9 @@ from typing import Any
 
 import aiohttp
 
+from tessera.composition.layout import layout_from_trace
 from tessera.config import ClusterConfig
 from tessera.launcher import Child, LocalCluster
-from tessera.messages import PromptLayout, Segment, SegmentKind
 
 FAULTS = ("kill_generation", "kill_memory", "stop_generation", "corrupt_block", "restart_retrieval")
 TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "observatory", "mill")
@@ -97,21 +97,6 @@ class ChaosReport:
         ]
         lines += [f"  - {v}" for v in self.violations[:20]]
         return "\n".join(lines)
-
-
-def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
-    """The PromptLayout a reply's ``tessera_layout`` describes (unit ids are local names)."""
-    tokens = trace["tokens"]
-    segments: list[Segment] = []
-    at = 0
-    for start, end in trace["units"]:
-        if start > at:
-            segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:start])))
-        segments.append(Segment(SegmentKind.UNIT, tuple(tokens[start:end]), f"u{start}-{end}"))
-        at = end
-    if at < len(tokens):
-        segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:])))
-    return PromptLayout(tuple(segments))
 
 
 class Oracle:

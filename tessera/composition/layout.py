@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from tessera.messages import PromptLayout, SegmentKind
+from tessera.messages import PromptLayout, Segment, SegmentKind
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -97,3 +98,21 @@ def check_ranges(layout: PromptLayout, ranges: Ranges) -> None:
     assert all(a >= 0 and b <= layout.n_tokens for a, b in ranges), (ranges, layout.n_tokens)
     for a, b in text_ranges(layout):
         assert any(x <= a and b <= y for x, y in ranges), f"text {a}..{b} is not computed: {ranges}"
+
+
+def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
+    """The PromptLayout a reply's ``tessera_layout`` describes (unit ids are local names).
+
+    For checking a served reply offline: its token ids and unit spans, as the API returned them.
+    """
+    tokens = trace["tokens"]
+    segments: list[Segment] = []
+    at = 0
+    for start, end in trace["units"]:
+        if start > at:
+            segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:start])))
+        segments.append(Segment(SegmentKind.UNIT, tuple(tokens[start:end]), f"u{start}-{end}"))
+        at = end
+    if at < len(tokens):
+        segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:])))
+    return PromptLayout(tuple(segments))

@@ -11,7 +11,6 @@ from typing import Any
 from helpers.cluster import signed_get
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
-from tessera.messages import PromptLayout, Segment, SegmentKind
 
 
 def call(url: str, path: str, body: Any = None, raw: bytes | None = None,
@@ -45,21 +44,6 @@ def chat(url: str, units: list[str], question: str = "What do the records say?",
     status, payload = call(url, "/v1/chat/completions", body)
     assert status == 200, payload
     return payload  # type: ignore[no-any-return]
-
-
-def layout_from_trace(trace: dict[str, Any]) -> PromptLayout:
-    """Rebuild a PromptLayout from the ``tessera_layout`` a response carries."""
-    tokens = trace["tokens"]
-    segments: list[Segment] = []
-    at = 0
-    for start, end in trace["units"]:
-        if start > at:
-            segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:start])))
-        segments.append(Segment(SegmentKind.UNIT, tuple(tokens[start:end]), f"u{start}-{end}"))
-        at = end
-    if at < len(tokens):
-        segments.append(Segment(SegmentKind.TEXT, tuple(tokens[at:])))
-    return PromptLayout(tuple(segments))
 
 
 def node_metric(url: str, name: str, config: ClusterConfig | None = None) -> float:

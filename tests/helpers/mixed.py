@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers.cluster import cluster_config
-from helpers.http import chat, layout_from_trace, node_metric, wait_for
+from helpers.http import chat, node_metric, wait_for
+from tessera.composition.layout import layout_from_trace
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
