@@ -307,8 +307,6 @@ class LoadReport:
     node: str
     inflight: int
     queued_tokens: int = 0
-    # tokens the engine computes per busy second, measured (0: not measured yet)
-    tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,6 @@ class GenerationNode:
     last_seen: float | None = None  # None: never heard from
     reported_inflight: int = 0  # the node's own figures from its last LoadReport (metrics)
     queued_tokens: int = 0
-    tokens_per_s: float = 0.0
     # queueing as the plane itself sees it: requests routed here that have no first token yet
     # (request id -> when routed), and how long each one held the head of that queue
     waiting: dict[str, float] = field(default_factory=dict)

@@ -125,8 +125,7 @@ class GenerationNode:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens,
-                                              self.scheduler.tokens_per_s)
+                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
                 if ack.reason == "resync":
                     await self.control.resync(self.cache.residency())
             except TesseraError as exc:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,9 +76,6 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
         self.batched_items = 0
-        # tokens computed per busy second (moving average over steps): with queued_tokens, the
-        # control plane's estimate of how long a new request would wait here
-        self.tokens_per_s = 0.0
 
     # --- submission ----------------------------------------------------------------------
 
@@ -169,12 +165,6 @@ class Scheduler:
             budget -= job.tokens
         return batch
 
-    def _measure(self, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        rate = tokens / seconds
-        self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
-
     async def _loop(self) -> None:
         while True:
             batch = self._next_batch()
@@ -182,7 +172,6 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            started = time.perf_counter()
             try:
                 await self.worker.call(self.engine.step, [j.item for j in batch])
             except Exception as exc:
@@ -192,7 +181,6 @@ class Scheduler:
                         j.future.set_exception(exc)
                 continue
             self.steps += 1
-            self._measure(sum(j.tokens for j in batch), time.perf_counter() - started)
             self.batched_items += len(batch)
             for j in batch:
                 if j.future.done():
