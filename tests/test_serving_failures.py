@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.cluster import StartCluster, cluster_config, signed_get
-from helpers.http import call, chat, wait_for
+from helpers.cluster import StartCluster, cluster_config
+from helpers.http import call, chat, metrics_text, wait_for
 
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
@@ -45,12 +45,7 @@ def _metric(url: str, name: str, signed: ClusterConfig | None = None, **labels: 
     """
     want = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
-    if signed is not None:
-        text = signed_get(signed, url + "/metrics").decode()
-    else:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    for line in text.splitlines():
+    for line in metrics_text(url, signed).splitlines():
         if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in want):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -46,11 +46,17 @@ def chat(url: str, units: list[str], question: str = "What do the records say?",
     return payload  # type: ignore[no-any-return]
 
 
+def metrics_text(url: str, config: ClusterConfig | None = None) -> str:
+    """A role's Prometheus text; pass the cluster's config (with its secret) for a generation node's."""
+    if config is not None:
+        return signed_get(config, url + "/metrics").decode()
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return bytes(resp.read()).decode()
+
+
 def node_metric(url: str, name: str, config: ClusterConfig | None = None) -> float:
     """A metric of a node; pass the cluster's config (with its secret) for a generation node's."""
-    text = signed_get(config, url + "/metrics") if config is not None else urllib.request.urlopen(
-        url + "/metrics", timeout=10).read()
-    for line in text.decode().splitlines():
+    for line in metrics_text(url, config).splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
