@@ -163,8 +163,8 @@ def test_prefix_mode_routes_requests_without_units() -> None:
 
 
 def test_cache_aware_routing_follows_local_residency() -> None:
-    """Once gen1 retains a unit, requests for it go to gen1 while loads stay within one."""
-    c = Cluster(nodes=2)
+    """Once a node retains a unit no other tier holds, requests for it go there while loads stay within one."""
+    c = Cluster(nodes=2, join_memory=False)  # no memory node: a node's local cache is the only copy
     home = None
     while home is None:
         plan = c.serve([("a", 8)])
@@ -174,6 +174,32 @@ def test_cache_aware_routing_follows_local_residency() -> None:
     c.plane.route("busy1", [])
     c.plane.route("busy2", [])  # both land on the idle node, then the holder: loads differ by <= 1
     assert c.plane.route("next", [("a", 8)]) == home
+
+
+def _busy(c: Cluster, node: str) -> None:
+    """Put one unit-less request in flight on ``node`` (others that round-robin elsewhere are completed)."""
+    for i in range(len(c.plane.nodes)):
+        rid = f"busy-{node}-{i}"
+        if c.plane.route(rid, []) == node:
+            return
+        c.plane.complete(rid)
+    raise AssertionError(f"{node} never chosen")
+
+
+def test_a_unit_ready_in_the_shared_tier_does_not_draw_requests_to_its_local_holder() -> None:
+    """Any node copies a shared-ready unit instead of computing it: a busier holder is passed over
+    for the idle node (issue 16: requests queued behind a holder while the other node idled).
+    Without the shared copy the holder wins within the load bound."""
+    for shared in (True, False):
+        c = Cluster(nodes=2, join_memory=shared)
+        plan = c.serve([("a", 8)])  # first sight: retained in the node's local cache (and shared)
+        assert plan.units[0].retention.local
+        assert (c.plane.directory.ready("a") is not None) is shared
+        home = plan.node
+        other = "gen1" if home == "gen0" else "gen0"
+        _busy(c, home)
+        assert (c.plane.nodes[home].inflight, c.plane.nodes[other].inflight) == (1, 0)
+        assert c.plane.route("next", [("a", 8)]) == (other if shared else home)
 
 
 def test_complete_tracks_in_flight_counts() -> None:
@@ -217,8 +243,9 @@ def test_repeated_units_in_one_request_are_planned_once() -> None:
 
 
 def test_the_load_bound_diverts_requests_from_a_busy_holder() -> None:
-    """The holder takes requests until it is two above the idlest node; then locality yields."""
-    c = Cluster(nodes=2)
+    """The holder of a unit only it can serve takes requests until it is two above the idlest
+    node; then locality yields."""
+    c = Cluster(nodes=2, join_memory=False)
     home = None
     while home is None:
         plan = c.serve([("a", 8)])

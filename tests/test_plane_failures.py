@@ -44,7 +44,7 @@ def test_a_retry_is_routed_away_from_the_nodes_it_already_tried() -> None:
     """route(exclude=...) never picks a tried node, and is Unavailable when none is left."""
     c = Cluster(nodes=2, routing="cache_aware")
     c.serve([("a", 8)])
-    first = c.plane.route("r", [("a", 8)])  # locality pulls it to the node holding a
+    first = c.plane.route("r", [("a", 8)])
     c.plane.complete("r")
     assert c.plane.route("r", [("a", 8)], exclude={first}) != first
     c.plane.complete("r")
@@ -59,8 +59,7 @@ def test_requests_never_completed_expire_with_their_plans_state() -> None:
     """Regression: 20,000 routes without complete pinned a node at in-flight 10,000 forever."""
     c = Cluster(nodes=2, local_blocks=8, shared_blocks=16, admission="lru", request_ttl_s=60.0,
                 lease_ttl_s=30.0, write_timeout_s=30.0, heartbeat_timeout_s=1000.0)
-    c.serve([("held", 8)])  # shared entry READY: later plans lease it
-    c.serve([("held", 8)])
+    c.serve([("held", 8)])  # shared entry READY (and local on its node): plans on the other node lease it
     plans = [c.plan([("held", 8), (f"u{i}", 8)]) for i in range(200)]  # callers die: no execute, no complete
     assert sum(n.inflight for n in c.plane.nodes.values()) == 200
     assert any(u.lease is not None for p in plans for u in p.units)

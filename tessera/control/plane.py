@@ -131,10 +131,23 @@ class ControlPlane:
         live = self.queue_bound.admit(live)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
-        node = self.router.choose(live, self.locality.blocks_per_node(pairs) if self.router.uses_locality else ())
+        node = self.router.choose(live, self._exclusive_blocks(pairs) if self.router.uses_locality else ())
         now = self.clock()
         self.requests.add(request_id, RoutedRequest(node, tokens, pairs, now))
         return node.name
+
+    def _exclusive_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
+        """Blocks of the request's units each node holds that the shared tier does not hold ready.
+
+        A unit ready in the shared tier is a copy away from every node (milliseconds, against
+        a prefill of its tokens), so holding it locally does not make a node a better place;
+        counting it drew requests to a busy holder while another node sat idle (issue 16's
+        ablation). Only units another node would have to compute count for locality.
+        """
+        ready = self.directory.ready
+        revoked = self.revoked
+        return self.locality.blocks_per_node(
+            tuple([p for p in pairs if ready(p[0]) is None and p[0] not in revoked]))
 
     def started(self, request_id: str) -> None:
         """The request's node sent its first event (the end of its queueing): measures the node."""

@@ -3,12 +3,14 @@
 Contract of :class:`Router` (register new ones with :func:`register_router`):
 ``choose(nodes, local_blocks)`` picks one of ``nodes`` (the live generation nodes, never
 empty). ``local_blocks[node.index]`` is how many blocks of the request's units that node's
-local cache holds (per the control plane's view); it is only computed for routers that set
-``uses_locality``. The router reads each node's ``inflight`` count; it mutates nothing but
-its own round-robin cursor, and never raises on well-formed input.
+local cache holds (per the control plane's view) *and the shared tier does not hold ready*;
+it is only computed for routers that set ``uses_locality``. The router reads each node's
+``inflight`` count; it mutates nothing but its own round-robin cursor, and never raises on
+well-formed input.
 
-Shared-tier residency is deliberately absent from the inputs: a shared hit is reachable
-from every node, so it cannot make one node better than another.
+Shared-tier residency is deliberately left out of the counts: a shared hit is reachable
+from every node (a copy, not a prefill), so it cannot make one node better than another,
+and counting it queued requests behind a busy holder while another node was idle.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class CacheAwareRouter(Router):
     """Load-constrained cache-aware routing.
 
     Among nodes whose in-flight count is within one of the least loaded, pick the one whose
-    local cache holds the most blocks of the request's units; ties by lower load, then
-    round-robin. The load bound keeps a node holding popular units from drawing every
+    local cache holds the most blocks of the request's units that no other node could copy
+    from the shared tier; ties by lower load, then round-robin. The load bound keeps a node holding popular units from drawing every
     request to itself.
     """
 
