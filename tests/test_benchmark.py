@@ -93,6 +93,18 @@ def test_compare_computes_both_targets() -> None:
     assert c["system_sustained_rate"] == 3
 
 
+def test_the_summary_states_each_workloads_own_targets() -> None:
+    """Synthetic and LoCoMo print their issues' targets; a workload without one prints none."""
+    from tessera.benchmark.report import format_report
+
+    c = {"ttft_reduction_at_knee": 2.0, "sustained_rate_ratio": 1.5}
+    lines = {w: "\n".join(format_report({"table": "", "workload": w, "comparison": c}))
+             for w in ("synthetic", "locomo", "rag")}
+    assert "2.00x lower (target >= 4x)" in lines["synthetic"] and "1.50x (target >= 3x)" in lines["synthetic"]
+    assert "2.00x lower (target >= 2.5x)" in lines["locomo"] and "1.50x (target >= 2x)" in lines["locomo"]
+    assert "target" not in lines["rag"]
+
+
 def test_compare_anchors_a_high_rate_sweep_at_the_unloaded_reference() -> None:
     """A system swept only above the knee is interpolated from its unloaded reference at rate 0."""
     # tessera swept only above prefix's knee: its TTFT there comes from (0, unloaded)
