@@ -189,9 +189,10 @@ def _busy(c: Cluster, node: str) -> None:
 def test_a_unit_ready_in_the_shared_tier_does_not_draw_requests_to_its_local_holder() -> None:
     """Any node copies a shared-ready unit instead of computing it: a busier holder is passed over
     for the idle node (issue 16: requests queued behind a holder while the other node idled).
-    Without the shared copy the holder wins within the load bound."""
-    for shared in (True, False):
-        c = Cluster(nodes=2, join_memory=shared)
+    Without the shared copy, or with the paper's rule (``cache_aware_all``), the holder wins
+    within the load bound."""
+    for shared, routing in ((True, "cache_aware"), (False, "cache_aware"), (True, "cache_aware_all")):
+        c = Cluster(nodes=2, join_memory=shared, routing=routing)
         plan = c.serve([("a", 8)])  # first sight: retained in the node's local cache (and shared)
         assert plan.units[0].retention.local
         assert (c.plane.directory.ready("a") is not None) is shared
@@ -199,7 +200,7 @@ def test_a_unit_ready_in_the_shared_tier_does_not_draw_requests_to_its_local_hol
         other = "gen1" if home == "gen0" else "gen0"
         _busy(c, home)
         assert (c.plane.nodes[home].inflight, c.plane.nodes[other].inflight) == (1, 0)
-        assert c.plane.route("next", [("a", 8)]) == (other if shared else home)
+        assert c.plane.route("next", [("a", 8)]) == (other if shared and routing == "cache_aware" else home)
 
 
 def test_complete_tracks_in_flight_counts() -> None:

@@ -60,8 +60,8 @@ def test_only_live_nodes_are_candidates() -> None:
 
 
 def test_routers_are_registered_by_name() -> None:
-    """cache_aware and load are registered; unknown names list the known ones."""
-    assert {"cache_aware", "load"} <= set(router_names())
+    """cache_aware, cache_aware_all and load are registered; unknown names list the known ones."""
+    assert {"cache_aware", "cache_aware_all", "load"} <= set(router_names())
     assert isinstance(make_router("load", 2), LoadRouter)
     with pytest.raises(ConfigError, match="cache_aware"):
         make_router("random", 2)
@@ -70,7 +70,7 @@ def test_routers_are_registered_by_name() -> None:
 @given(
     loads=st.lists(st.integers(0, 6), min_size=1, max_size=8),
     blocks=st.lists(st.integers(0, 20), min_size=8, max_size=8),
-    name=st.sampled_from(["cache_aware", "load"]),
+    name=st.sampled_from(["cache_aware", "cache_aware_all", "load"]),
     rounds=st.integers(1, 5),
 )
 def test_routing_never_picks_a_node_loaded_more_than_the_minimum_plus_one(
@@ -81,7 +81,7 @@ def test_routing_never_picks_a_node_loaded_more_than_the_minimum_plus_one(
     for _ in range(rounds):
         chosen = router.choose(ns, blocks)
         assert chosen.inflight <= min(n.inflight for n in ns) + 1
-        if name == "cache_aware":
+        if name.startswith("cache_aware"):
             eligible = [n for n in ns if n.inflight <= min(m.inflight for m in ns) + 1]
             assert blocks[chosen.index] == max(blocks[n.index] for n in eligible)
         chosen.inflight += 1

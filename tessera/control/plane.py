@@ -131,19 +131,22 @@ class ControlPlane:
         live = self.queue_bound.admit(live)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
-        node = self.router.choose(live, self._exclusive_blocks(pairs) if self.router.uses_locality else ())
+        node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
         now = self.clock()
         self.requests.add(request_id, RoutedRequest(node, tokens, pairs, now))
         return node.name
 
-    def _exclusive_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
-        """Blocks of the request's units each node holds that the shared tier does not hold ready.
+    def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
+        """Blocks of the request's units each node holds that the shared tier does not hold ready
+        (all of them for a router that ``counts_shared``).
 
         A unit ready in the shared tier is a copy away from every node (milliseconds, against
         a prefill of its tokens), so holding it locally does not make a node a better place;
         counting it drew requests to a busy holder while another node sat idle (issue 16's
         ablation). Only units another node would have to compute count for locality.
         """
+        if self.router.counts_shared:
+            return self.locality.blocks_per_node(pairs)
         ready = self.directory.ready
         revoked = self.revoked
         return self.locality.blocks_per_node(

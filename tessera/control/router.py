@@ -36,6 +36,9 @@ N = TypeVar("N", bound=RoutableNode)
 class Router(ABC):
     name: ClassVar[str]
     uses_locality: ClassVar[bool] = False
+    # count local blocks the shared tier also holds ready (paper §5.2 as written); off by
+    # default, where only blocks no other node could copy count (see the module docstring)
+    counts_shared: ClassVar[bool] = False
 
     def __init__(self, n_nodes: int) -> None:
         assert n_nodes > 0, n_nodes
@@ -69,8 +72,8 @@ class CacheAwareRouter(Router):
 
     Among nodes whose in-flight count is within one of the least loaded, pick the one whose
     local cache holds the most blocks of the request's units that no other node could copy
-    from the shared tier; ties by lower load, then round-robin. The load bound keeps a node holding popular units from drawing every
-    request to itself.
+    from the shared tier; ties by lower load, then round-robin. The load bound keeps a node
+    holding popular units from drawing every request to itself.
     """
 
     uses_locality = True
@@ -94,6 +97,19 @@ class CacheAwareRouter(Router):
             if blocks > best_blocks or load < best_load or (load == best_load and rr < best_rr):
                 best, best_blocks, best_load, best_rr = node, blocks, load, rr
         return self._chose(best)
+
+
+@register_router("cache_aware_all")
+class CacheAwareAllRouter(CacheAwareRouter):
+    """:class:`CacheAwareRouter` counting every local block, also those the shared tier holds.
+
+    The paper's rule as written: a local hit saves the copy from the pool as well as a
+    prefill. Worth it where pool transfers are slow against prefill (TCP across hosts, long
+    units); on shared memory the copy costs milliseconds and this rule queued requests behind
+    a busy holder (README, Benchmarks: ablations).
+    """
+
+    counts_shared = True
 
 
 @register_router("load")
