@@ -93,6 +93,21 @@ def test_compare_computes_both_targets() -> None:
     assert c["system_sustained_rate"] == 3
 
 
+def test_bench_systems_queue_instead_of_refusing_or_timing_out() -> None:
+    """Regression: past saturation the 60 s first-token deadline ended prefix caching's queued
+    requests with 503s (46 of 200 at 0.75 req/s); the bench measures the wait instead."""
+    from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S
+    from tessera.benchmark.runner import system_config
+    from tessera.config_file import load_config
+
+    base = load_config()  # the embedded default cluster
+    for system in ("prefix", "C+S", "tessera"):
+        control = system_config(base, system).control
+        assert control.max_queue_wait_s == 0.0
+        assert control.first_token_timeout_s >= BENCH_CLIENT_TIMEOUT_S
+        assert control.idle_timeout_s == base.control.idle_timeout_s  # a stalled stream still ends
+
+
 def test_the_summary_states_each_workloads_own_targets() -> None:
     """Synthetic and LoCoMo print their issues' targets; a workload without one prints none."""
     from tessera.benchmark.report import format_report

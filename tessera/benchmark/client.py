@@ -21,6 +21,9 @@ from tqdm import tqdm
 
 from tessera.benchmark.workloads import BenchRequest, CorpusUnit
 
+# how long the load generator waits for one reply: the bench measures queueing, however long
+BENCH_CLIENT_TIMEOUT_S = 3600.0
+
 
 @dataclass
 class Result:
@@ -119,7 +122,7 @@ async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, m
     results = [Result(i, 0.0) for i in range(len(requests))]
     bar = tqdm(total=len(requests), desc=desc or f"{rate:g} req/s", unit="req", disable=not progress,
                leave=False)
-    timeout = aiohttp.ClientTimeout(total=3600)
+    timeout = aiohttp.ClientTimeout(total=BENCH_CLIENT_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessera.benchmark.client import Result, ingest, run_load
+from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S, Result, ingest, run_load
 from tessera.benchmark.report import compare, plot, summarize, table
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig, ControlConfig
@@ -43,8 +43,13 @@ def system_config(base: ClusterConfig, system: str) -> ClusterConfig:
     if system not in SYSTEMS:
         raise ConfigError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
     # overload control off: the bench measures how queueing grows with the rate, and a 429
-    # would hide exactly that (refused requests have no TTFT); bench/overload.py measures it
-    control: ControlConfig = dataclasses.replace(base.control, **SYSTEMS[system], max_queue_wait_s=0.0)
+    # would hide exactly that (refused requests have no TTFT); bench/overload.py measures it.
+    # For the same reason the first-token deadline is the client's own: past saturation a
+    # request queues longer than the default 60 s, and the deadline would end it with a 503
+    # (and take its busy but healthy node out of routing) instead of measuring its wait
+    control: ControlConfig = dataclasses.replace(
+        base.control, **SYSTEMS[system], max_queue_wait_s=0.0,
+        first_token_timeout_s=max(base.control.first_token_timeout_s, BENCH_CLIENT_TIMEOUT_S))
     return dataclasses.replace(base, control=control)
 
 
