@@ -143,14 +143,13 @@ class ControlPlane:
         A unit ready in the shared tier is a copy away from every node (milliseconds, against
         a prefill of its tokens), so holding it locally does not make a node a better place;
         counting it drew requests to a busy holder while another node sat idle (issue 16's
-        ablation). Only units another node would have to compute count for locality.
+        ablation). Only units another node would have to compute count for locality. (Revoked
+        units need no filter: the local views forget them and never confirm them again.)
         """
         if self.router.counts_shared:
             return self.locality.blocks_per_node(pairs)
         ready = self.directory.ready
-        revoked = self.revoked
-        return self.locality.blocks_per_node(
-            tuple([p for p in pairs if ready(p[0]) is None and p[0] not in revoked]))
+        return self.locality.blocks_per_node(tuple([p for p in pairs if ready(p[0]) is None]))
 
     def started(self, request_id: str) -> None:
         """The request's node sent its first event (the end of its queueing): measures the node."""
