@@ -46,7 +46,7 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 def composed(engine: ReferenceEngine, layout: PromptLayout, policy: str, k: int, states: dict, repeats: int
              ) -> dict[str, float]:
     """Median time of each stage of one composed prefill."""
-    pol = get_policy(policy, recompute_tokens=k) if policy == "epic" else get_policy(policy)
+    pol = get_policy(policy, recompute_tokens=k, recompute_fraction=1.0)  # epic: the first k of every unit
     ranges = pol.select(layout)
     stages: dict[str, list[float]] = {"match": [], "place": [], "extend": [], "total": []}
     for _ in range(repeats):
@@ -69,7 +69,7 @@ def composed(engine: ReferenceEngine, layout: PromptLayout, policy: str, k: int,
 
 def decode_step_time(engine: ReferenceEngine, layout: PromptLayout, states: dict, batch: int, steps: int) -> float:
     """Median seconds of one decode step for ``batch`` requests whose prompts were composed (epic k=16)."""
-    ranges = get_policy("epic", recompute_tokens=16).select(layout)
+    ranges = get_policy("epic", recompute_tokens=16, recompute_fraction=1.0).select(layout)
     n = layout.n_tokens
     requests = []
     for _ in range(batch):

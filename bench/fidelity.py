@@ -59,7 +59,9 @@ def main() -> None:
                         generation=(GenerationNodeConfig("gen0"),))
     engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
     questions, source = load_questions(args.data, args.questions, args.passages)
-    policies = {"naive": get_policy("naive")} | {f"epic k={k}": get_policy("epic", recompute_tokens=k) for k in args.ks}
+    # EPIC's plain rule (the first k tokens of every passage), not the served length-aware one
+    policies = {"naive": get_policy("naive")} | {
+        f"epic k={k}": get_policy("epic", recompute_tokens=k, recompute_fraction=1.0) for k in args.ks}
     stops = engine.eos_token_ids
     lead_id = int(engine.tokenizer.hf.convert_tokens_to_ids(args.lead_token))
     leads = {"plain": (), "led": (lead_id,)}

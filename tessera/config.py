@@ -5,6 +5,10 @@
 is allowed. CLI flags may override fields (``dataclasses.replace``) but never invent settings
 of their own.
 
+The field defaults here are the only defaults: the embedded ``tessera/tessera.toml`` restates
+some of them (a test holds it to these values) and the composition policies take theirs from
+:class:`CompositionConfig`.
+
 Names of swappable implementations (``composition.policy``, ``control.admission``,
 ``control.routing``, ``transport.name``, ``model.engine``) are only checked for shape here;
 :func:`tessera.roles.check_registered` checks them against their registries at start-up.
@@ -239,7 +243,7 @@ class KVPoolNodeConfig:
     # tcp transport data port
     data_port: int = 8501
     # arena size in blocks of B tokens
-    capacity_blocks: int = 1024
+    capacity_blocks: int = 4096
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and self.name.isidentifier(), "kvpool.name", self.name,
@@ -255,11 +259,12 @@ class GenerationNodeConfig:
     host: str = "127.0.0.1"
     port: int = 8600
     # local unit cache in host memory, in blocks of B tokens
-    local_capacity_blocks: int = 512
+    local_capacity_blocks: int = 1024
     # requests admitted at once; beyond it the node answers 429
     max_inflight: int = 64
-    # tokens per extend batch
-    max_batch_tokens: int = 4096
+    # tokens per extend batch. CPU: a forward's cost per token rises past ~512 tokens, so
+    # batching more only delays TTFT; a GPU step is cheap per token and wants far more
+    max_batch_tokens: int = 512
     # exact-prefix (radix) cache capacity in tokens
     prefix_cache_tokens: int = 16384
 

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tessera.config_file import dump_toml, load_config, parse_config
+from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig
+from tessera.config_file import DEFAULT_CONFIG, dump_toml, load_config, parse_config
 from tessera.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+NODE_CLASSES: dict[str, type] = {"kvpools": KVPoolNodeConfig, "generation": GenerationNodeConfig}
+# each node's own name and ports, different from node to node by necessity: not defaults
+NODE_IDENTITY = frozenset({"name", "port", "data_port"})
 
 
 def test_default_config_describes_the_single_machine_cluster() -> None:
@@ -125,3 +134,48 @@ def test_the_root_config_is_the_embedded_default() -> None:
 
     root = Path(__file__).resolve().parent.parent / "tessera.toml"
     assert load_config(root) == load_config(DEFAULT_CONFIG)
+
+
+def field_default(cls: type, key: str) -> Any:
+    """The default of dataclass field ``key`` of ``cls`` (a section's: its factory's value)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    assert f.default_factory is not dataclasses.MISSING, f"{cls.__name__}.{key} has no default"
+    return f.default_factory()
+
+
+def stated_values(raw: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:
+    """(key, the value a config file states, the dataclass default) for every value it states."""
+    for key, value in raw.items():
+        if key in NODE_CLASSES:
+            for node in value:
+                yield from ((f"{key}.{node['name']}.{k}", v, field_default(NODE_CLASSES[key], k))
+                            for k, v in node.items() if k not in NODE_IDENTITY)
+        elif isinstance(value, dict):
+            section = field_default(ClusterConfig, key)
+            yield from ((f"{key}.{k}", v, getattr(section, k)) for k, v in value.items())
+        else:
+            yield key, value, field_default(ClusterConfig, key)
+
+
+def test_the_embedded_config_restates_only_the_dataclass_defaults() -> None:
+    """Regression (issue 20): the embedded TOML gave capacity_blocks, local_capacity_blocks and
+    max_batch_tokens other values than the dataclasses; every value it states must be the default."""
+    stated = list(stated_values(tomllib.loads(DEFAULT_CONFIG.read_text())))
+    assert {key: (value, default) for key, value, default in stated if value != default} == {}
+
+
+def test_a_node_a_file_leaves_unspecified_gets_the_served_sizes() -> None:
+    """A [[generation]] or [[kvpools]] entry that names only itself is sized like the embedded cluster's nodes."""
+    cfg = parse_config({"generation": [{"name": "g"}], "kvpools": [{"name": "k"}]})
+    default = load_config()
+    gen, pool = default.generation[0], default.kvpools[0]
+    assert dataclasses.replace(cfg.generation[0], name=gen.name, port=gen.port) == gen
+    assert dataclasses.replace(cfg.kvpools[0], name=pool.name, port=pool.port, data_port=pool.data_port) == pool
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "bench").glob("*.toml")), ids=lambda p: p.name)
+def test_every_bench_config_loads(path: Path) -> None:
+    """The bench configs name only known keys and valid values (they overlay the embedded default)."""
+    assert load_config(path).generation

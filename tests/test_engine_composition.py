@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tessera.composition.policies import (
     policy_names,
 )
 from tessera.config import CompositionConfig
+from tessera.config_file import load_config
 from tessera.engines.base import EngineAdapter
 from tessera.engines.offline import compose, prefill, prefill_units
 from tessera.errors import ConfigError
@@ -40,12 +42,27 @@ def engine(tiny_dir: Path, request: pytest.FixtureRequest) -> EngineAdapter:
     return tiny_engine(tiny_dir, "llama", engine=request.param)
 
 
+def first_k(k: int) -> CompositionPolicy:
+    """EPIC's plain rule: the first k tokens of every unit whatever its length (not length-aware)."""
+    return get_policy("epic", recompute_tokens=k, recompute_fraction=1.0)
+
+
 def test_epic_selects_all_text_and_the_first_k_tokens_of_every_unit() -> None:
     """LegoLink k=4 recomputes text plus unit heads; a unit shorter than k is recomputed whole."""
     layout = random_layout(PARTS)
-    assert get_policy("epic", recompute_tokens=4).select(layout) == ((0, 9), (25, 31), (37, 44))
-    assert get_policy("epic", recompute_tokens=16).select(layout) == ((0, 21), (25, 44))
-    assert get_policy("epic", recompute_tokens=0).select(layout) == get_policy("naive").select(layout)
+    assert first_k(4).select(layout) == ((0, 9), (25, 31), (37, 44))
+    assert first_k(16).select(layout) == ((0, 21), (25, 44))
+    assert first_k(0).select(layout) == get_policy("naive").select(layout)
+
+
+@pytest.mark.parametrize("name", ["epic", "naive", "full"])
+def test_get_policy_without_settings_is_the_served_policy(name: str) -> None:
+    """Regression (issue 20): get_policy("epic") had k=16, fraction 1.0, inline 1.0; the cluster serves 0.25 / 0.75."""
+    served = policy_from_config(dataclasses.replace(load_config().composition, policy=name))
+    policy = get_policy(name)
+    assert type(policy) is type(served) and vars(policy) == vars(served)
+    if name == "epic":
+        assert vars(LegoLink()) == vars(served)
 
 
 def test_naive_selects_only_text_and_full_selects_everything() -> None:
@@ -74,7 +91,7 @@ def test_policies_are_registered_by_name_and_built_from_config(register: Any) ->
 def test_final_extend_covers_selected_positions_above_the_prefix_hit() -> None:
     """tokens_to_compute drops the prefix hit; placements serve every unit token not computed."""
     layout = random_layout(PARTS)
-    ranges = get_policy("epic", recompute_tokens=4).select(layout)
+    ranges = first_k(4).select(layout)
     ids, positions = tokens_to_compute(layout, ranges, prefix_len=3)
     assert positions == [*range(3, 9), *range(25, 31), *range(37, 44)]
     prompt = layout.token_ids()
@@ -82,8 +99,7 @@ def test_final_extend_covers_selected_positions_above_the_prefix_hit() -> None:
     assert [(p.unit_id, p.offset + p.start, p.offset + p.end) for p in placements(layout, ranges, 3)] == [
         ("u1", 9, 25), ("u3", 31, 37)]
     # a unit the policy recomputes entirely is not placed at all
-    assert [p.unit_id for p in placements(layout, get_policy("epic", recompute_tokens=16).select(layout), 0)] == [
-        "u1"]
+    assert [p.unit_id for p in placements(layout, first_k(16).select(layout), 0)] == ["u1"]
 
 
 def test_last_prompt_position_is_always_computed() -> None:
@@ -123,8 +139,7 @@ def test_a_unit_at_offset_zero_composes_exactly(engine: EngineAdapter) -> None:
 def test_epic_computes_exactly_its_ranges_and_places_the_rest(engine: EngineAdapter) -> None:
     """The final extend covers text + unit heads; every other unit token comes from its state."""
     layout = random_layout([("text", 8), ("unit", 40), ("text", 2), ("unit", 30), ("text", 6)], seed=6)
-    out = compose(engine, layout, get_policy("epic", recompute_tokens=16), prefill_units(engine, layout),
-                  use_prefix_cache=False)
+    out = compose(engine, layout, first_k(16), prefill_units(engine, layout), use_prefix_cache=False)
     assert out.computed == ((0, 24), (48, 66), (80, 86))
     assert out.n_placed == (40 - 16) + (30 - 16)
 

@@ -95,7 +95,7 @@ def test_tiny_logits_on_cuda_equal_cpu(tiny_model: Path, engine_name: str) -> No
 def test_composed_prefill_on_cuda_equals_offline_composition(tiny_model: Path, engine_name: str, policy: str) -> None:
     """Composition on CUDA (states on the device) equals the CPU reference's offline composition."""
     layout = random_layout(PARTS, seed=5)
-    pol = get_policy(policy, recompute_tokens=16) if policy == "epic" else get_policy(policy)
+    pol = get_policy(policy)  # as served
     cpu = _engine(tiny_model, "reference", "cpu", "float32", "float32")
     gpu = _engine(tiny_model, engine_name, "cuda", "float32", "float32")
     want = compose(cpu, layout, pol, prefill_units(cpu, layout), max_new_tokens=6, use_prefix_cache=False)
@@ -118,7 +118,7 @@ def test_composition_from_pinned_host_states_equals_device_states(tiny_model: Pa
         assert done is not None and copy.keys.is_pinned() and copy.values.is_pinned()
         done.synchronize()
         host[uid] = copy
-    pol = get_policy("epic", recompute_tokens=16)
+    pol = get_policy("epic")
     a = compose(gpu, layout, pol, states, max_new_tokens=6, use_prefix_cache=False)
     b = compose(gpu, layout, pol, host, max_new_tokens=6, use_prefix_cache=False)
     assert torch.equal(a.logits, b.logits) and a.generated == b.generated
@@ -163,7 +163,7 @@ async def test_retainer_stages_device_states_into_the_local_cache_as_pinned_host
     cache = LocalUnitCache(capacity_blocks=256, block_tokens=16)
     req = execute_request(layout, dict.fromkeys(("u1", "u3", "u5"), Preparation.COMPUTE), max_tokens=2,
                           retain_local=True)
-    executor = start_executor(gpu, get_policy("epic", recompute_tokens=16), cache)
+    executor = start_executor(gpu, get_policy("epic"), cache)
     await run_request(executor, req)
     await executor.retainer.drain(10.0)
     assert sorted(cache.unit_ids()) == ["u1", "u3", "u5"]

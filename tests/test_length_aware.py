@@ -18,7 +18,7 @@ def test_the_recompute_count_follows_the_unit_length() -> None:
     """min(k, ceil(fraction * n)): a short record recomputes a share, a long passage k tokens."""
     policy = LegoLink(recompute_tokens=16, recompute_fraction=0.25)
     assert [policy.recompute_count(n) for n in (1, 8, 25, 64, 200)] == [1, 2, 7, 16, 16]
-    plain = LegoLink(recompute_tokens=16)  # fraction 1.0: the first k tokens whatever the length
+    plain = LegoLink(recompute_tokens=16, recompute_fraction=1.0)  # the first k tokens whatever the length
     assert [plain.recompute_count(n) for n in (1, 8, 25, 200)] == [1, 8, 16, 16]
     assert LegoLink(recompute_tokens=16, recompute_fraction=0.0).recompute_count(50) == 0
 

@@ -30,7 +30,6 @@ from typing import Any, ClassVar
 
 from tessera.composition.layout import Ranges, merge_ranges, text_ranges
 from tessera.config import CompositionConfig
-from tessera.errors import ConfigError
 from tessera.messages import PromptLayout, Segment, SegmentKind
 from tessera.registry import Registry
 
@@ -60,12 +59,17 @@ register_policy = POLICIES.register
 policy_names = POLICIES.names
 
 
-def get_policy(name: str, **opts: Any) -> CompositionPolicy:
-    return POLICIES.get(name)(**opts)
-
-
 def policy_from_config(config: CompositionConfig) -> CompositionPolicy:
+    """The policy ``config.policy`` built from the ``[composition]`` settings: what is served."""
     return POLICIES.get(config.policy).from_config(config)
+
+
+def get_policy(name: str, **settings: Any) -> CompositionPolicy:
+    """The policy ``name`` as served with the default ``[composition]`` settings, ``settings``
+    replacing some of them (``get_policy("epic", recompute_tokens=4)``). Settings are fields of
+    :class:`CompositionConfig`, validated there; a policy that has no use for one ignores it,
+    as :func:`policy_from_config` does."""
+    return policy_from_config(CompositionConfig(policy=name, **settings))
 
 
 @register_policy("full")
@@ -84,6 +88,10 @@ class NaiveConcat(CompositionPolicy):
         return text_ranges(layout)
 
 
+# the served settings: LegoLink's defaults are CompositionConfig's, never numbers of its own
+_DEFAULTS = CompositionConfig()
+
+
 @register_policy("epic")
 class LegoLink(CompositionPolicy):
     """EPIC LegoLink: recompute the leading tokens of every unit, plus all text.
@@ -96,12 +104,12 @@ class LegoLink(CompositionPolicy):
     less than preparing, planning and retaining it costs.
     """
 
-    def __init__(self, recompute_tokens: int = 16, recompute_fraction: float = 1.0, inline_share: float = 1.0) -> None:
-        if recompute_tokens < 0:
-            raise ConfigError(f"composition.recompute_tokens = {recompute_tokens} is invalid: expected >= 0")
-        if not 0.0 <= recompute_fraction <= 1.0 or not 0.0 < inline_share <= 1.0:
-            raise ConfigError(f"composition.recompute_fraction = {recompute_fraction} / inline_share = "
-                              f"{inline_share} are invalid: expected [0, 1] and (0, 1]")
+    def __init__(self, recompute_tokens: int = _DEFAULTS.recompute_tokens,
+                 recompute_fraction: float = _DEFAULTS.recompute_fraction,
+                 inline_share: float = _DEFAULTS.inline_share) -> None:
+        # the [composition] checks, so a policy built in code obeys the same rules (ConfigError)
+        CompositionConfig(recompute_tokens=recompute_tokens, recompute_fraction=recompute_fraction,
+                          inline_share=inline_share)
         self.k = recompute_tokens
         self.fraction = recompute_fraction
         self.inline_share = inline_share
