@@ -3,9 +3,9 @@
 Three sections, each written to OUT as soon as it is done (a timeout keeps what finished):
 
 1. ``prefill``: prefill tokens/s of the 8B shape (``random:llama-3.1-8b``, bfloat16) at 1k/4k/16k
-   prompt tokens: full prefill vs composed prefill (EPIC k = 16 over units of 256 tokens) with
-   unit states already on the GPU and staged in pinned host memory (the local-cache path),
-   for the paged and the reference engine;
+   prompt tokens: full prefill vs composed prefill (the served composition policy, over units
+   of 256 tokens) with unit states already on the GPU and staged in pinned host memory (the
+   local-cache path), for the paged and the reference engine;
 2. ``ttft``: unloaded TTFT of the served path (HTTP chat, all units cached) against its compute
    floor: the same engine composing the same layout in-process (prefix hit, placement of
    pinned-host states, final extend);
@@ -14,6 +14,9 @@ Three sections, each written to OUT as soon as it is done (a timeout keeps what 
 
     python bench/gpu.py --out results/gpu                # on a GPU (bench/gpu.sh does this)
     python bench/gpu.py --cpu-smoke --out /tmp/smoke     # tiny shapes on CPU: tests this script
+
+The composition policy is the one the run's config serves (``policy_from_config``), in every
+section: ``--config`` an overlay of bench/gpu.toml to measure another policy or other settings.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 import torch
 
 from tessera.composition.layout import layout_from_trace
-from tessera.composition.policies import get_policy
+from tessera.composition.policies import CompositionPolicy, policy_from_config
 from tessera.config import ClusterConfig
 from tessera.config_file import load_config
 from tessera.engines.base import ENGINES, EngineAdapter, UnitState
@@ -61,7 +64,7 @@ class Setup:
 
 
 def setup(args: argparse.Namespace) -> Setup:
-    cfg = load_config(ROOT / "bench" / "gpu.toml")
+    cfg = load_config(args.config)
     if args.cpu_smoke:
         model = dataclasses.replace(cfg.model, source="random:tiny", dtype="float32", device="cpu", threads=1,
                                     max_context=2048, kv_pool_tokens=16384)
@@ -126,8 +129,13 @@ def host_states(states: dict[str, UnitState]) -> dict[str, UnitState]:
     return out
 
 
+def served_policy(cfg: ClusterConfig) -> CompositionPolicy:
+    """The composition policy the cluster of ``cfg`` serves, built the way its nodes build it."""
+    return policy_from_config(cfg.composition)
+
+
 def _prefill_rows(engine: EngineAdapter, name: str, s: Setup) -> list[dict[str, Any]]:
-    policy = get_policy("epic", recompute_tokens=16)
+    policy = served_policy(s.config)
     device = torch.device(s.config.model.device)
     rows = []
     for n in s.lengths:
@@ -156,8 +164,8 @@ def section_prefill(s: Setup, out: Path) -> dict[str, Any]:
         rows += _prefill_rows(engine_for(s.config, name), name, s)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    result = {"shape": s.config.model.source, "dtype": s.config.model.dtype, "k": 16, "unit_tokens": UNIT_TOKENS,
-              "rows": rows}
+    result = {"shape": s.config.model.source, "dtype": s.config.model.dtype,
+              "composition": dataclasses.asdict(s.config.composition), "unit_tokens": UNIT_TOKENS, "rows": rows}
     (out / "prefill.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -199,10 +207,11 @@ def section_ttft(s: Setup, out: Path, n_requests: int = 5) -> dict[str, Any]:
         cluster.stop()
     engine = engine_for(cfg, cfg.model.engine)
     device = torch.device(cfg.model.device)
-    policy = get_policy(cfg.composition.policy, recompute_tokens=cfg.composition.recompute_tokens)
+    policy = served_policy(cfg)
     rows = []
     for ttft, response in served:
-        layout = layout_from_trace(response["tessera_layout"])
+        # inline is idempotent: a no-op on a served layout, which the retrieval role already inlined
+        layout = policy.inline(layout_from_trace(response["tessera_layout"]))
         states = host_states(prefill_units(engine, layout))
         compose(engine, layout, policy, states, insert_prefix=True)  # the system prompt's prefix hit
         floor = timed(functools.partial(compose, engine, layout, policy, states), device, s.repeats)
@@ -253,20 +262,34 @@ def section_sweep(s: Setup, out: Path, data_dir: Path | None) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
+SECTIONS = ("prefill", "ttft", "sweep")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "gpu")
+    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "gpu.toml",
+                    help="the cluster config (composition policy included) every section runs")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (tests this script)")
-    ap.add_argument("--sections", default="prefill,ttft,sweep")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--sweep-rates", default="8")
     ap.add_argument("--sweep-requests", type=int, default=40)
     ap.add_argument("--data-dir", type=Path, default=None, help="folder with locomo/ (default ../shared/data)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     s = setup(args)
     print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}; torch {torch.__version__}; "
-          f"shape {s.config.model.source} {s.config.model.dtype} on {s.config.model.device}", flush=True)
+          f"shape {s.config.model.source} {s.config.model.dtype} on {s.config.model.device}; "
+          f"composition {s.config.composition}", flush=True)
     sections = args.sections.split(",")
     summary: dict[str, Any] = {}
     if "prefill" in sections:

@@ -1,0 +1,96 @@
+"""bench/gpu.py on CPU: its arguments, and that every section measures the policy its config serves.
+
+The figures themselves need a GPU (bench/gpu.sh); these checks run the script's CPU-importable
+parts on the tiny checkpoint, so a policy the bench cannot build fails here, not on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from helpers.cluster import REPO
+
+from tessera.composition.policies import CompositionPolicy, policy_from_config, policy_names
+from tessera.config_file import load_config
+
+
+@pytest.fixture(scope="module")
+def gpu_bench() -> Iterator[ModuleType]:
+    """bench/gpu.py imported as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def overlay(tmp_path: Path, composition: str) -> Path:
+    """A config over bench/gpu.toml whose [composition] table is ``composition``."""
+    path = tmp_path / "policy.toml"
+    path.write_text(f'base = "{REPO / "bench" / "gpu.toml"}"\n[composition]\n{composition}\n')
+    return path
+
+
+def test_the_default_config_is_bench_gpu_toml(gpu_bench: ModuleType) -> None:
+    """Without --config the sections run bench/gpu.toml, all three of them."""
+    args = gpu_bench.parse_args([])
+    assert args.config == REPO / "bench" / "gpu.toml" and args.sections == "prefill,ttft,sweep"
+    assert gpu_bench.setup(args).config == load_config(REPO / "bench" / "gpu.toml")
+
+
+def test_cpu_smoke_runs_the_chosen_config_on_cpu(gpu_bench: ModuleType, tmp_path: Path) -> None:
+    """--cpu-smoke shrinks the shapes to CPU sizes but keeps the config's composition settings."""
+    path = overlay(tmp_path, 'policy = "epic"\nrecompute_fraction = 0.5\ninline_share = 0.9')
+    s = gpu_bench.setup(gpu_bench.parse_args(["--cpu-smoke", "--config", str(path)]))
+    assert (s.config.model.device, s.config.model.source) == ("cpu", "random:tiny")
+    assert s.config.composition == load_config(path).composition
+    policy = gpu_bench.served_policy(s.config)
+    assert (policy.k, policy.fraction, policy.inline_share) == (16, 0.5, 0.9)  # type: ignore[attr-defined]
+
+
+def test_an_unknown_section_is_refused_naming_the_known_ones(gpu_bench: ModuleType,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--sections prefil exits with a usage error that lists prefill, ttft and sweep."""
+    with pytest.raises(SystemExit):
+        gpu_bench.parse_args(["--sections", "prefil,ttft"])
+    assert "unknown section(s) prefil; expected some of prefill, ttft, sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_the_prefill_section_composes_with_the_served_policy(gpu_bench: ModuleType, tiny_model: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             name: str) -> None:
+    """Regression (issue 20): the bench built its own policies, EPIC with k only (not the served
+    fraction and inline share) and, for the ttft floor, naive and full with a k they refuse."""
+    path = overlay(tmp_path, f'policy = "{name}"')
+    served = policy_from_config(load_config(path).composition)
+    s = gpu_bench.setup(gpu_bench.parse_args(["--cpu-smoke", "--config", str(path)]))
+    model = dataclasses.replace(s.config.model, source=str(tiny_model), kv_pool_tokens=4096)
+    s = dataclasses.replace(s, config=dataclasses.replace(s.config, model=model), lengths=[400], repeats=1,
+                            engines=("reference",))
+    used: list[CompositionPolicy] = []
+    real_compose = gpu_bench.compose
+
+    def recording_compose(engine: Any, layout: Any, policy: CompositionPolicy, *args: Any, **kw: Any) -> Any:
+        used.append(policy)
+        return real_compose(engine, layout, policy, *args, **kw)
+
+    monkeypatch.setattr(gpu_bench, "compose", recording_compose)
+    gpu_bench.section_prefill(s, tmp_path)
+    assert used and all(type(p) is type(served) and vars(p) == vars(served) for p in used)
+    written = json.loads((tmp_path / "prefill.json").read_text())
+    assert written["composition"] == dataclasses.asdict(load_config(path).composition)
+    [row] = written["rows"]
+    assert row["engine"] == "reference" and row["units"] == 1 and row["composed_host_s"] > 0
