@@ -230,6 +230,21 @@ class SnapshotResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """The retrieval role gives up on a request: the node stops running it, or drops its snapshot's pins."""
+
+    version: int
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortResponse:
+    version: int
+    request_id: str
+    aborted: bool  # a run was in flight and is cancelled; False: at most the snapshot's pins were dropped
+
+
+@dataclass(frozen=True, slots=True)
 class ExecuteRequest:
     """Step 4: the finalized plan and the fixed prompt layout, sent to the chosen node."""
 

@@ -417,7 +417,7 @@ def test_generation_nodes_refuse_snapshot_execute_abort_without_the_secret(clust
         assert info.value.code == 401
         info.value.close()  # the error holds the response's socket
     # /v1/revoke (durability): a forged revocation would drop every node's cached units
-    for path, body in (("/v1/execute", b"{}"), ("/v1/abort", b'{"request_id": "x"}'),
+    for path, body in (("/v1/execute", b"{}"), ("/v1/abort", orjson.dumps({"version": V, "request_id": "x"})),
                        ("/v1/revoke", orjson.dumps({"version": V, "unit_ids": ["u" * 32]})), ("/metrics", None)):
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(urllib.request.Request(node + path, data=body), timeout=10)

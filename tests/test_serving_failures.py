@@ -19,6 +19,8 @@ from helpers.http import call, chat, metrics_text, wait_for
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.launcher import Child, LocalCluster
+from tessera.messages import AbortRequest, AbortResponse, SnapshotRequest
+from tessera.wire import WIRE_VERSION, from_wire, to_wire
 
 UNITS = [f"Record {i}: the harbour log lists ship {i} arriving at dawn with {i} crates of tea. " * 2
          for i in range(6)]
@@ -114,10 +116,33 @@ def test_a_node_at_its_limit_answers_429_and_the_request_goes_to_another_node(
         status, body = call(cfg.retrieval_url, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": f"busy {i}"}], "max_tokens": 3, "temperature": 0})
         for rid in hogs:
-            call(gen0, "/v1/abort", {"request_id": rid}, signed=cfg)
+            call(gen0, "/v1/abort", {"version": 1, "request_id": rid}, signed=cfg)
         assert status == 200, body
         nodes.add(body["usage"]["tessera"]["node"])
     assert nodes == {"gen1"}
+
+
+def test_an_abort_before_execute_drops_the_snapshots_pins_and_admission_at_once(
+        cluster: tuple[ClusterConfig, LocalCluster]) -> None:
+    """A typed abort of a request that only took a snapshot answers aborted=False and frees its slot."""
+    cfg, _ = cluster
+    gen0 = f"http://127.0.0.1:{cfg.generation[0].port}"
+    before = _node_health(cfg, 0)["inflight"]
+    status, _ = call(gen0, "/v1/snapshot", to_wire(SnapshotRequest(WIRE_VERSION, "pinned", ())), signed=cfg)
+    assert status == 200
+    assert _node_health(cfg, 0)["inflight"] == before + 1
+    status, body = call(gen0, "/v1/abort", to_wire(AbortRequest(WIRE_VERSION, "pinned")), signed=cfg)
+    assert status == 200, body
+    assert from_wire(AbortResponse, body) == AbortResponse(WIRE_VERSION, "pinned", aborted=False)
+    assert _node_health(cfg, 0)["inflight"] == before
+
+
+def test_an_abort_without_its_version_is_refused_naming_the_field(cluster: tuple[ClusterConfig, LocalCluster]) -> None:
+    """/v1/abort decodes an AbortRequest like every role RPC: a hand-made body lacking ``version`` is a 400."""
+    cfg, _ = cluster
+    status, body = call(f"http://127.0.0.1:{cfg.generation[0].port}", "/v1/abort", {"request_id": "x"}, signed=cfg)
+    assert status == 400
+    assert "version" in str(body)
 
 
 def test_a_reply_cut_by_a_stop_string_keeps_its_usage_and_metrics(cluster: tuple[ClusterConfig, LocalCluster]) -> None:

@@ -6,7 +6,7 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
     POST /v1/snapshot   SnapshotRequest -> SnapshotResponse   (pins the held units)
     POST /v1/execute    ExecuteRequest  -> NDJSON stream of TokenEvent lines, then one
                                            DoneEvent (or ErrorEvent)
-    POST /v1/abort      {"request_id"}
+    POST /v1/abort      AbortRequest    -> AbortResponse      (stops the run, or drops its pins)
     POST /v1/revoke     RevokeRequest -> {"dropped": n}   (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
 
@@ -25,7 +25,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 import torch
 from aiohttp import web
 
@@ -43,6 +42,8 @@ from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application
 from tessera.messages import (
+    AbortRequest,
+    AbortResponse,
     DoneEvent,
     ErrorEvent,
     ExecuteRequest,
@@ -204,16 +205,15 @@ class GenerationNode:
             self.m_tokens.labels(source=source).inc(n)
 
     async def abort(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read() or b"{}")
-        request_id = body.get("request_id") if isinstance(body, dict) else None
-        if not isinstance(request_id, str):
-            raise BadRequest("body must be {\"request_id\": \"...\"}")
-        task = self._tasks.get(request_id)
+        msg = decode(AbortRequest, await request.read())
+        check_version(msg.version)
+        task = self._tasks.get(msg.request_id)
         if task is not None:
             task.cancel()
         else:
-            self._expire_pins(request_id)
-        return web.json_response({"aborted": task is not None})
+            self._expire_pins(msg.request_id)
+        resp = AbortResponse(WIRE_VERSION, msg.request_id, aborted=task is not None)
+        return web.Response(body=encode(resp), content_type="application/json")
 
     async def revoke(self, request: web.Request) -> web.Response:
         msg = decode(RevokeRequest, await request.read())

@@ -1,4 +1,4 @@
-"""The retrieval role's client of the generation nodes (snapshot, execute, abort).
+"""The retrieval role's client of the generation nodes (snapshot, execute, abort), in typed messages.
 
 Every call toward a node is bounded (``[control]`` deadlines): connecting, the snapshot and
 the first token of a reply together (``first_token_timeout_s``), and the gap between two
@@ -21,9 +21,18 @@ from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.http import LazySession
-from tessera.messages import EXECUTE_EVENTS, ExecuteEvent, ExecuteRequest, SnapshotRequest, SnapshotResponse
+from tessera.messages import (
+    EXECUTE_EVENTS,
+    AbortRequest,
+    AbortResponse,
+    ExecuteEvent,
+    ExecuteRequest,
+    SnapshotRequest,
+    SnapshotResponse,
+    check_version,
+)
 from tessera.runtime import BackgroundTasks
-from tessera.wire import WIRE_VERSION, decode_tagged, encode, from_wire
+from tessera.wire import WIRE_VERSION, decode, decode_tagged, encode, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +116,19 @@ class NodeClients:
             raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
 
     async def abort(self, node: str, request_id: str) -> None:
+        msg = AbortRequest(WIRE_VERSION, request_id)
         try:
             async with asyncio.timeout(self.connect_timeout_s), \
-                    self._post(node, "/v1/abort", orjson.dumps({"request_id": request_id})) as resp:
-                await resp.read()
+                    self._post(node, "/v1/abort", encode(msg)) as resp:
+                if resp.status != 200:
+                    log.warning("request %s: %s", request_id, await self._error(node, resp))
+                    return
+                answer = decode(AbortResponse, await resp.read())
         except (aiohttp.ClientError, TimeoutError):
-            pass  # the node is gone or wedged; its own pin timeout frees what it holds
+            return  # the node is gone or wedged; its own pin timeout frees what it holds
+        check_version(answer.version)
+        log.debug("request %s on %s: %s", request_id, node,
+                  "run cancelled" if answer.aborted else "not running; its pins are dropped")
 
     def abort_later(self, node: str, request_id: str) -> None:
         """Tell the node to stop a request, without waiting (the caller may be unwinding)."""

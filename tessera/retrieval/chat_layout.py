@@ -1,0 +1,65 @@
+"""A chat request's units and its fixed prompt layout, checked against the model's context.
+
+:func:`chat_layout` retrieves the request's units (or identifies the caller's), renders the
+chat template around them on the retrieval worker thread and refuses, with a 400 that says
+what to send instead, a prompt that cannot fit. Work is bounded before it is done: the
+prompt's characters are checked before anything is tokenized (:mod:`tessera.retrieval.limits`).
+
+This module knows nothing about routing, generation nodes or the reply: it ends at the layout.
+"""
+
+from __future__ import annotations
+
+from tessera.errors import BadRequest
+from tessera.messages import PromptLayout
+from tessera.retrieval.chat_request import ChatRequest
+from tessera.retrieval.limits import check_prompt_chars
+from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.serving import Serving
+from tessera.tenants import OPEN, Tenant
+from tessera.units import ContextUnit
+
+
+async def request_units(node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> list[ContextUnit]:
+    """The request's units, all of ``tenant`` (403 for a scope it does not own)."""
+    if chat.retrieval is not None:
+        r = chat.retrieval
+        tenant.check_scope(r.scope, "retrieval.scope")
+        if r.embedding is not None:
+            hits = await node.retrieve(r.scope, embedding=r.embedding, top_k=r.top_k, tenant=tenant.name)
+        else:
+            hits = await node.retrieve(r.scope, query=r.query, top_k=r.top_k, tenant=tenant.name)
+        return [h.unit for h in hits]
+    if chat.units:
+        by_scope: dict[str, list[int]] = {}
+        for i, u in enumerate(chat.units):
+            by_scope.setdefault(u.scope, []).append(i)
+        out: list[ContextUnit | None] = [None] * len(chat.units)
+        for scope, idx in by_scope.items():
+            tenant.check_scope(scope, "context_units.scope")
+            for i, unit in zip(idx, await node.identify(scope, [chat.units[i].text for i in idx], tenant.name),
+                               strict=True):
+                out[i] = unit
+        return [u for u in out if u is not None]
+    return []
+
+
+async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> PromptLayout:
+    """The request's layout: its units placed in the rendered chat template."""
+    builder, limit = serving.builder, serving.max_context
+    assert builder is not None, "Serving.start() runs before the first chat request"
+    texts = [m["content"] for m in chat.messages]
+    # bounded work: a prompt that cannot fit is refused before anything is tokenized
+    check_prompt_chars([*texts, *(u.text for u in chat.units)], limit)
+    units = await request_units(node, chat, tenant)
+    check_prompt_chars([*texts, *(u.text for u in units)], limit)
+    # tokenizing runs on the retrieval worker thread, never on the event loop
+    layout = await node.in_worker(builder.build, chat.messages, units, chat.placement)
+    if node.config.control.mode == "compose":
+        # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
+        layout = serving.policy.inline(layout)
+    if layout.n_tokens + chat.max_tokens > limit:
+        raise BadRequest(
+            f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {chat.max_tokens}, "
+            f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
+    return layout

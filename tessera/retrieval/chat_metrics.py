@@ -1,0 +1,62 @@
+"""The chat API's Prometheus metrics on the retrieval role, one verb per thing counted.
+
+Each verb has one caller: the handler counts a request's status (:meth:`ChatMetrics.request`)
+and the serving state its admissions (:meth:`pending`); the reply layer observes the first
+token (:meth:`first_token`) and, once per finished reply, where its prompt's state came from
+(:meth:`finished`). The control plane's figures are read at scrape time, never copied.
+
+This module knows nothing about HTTP or the request path; it only names and counts.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tessera.control.plane import ControlPlane
+from tessera.control.stats import plane_metrics
+from tessera.messages import RequestStats
+from tessera.metrics import Metrics
+
+
+class ChatMetrics:
+    """The retrieval role's registry: chat requests, their tokens and units, the plane at scrape time."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        m = self.registry = Metrics()
+        self._requests = m.counter("tessera_requests_total", "Chat requests by HTTP status", ["status"])
+        self._ttft = m.histogram("tessera_ttft_seconds", "Time to first token at the server")
+        self._tokens = m.counter("tessera_prompt_tokens_total", "Prompt tokens by where their state came from "
+                                 "(prefix cache, local unit cache, shared KV pool, computed unit, recomputed)",
+                                 ["source"])
+        self._units = m.counter("tessera_units_total", "Context units by preparation outcome", ["preparation"])
+        self._fallbacks = m.counter("tessera_fetch_fallbacks_total", "Remote fetches that failed and were computed")
+        self._coalesced = m.counter("tessera_coalesced_prefills_total",
+                                    "Missing units that joined an in-flight prefill")
+        self._bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
+        self._completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
+        self._pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
+        m.read_at_scrape(lambda: plane_metrics(plane))
+
+    def request(self, status: str) -> None:
+        """One admitted request ended with this status: an HTTP code, ``stream-error`` or ``cancelled``."""
+        self._requests.labels(status=status).inc()
+
+    def pending(self, n: int) -> None:
+        self._pending.set(n)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def finished(self, stats: RequestStats) -> None:
+        """A reply ran to its end (done, or cut by a stop string): its prompt's figures."""
+        for source, n in stats.tokens_by_source():
+            self._tokens.labels(source=source).inc(n)
+        for preparation, n in stats.units_by_preparation():
+            self._units.labels(preparation=preparation).inc(n)
+        self._fallbacks.inc(stats.fallbacks)
+        self._coalesced.inc(stats.coalesced_units)
+        self._bytes.inc(stats.bytes_fetched)
+        self._completion.inc(stats.completion_tokens)
+
+    def response(self) -> web.Response:
+        return self.registry.response()

@@ -1,0 +1,70 @@
+"""Per-process state of the chat API: node clients, composition policy, prompt builder, admission, metrics.
+
+One :class:`Serving` lives on the aiohttp app (``chat.SERVING``). It is built with the app
+and started by an explicit step, :meth:`Serving.start`, once the retrieval node has loaded
+the tokenizer: that builds the prompt builder and reads the model's context limit from the
+checkpoint's config (no weights are loaded here). Until then :attr:`ready` is False and the
+handler answers 503.
+
+Admission is a count of requests in flight against the cluster's capacity (the sum of the
+generation nodes' ``max_inflight``): :meth:`admit` / :meth:`leave`.
+
+This module knows nothing about HTTP, the request path or the reply: the handler, the
+driver and the reply layer read this state; it never calls them.
+"""
+
+from __future__ import annotations
+
+from tessera.composition.policies import policy_from_config
+from tessera.config import ClusterConfig
+from tessera.control.plane import ControlPlane
+from tessera.engines.checkpoint import resolve
+from tessera.engines.geometry import geometry_from_checkpoint
+from tessera.retrieval.chat_metrics import ChatMetrics
+from tessera.retrieval.generation_client import NodeClients
+from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.prompt import PromptBuilder
+from tessera.units import TokenCache
+
+
+class Serving:
+    """The chat API's state in one retrieval process."""
+
+    def __init__(self, config: ClusterConfig, plane: ControlPlane) -> None:
+        self.config = config
+        self.nodes = NodeClients(config)
+        self.policy = policy_from_config(config.composition)
+        self.metrics = ChatMetrics(plane)
+        self.capacity = sum(n.max_inflight for n in config.generation)
+        self.pending = 0
+        self.builder: PromptBuilder | None = None  # set by start()
+        self.max_context = 0  # tokens of the model's context, set by start()
+
+    @property
+    def ready(self) -> bool:
+        return self.builder is not None
+
+    def start(self, node: RetrievalNode) -> None:
+        """Build the prompt builder on ``node``'s tokenizer and read the model's context limit."""
+        assert node.ready and node.tokenizer is not None, "start the retrieval node before serving chat"
+        geometry = geometry_from_checkpoint(resolve(self.config.model), self.config.kv_dtype,
+                                            self.config.model.max_context)
+        self.max_context = geometry.max_context
+        self.builder = PromptBuilder(node.tokenizer, TokenCache(node.tokenizer.encode_plain))
+
+    async def close(self) -> None:
+        await self.nodes.close()
+
+    def admit(self) -> bool:
+        """Count one more request in flight; False (nothing counted) when the cluster is at capacity."""
+        if self.pending >= self.capacity:
+            return False
+        self.pending += 1
+        self.metrics.pending(self.pending)
+        return True
+
+    def leave(self) -> None:
+        """An admitted request is over."""
+        assert self.pending > 0, f"leave() without admit(): pending = {self.pending}"
+        self.pending -= 1
+        self.metrics.pending(self.pending)
