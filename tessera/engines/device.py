@@ -132,7 +132,3 @@ async def host_copy(state: UnitState) -> UnitState:
         await asyncio.to_thread(done.synchronize)
     return host
 
-
-def staging_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host buffer, pinned when the states it receives go to a CUDA device."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)

@@ -69,10 +69,6 @@ SHAPES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-def is_random(source: str) -> bool:
-    return source.startswith(PREFIX)
-
-
 def parse(source: str) -> tuple[str, int]:
     """``random:<shape>[@seed]`` -> (shape, seed); ModelLoadError naming the known shapes."""
     spec = source[len(PREFIX):]
