@@ -23,7 +23,8 @@ import functools
 
 import torch
 
-from tessera.engines.base import ModelGeometry, UnitState
+from tessera.engines.base import UnitState
+from tessera.engines.geometry import ModelGeometry
 from tessera.errors import PlacementError
 
 
