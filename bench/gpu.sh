@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tessera.engines.checkpoint import resolve_bundled
-from tessera.engines.tiny import TOKENIZER_FILES
+from tessera.engines.checkpoint import TOKENIZER_FILES, resolve_bundled
 from tessera.retrieval.embedder import bundled_model_dir
 
 smol = resolve_bundled()

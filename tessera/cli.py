@@ -36,12 +36,13 @@ ConfigOpt = Annotated[
 ]
 
 
-def _load(config: Path | None) -> ClusterConfig:
+def _load(config: Path | None, role: Role | None = None) -> ClusterConfig:
+    """The config, its policy names checked (those ``role`` uses; every one without a role)."""
     from tessera.roles import check_registered
 
     try:
         cfg = load_config(config)
-        check_registered(cfg)
+        check_registered(cfg, role)
         return cfg
     except ConfigError as exc:
         typer.echo(f"tessera: config error: {exc}", err=True)
@@ -76,7 +77,7 @@ def run(
     from tessera.roles import main_for
     from tessera.runtime import configure_logging
 
-    cfg = _load(config)
+    cfg = _load(config, role)
     configure_logging(log_level)
     raise typer.Exit(main_for(role.value, cfg, node))
 

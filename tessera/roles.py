@@ -13,22 +13,27 @@ from tessera.config import LOOPBACK_HOSTS, ClusterConfig, Role
 from tessera.errors import ConfigError, TesseraError
 
 
-def check_registered(config: ClusterConfig) -> None:
+def check_registered(config: ClusterConfig, role: str | None = None) -> None:
     """Every policy key names a registered implementation; else a ConfigError listing the names.
 
-    Runs at start-up of every role and of ``tessera up``, so a typo fails before any process
-    starts, while a policy that a user registers (``@REGISTRY.register("name")``) is accepted.
+    Runs at start-up of every role and of ``tessera up`` (``role`` None), so a typo fails before
+    any process starts, while a policy that a user registers (``@REGISTRY.register("name")``) is
+    accepted. A memory node skips ``model.engine``: it never builds an engine, and the engine
+    contract (where that registry lives) imports torch, which a memory node never loads.
     """
     from tessera.composition.policies import POLICIES
     from tessera.control.admission import ADMISSIONS
     from tessera.control.router import ROUTERS
-    from tessera.engines.base import ENGINES
     from tessera.transport.base import TRANSPORTS
 
-    for registry, name in ((POLICIES, config.composition.policy), (ADMISSIONS, config.control.admission),
-                           (ROUTERS, config.control.routing), (TRANSPORTS, config.transport.name),
-                           (ENGINES, config.model.engine)):
-        registry.check(name)
+    POLICIES.check(config.composition.policy)
+    ADMISSIONS.check(config.control.admission)
+    ROUTERS.check(config.control.routing)
+    TRANSPORTS.check(config.transport.name)
+    if role != Role.kvpool:
+        from tessera.engines.base import ENGINES
+
+        ENGINES.check(config.model.engine)
 
 
 def check_secret(role: str, config: ClusterConfig, node: str | None) -> None:
@@ -64,7 +69,7 @@ def run_role(role: str, config: ClusterConfig, node: str | None) -> int:
 
 def main_for(role: str, config: ClusterConfig, node: str | None) -> int:
     try:
-        check_registered(config)
+        check_registered(config, role)
         check_secret(role, config, node)
         return run_role(role, config, node)
     except TesseraError as exc:

@@ -18,6 +18,7 @@ from tessera.errors import BadRequest, ChecksumMismatch, ConfigError
 from tessera.launcher import with_secret
 from tessera.tenants import KeyRing
 from tessera.transport.blocks import HEADER_BYTES, BlockHeader
+from tessera.transport.unit_blocks import decode_unit, encode_unit
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -114,11 +115,11 @@ def test_a_block_with_a_valid_crc_but_no_valid_mac_is_a_failed_fetch() -> None:
     """Regression (issue 14): CRC-32 is no MAC; a forger could rewrite a block and its checksums."""
     signed = dataclasses.replace(tiny_layout(), mac_key=block_mac_key(SECRET))
     state = random_state(6, seed=1)
-    blocks = signed.encode(state, "u", epoch=3)
-    assert signed.decode(blocks, "u", 3, 6).keys.equal(state.keys)
-    forged = tiny_layout().encode(random_state(6, seed=2), "u", epoch=3)  # right header, CRCs; no secret
+    blocks = encode_unit(signed, state, "u", epoch=3)
+    assert decode_unit(signed, blocks, "u", 3, 6).keys.equal(state.keys)
+    forged = encode_unit(tiny_layout(), random_state(6, seed=2), "u", epoch=3)  # right header, CRCs; no secret
     with pytest.raises(ChecksumMismatch, match="MAC mismatch"):
-        signed.decode(forged, "u", 3, 6)
+        decode_unit(signed, forged, "u", 3, 6)
     h = BlockHeader.unpack(blocks[0])
     assert h.mac != bytes(8) and len(blocks[0]) > HEADER_BYTES
 

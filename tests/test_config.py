@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig
+from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, Role
 from tessera.config_file import DEFAULT_CONFIG, dump_toml, load_config, parse_config
 from tessera.errors import ConfigError
 
@@ -112,6 +112,17 @@ def test_unregistered_policy_names_are_refused_naming_the_registered_ones(sectio
     with pytest.raises(ConfigError) as info:
         check_registered(config)
     assert f"{registry_key} = 'nope' is not registered; known:" in str(info.value)
+
+
+def test_only_a_memory_node_leaves_the_engine_name_unchecked() -> None:
+    """A memory node builds no engine (and must not import torch to check the name); every other role checks it."""
+    from tessera.roles import check_registered
+
+    config = parse_config({"model": {"engine": "nope"}, "generation": [{"name": "g"}]})
+    check_registered(config, Role.kvpool)
+    for role in (Role.generation, Role.retrieval, None):
+        with pytest.raises(ConfigError, match=r"model\.engine = 'nope'"):
+            check_registered(config, role)
 
 
 def test_a_routing_policy_registered_by_the_user_is_accepted() -> None:

@@ -139,14 +139,15 @@ def test_pageable_host_state_is_a_placement_error_not_a_kernel_error(tiny_model:
 
 
 def test_fetched_blocks_land_in_pinned_buffers() -> None:
-    """BlockLayout.decode(pin_memory=True) assembles a unit in pinned host memory."""
-    from tessera.engines.base import ModelGeometry
+    """decode_unit(pin_memory=True) assembles a unit in pinned host memory."""
+    from tessera.engines.geometry import ModelGeometry
     from tessera.transport.blocks import BlockLayout
+    from tessera.transport.unit_blocks import decode_unit, encode_unit
 
     layout = BlockLayout(ModelGeometry(2, 2, 16, 100, 512, "float16"), 16)
     keys = torch.randn(2, 40, 2, 16).half()
     state = UnitState(keys, keys + 1)
-    back = layout.decode(layout.encode(state, "u", 3), "u", 3, 40, pin_memory=True)
+    back = decode_unit(layout, encode_unit(layout, state, "u", 3), "u", 3, 40, pin_memory=True)
     assert back.keys.is_pinned() and torch.equal(back.keys, state.keys) and torch.equal(back.values, state.values)
 
 

@@ -29,9 +29,9 @@ from helpers.processes import MemoryNodeProcess, RoleProcess
 
 from tessera.auth import ClusterAuth, read_secret
 from tessera.config import ClusterConfig, ControlConfig
-from tessera.engines.base import ModelGeometry, UnitState
+from tessera.engines.base import UnitState
 from tessera.engines.checkpoint import resolve
-from tessera.engines.geometry import geometry_from_checkpoint
+from tessera.engines.geometry import ModelGeometry, geometry_from_checkpoint
 from tessera.errors import ChecksumMismatch, PublishRejected, TransferError
 from tessera.generation.pool_client import KVPoolClient
 from tessera.messages import (

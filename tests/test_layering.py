@@ -32,19 +32,60 @@ def _layer(part: str) -> int:
     return LAYERS.get(part, 0)
 
 
-def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
-    out: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tessera"):
-            out.append(node.module)
-        elif isinstance(node, ast.Import):
-            out += [a.name for a in node.names if a.name.startswith("tessera")]
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    """``tessera/engines/base.py`` -> ``tessera.engines.base``; a package is its ``__init__``."""
+    return ".".join(("tessera", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+MODULES = {_name(p) for p in _modules()}
+
+
+def _imports_in(source: str, name: str, is_package: bool = False) -> set[str]:
+    """Every ``tessera`` module the source of module ``name`` imports, wherever the import stands:
+    module level, inside a function, under ``if TYPE_CHECKING:``. ``from tessera.pkg import mod``
+    names ``tessera.pkg.mod`` and relative imports are resolved, so no spelling of an import
+    escapes the tests below."""
+    package = name if is_package else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from .x import y: relative to this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t == "tessera" or t.startswith("tessera."))
     return out
 
 
-def _modules() -> list[Path]:
-    return sorted(PACKAGE.rglob("*.py"))
+def _imports(path: Path) -> set[str]:
+    return _imports_in(path.read_text(), _name(path), path.name == "__init__.py")
+
+
+def test_the_import_reader_sees_every_spelling_of_an_import() -> None:
+    """Regression: the cycle test read module-level ``from`` imports only, so the loops closed by
+    an import inside a function or under ``if TYPE_CHECKING:`` went unseen."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import tessera.units\n"
+        "from tessera.retrieval import api\n"
+        "from . import plane\n"
+        "if TYPE_CHECKING:\n"
+        "    from tessera.engines.paged import PagedEngine\n"
+        "def later():\n"
+        "    from .stats import StatsWindow\n"
+    )
+    assert _imports_in(source, "tessera.control.planner") == {
+        "tessera.units", "tessera.retrieval.api", "tessera.control.plane", "tessera.engines.paged",
+        "tessera.control.stats"}
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -69,29 +110,20 @@ def test_the_control_plane_never_imports_a_role() -> None:
         assert not roles, f"{path.name} imports {roles}"
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
 def test_no_import_cycles_between_modules() -> None:
-    """Module-level imports form no cycle (a cycle means two modules own one concept)."""
-    graph: dict[str, set[str]] = {}
-    for path in _modules():
-        name = "tessera." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
-        name = name.removesuffix(".__init__")
-        tree = ast.parse(path.read_text())
-        deps = set()
-        for node in tree.body:  # module level only: lazy imports inside functions break cycles
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tessera"):
-                deps.add(node.module)
-        graph[name] = deps
-    seen: dict[str, int] = {}  # 1 visiting, 2 done
-
-    def visit(n: str, trail: list[str]) -> None:
-        state = seen.get(n)
-        if state == 2 or n not in graph:
-            return
-        assert state != 1, f"import cycle: {' -> '.join([*trail, n])}"
-        seen[n] = 1
-        for d in graph[n]:
-            visit(d, [*trail, n])
-        seen[n] = 2
-
-    for n in graph:
-        visit(n, [])
+    """No import loop at all, counting lazy and ``TYPE_CHECKING`` imports (a loop means two
+    modules own one concept; hiding one edge in a function only hides that)."""
+    graph = {_name(p): (_imports(p) & MODULES) - {_name(p)} for p in _modules()}
+    reach = {m: _reachable(graph, m) for m in graph}
+    loops = {frozenset(n for n in reach[m] if m in reach[n]) for m in graph if m in reach[m]}
+    assert not loops, "import cycles: " + "; ".join(sorted(" <-> ".join(sorted(c)) for c in loops))

@@ -32,6 +32,7 @@ from tessera.messages import BlockRef, ReadLease
 from tessera.transport.arena import Arena
 from tessera.transport.base import SlotIO
 from tessera.transport.blocks import BlockLayout
+from tessera.transport.unit_blocks import encode_unit
 
 UNIT = "unit-x"
 
@@ -67,7 +68,7 @@ def lease_for(issuer: CapabilityIssuer, blocks: tuple[BlockRef, ...], epoch: int
 async def put(issuer: CapabilityIssuer, pool: KVPoolClient, blocks: tuple[BlockRef, ...], state: UnitState,
               epoch: int = 5) -> None:
     """Write a unit's blocks the way a writer would, under capabilities the test signs as the plane."""
-    views = pool.layout.encode(state, UNIT, epoch)
+    views = encode_unit(pool.layout, state, UNIT, epoch)
     caps = capabilities(blocks, epoch, issuer.issue("write", blocks, epoch, 30.0))
     for ref, view in zip(blocks, views, strict=True):
         await pool.transport.write(await pool.endpoints.get(ref.node), [SlotIO(ref.index, view, caps.get(ref.node))])

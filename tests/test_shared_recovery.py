@@ -19,6 +19,7 @@ from tessera.messages import (
     ResidencyReport,
 )
 from tessera.transport.arena import Arena, segment_name
+from tessera.transport.unit_blocks import encode_unit
 from tessera.units import unit_key_hex
 from tessera.wire import WIRE_VERSION
 
@@ -30,7 +31,7 @@ def test_an_arena_scan_lists_only_blocks_whose_header_and_payload_verify() -> No
     arena = Arena.create(segment_name("scan", boot), layout.slot_bytes, 8, boot)
     try:
         n = 2 * BLOCK_TOKENS + 1  # three blocks, the last one partial
-        for i, block in enumerate(layout.encode(random_state(n), "unit-a", epoch=9)):
+        for i, block in enumerate(encode_unit(layout, random_state(n), "unit-a", epoch=9)):
             arena.slot(2 + i, len(block))[:] = block
         listed = scan(arena, layout)
         key = unit_key_hex("unit-a")

@@ -37,7 +37,6 @@ class GenerationNode:
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
     alive: bool = False  # routable: heard from, and not silent or unreachable since
     last_seen: float | None = None  # None: never heard from
-    reported_inflight: int = 0  # the node's own figures from its last LoadReport (metrics)
     queued_tokens: int = 0
     # queueing as the plane itself sees it: requests routed here that have no first token yet
     # (request id -> when routed), and how long each one held the head of that queue

@@ -229,7 +229,6 @@ class ControlPlane:
         node = self.generation_node(msg.node)
         first = node.last_seen is None
         self.liveness.heard(node, self.clock())
-        node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
         # first report to this plane (a new incarnation): ask for the whole local cache
         return Ack(WIRE_VERSION, True, "resync" if first else "")

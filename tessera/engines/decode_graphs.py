@@ -12,23 +12,22 @@ from page 0 of the pool, which the graphs reserve at start-up and no request eve
 RoPE table is grown to the whole context first, so no captured pointer moves afterwards.
 
 ``run`` returns False (the caller runs the eager step) for work it does not cover: anything
-but single-token extends, or more than ``MAX_BATCH`` of them. This module knows nothing
-about plans or units.
+but single-token extends, or more than ``MAX_BATCH`` of them. The graphs are built from the
+paged engine's model and pool and attend through :func:`decode_attention`, as its eager step
+does; this module knows nothing about the engine itself, plans or units.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from tessera.engines.attention import decode_attention
 from tessera.engines.base import Extend, UnitPrefill
-from tessera.engines.kv_pages import PagedSlots
-
-if TYPE_CHECKING:
-    from tessera.engines.paged import PagedEngine
+from tessera.engines.kv_pages import PagedKVPool, PagedSlots
+from tessera.engines.model import Model
 
 MAX_BATCH = 64
 MIN_KEYS = 256
@@ -42,8 +41,8 @@ def _bucket(n: int, least: int) -> int:
 
 
 class _Graph:
-    def __init__(self, engine: PagedEngine, batch: int, keys: int) -> None:
-        dev = engine.model.device
+    def __init__(self, model: Model, pool: PagedKVPool, batch: int, keys: int) -> None:
+        dev = model.device
         self.batch, self.keys = batch, keys
         self.ids = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
@@ -51,7 +50,7 @@ class _Graph:
         self.gather = torch.zeros((batch, keys), dtype=torch.int64, device=dev)
         self.mask = torch.zeros((batch, 1, 1, keys), dtype=torch.bool, device=dev)
         self.mask[..., 0] = True  # a padding row sees one (scratch) key: no all-masked softmax
-        self.engine = engine
+        self.model, self.pool = model, pool
         # warm up on a side stream (lazy inits, autotuning), then capture
         side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -65,17 +64,16 @@ class _Graph:
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        e = self.engine
-        m = e.model
+        m = self.model
         h = m.spec.n_heads
         cos, sin = m.rope.lookup(self.positions)
         x = F.embedding(self.ids, m.w.embed)
         for layer, lw in enumerate(m.w.layers):
             _, qk, v = m.attention_inputs(lw, x, cos, sin)
-            keys, values = e.pool.keys[layer], e.pool.values[layer]
+            keys, values = self.pool.keys[layer], self.pool.values[layer]
             keys.index_copy_(0, self.write_slots, qk[:, h:])
             values.index_copy_(0, self.write_slots, v)
-            attn = e.decode_attention(qk[:, :h], keys, values, self.gather, self.mask)
+            attn = decode_attention(qk[:, :h], keys, values, self.gather, self.mask)
             x = m.attention_output(lw, x, attn)
         return m.logits(x)
 
@@ -102,10 +100,10 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, engine: PagedEngine) -> None:
-        self.engine = engine
-        engine.model.rope.ensure(engine.model.max_positions)  # the table never moves after capture
-        scratch = engine.pool.allocate(engine.pool.page_tokens)
+    def __init__(self, model: Model, pool: PagedKVPool) -> None:
+        self.model, self.pool = model, pool
+        model.rope.ensure(model.max_positions)  # the table never moves after capture
+        scratch = pool.allocate(pool.page_tokens)
         assert scratch.pages == [0], f"the scratch page must be page 0, got {scratch.pages}"
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0
@@ -117,10 +115,10 @@ class DecodeGraphs:
             return False
         work = decodes
         longest = max(int(w.positions[0]) for w in work) + 1
-        key = (_bucket(len(work), 1), min(_bucket(longest, MIN_KEYS), _bucket(self.engine.geometry.max_context, 1)))
+        key = (_bucket(len(work), 1), min(_bucket(longest, MIN_KEYS), _bucket(self.model.max_positions, 1)))
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _Graph(self.engine, *key)
+            graph = self._graphs[key] = _Graph(self.model, self.pool, *key)
         graph.replay(work)
         self.replays += 1
         return True

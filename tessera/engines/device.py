@@ -23,7 +23,8 @@ import functools
 
 import torch
 
-from tessera.engines.base import ModelGeometry, UnitState
+from tessera.engines.base import UnitState
+from tessera.engines.geometry import ModelGeometry
 from tessera.errors import PlacementError
 
 
@@ -132,7 +133,3 @@ async def host_copy(state: UnitState) -> UnitState:
         await asyncio.to_thread(done.synchronize)
     return host
 
-
-def staging_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host buffer, pinned when the states it receives go to a CUDA device."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)

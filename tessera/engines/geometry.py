@@ -1,10 +1,11 @@
-"""Model geometry from a checkpoint's ``config.json``, without loading any weights.
+"""Model geometry (:class:`ModelGeometry`) and how to read it from a checkpoint's ``config.json``.
 
 :class:`ConfigShape` is the one parser of the shape fields of ``config.json``. Memory nodes
 size their block arena from the geometry, and a memory node must never pay
 for (or hold) the model weights, so everything here reads the transformers config file
-only. Generation nodes get the same numbers from their loaded engine; both must agree or
-the block layout differs, which is why there is exactly one place that derives them.
+only, and this module imports no torch: a memory node never loads it. Generation nodes get
+the same numbers from their loaded engine; both must agree or the block layout differs,
+which is why there is exactly one place that derives them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.engines.base import DTYPES, ModelGeometry
 from tessera.engines.checkpoint import Checkpoint, load_config_dict
 from tessera.errors import ModelLoadError
+
+# bytes per element of each storage dtype (tessera.engines.base.DTYPES has their torch dtypes)
+KV_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    kv_dtype: str  # storage dtype of the reusable form, a key of KV_ITEMSIZE
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of reusable state per token: K and V for every layer."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * KV_ITEMSIZE[self.kv_dtype]
+
+    def block_payload_bytes(self, block_tokens: int) -> int:
+        return self.token_bytes * block_tokens
 
 
 def _int_field(raw: Mapping[str, Any], key: str, where: str) -> int:
@@ -79,8 +100,8 @@ def geometry_from_config_dict(
 ) -> ModelGeometry:
     """Geometry from a transformers config mapping; ``max_context`` of 0 means the model's own
     ``max_position_embeddings``."""
-    if kv_dtype not in DTYPES:
-        raise ModelLoadError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(DTYPES)}")
+    if kv_dtype not in KV_ITEMSIZE:
+        raise ModelLoadError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_ITEMSIZE)}")
     shape = ConfigShape.parse(raw, where)
     context = max_context or shape.max_positions
     if context <= 0:

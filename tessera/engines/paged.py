@@ -37,17 +37,19 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import ClusterConfig
+from tessera.engines.attention import decode_attention, sdpa
 from tessera.engines.base import (
     DTYPES,
     ENGINES,
     EngineAdapter,
     Extend,
     KVSlots,
-    ModelGeometry,
     UnitPrefill,
     UnitState,
 )
+from tessera.engines.decode_graphs import DecodeGraphs
 from tessera.engines.device import check_state, to_device
+from tessera.engines.geometry import ModelGeometry
 from tessera.engines.kv_pages import PagedKVPool, PagedSlots
 from tessera.engines.model import Model
 from tessera.engines.prefix_cache import PrefixCache
@@ -123,16 +125,12 @@ class PagedEngine(EngineAdapter):
                                       tokens=pool_tokens or self._default_pool_tokens(),
                                       page_tokens=page_tokens, dtype=model.dtype, device=model.device)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
-        self._scale = s.head_dim ** -0.5
-        self._gqa = s.n_heads != s.n_kv_heads
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             if model.device.type != "cuda":
                 raise ConfigError("model.cuda_graphs = true needs model.device = \"cuda\"; "
                                   "CUDA graphs do not exist on CPU")
-            from tessera.engines.decode_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(model, self.pool)
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig,
@@ -278,31 +276,14 @@ class PagedEngine(EngineAdapter):
             values.index_copy_(0, b.write_slots, v.index_select(0, b.write_rows))
         attn = torch.empty_like(q)  # [N, H, D]
         for f in b.fresh:
-            attn[f.start:f.end] = self._sdpa(q[f.start:f.end], k[f.start:f.end], v[f.start:f.end], None, True)
+            attn[f.start:f.end] = sdpa(q[f.start:f.end], k[f.start:f.end], v[f.start:f.end], None, True)
         for e in b.slotted:
-            attn[e.start:e.end] = self._sdpa(q[e.start:e.end], keys.index_select(0, e.keys),
-                                             values.index_select(0, e.keys), e.mask, e.causal)
+            attn[e.start:e.end] = sdpa(q[e.start:e.end], keys.index_select(0, e.keys),
+                                       values.index_select(0, e.keys), e.mask, e.causal)
         if b.decodes is not None:
-            attn[b.decodes.rows] = self.decode_attention(q.index_select(0, b.decodes.rows), keys, values,
-                                                         b.decodes.gather, b.decodes.mask)
+            attn[b.decodes.rows] = decode_attention(q.index_select(0, b.decodes.rows), keys, values,
+                                                    b.decodes.gather, b.decodes.mask)
         return attn
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool) -> torch.Tensor:
-        """One sequence: q ``[n, H, D]``, k/v ``[K, H_kv, D]`` -> ``[n, H, D]``."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal and q.shape[0] > 1, scale=self._scale, enable_gqa=self._gqa)
-        return out[0].transpose(0, 1)
-
-    def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gather: torch.Tensor,
-                         mask: torch.Tensor) -> torch.Tensor:
-        """Single-token queries ``[B, H, D]`` over their gathered slots ``[B, K]`` -> ``[B, H, D]``."""
-        kd = keys[gather].transpose(1, 2)  # [B, H_kv, K, D]
-        vd = values[gather].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, scale=self._scale,
-                                             enable_gqa=self._gqa)
-        return out[:, :, 0]
 
     # --- exact prefix cache ---------------------------------------------------------------
 

@@ -22,12 +22,12 @@ from tessera.engines.base import (
     EngineAdapter,
     Extend,
     KVSlots,
-    ModelGeometry,
     UnitPrefill,
     UnitState,
 )
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
 from tessera.engines.device import check_state, to_device
+from tessera.engines.geometry import ModelGeometry
 from tessera.engines.model import Item, Model
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint

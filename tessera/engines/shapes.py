@@ -7,21 +7,17 @@ The tokenizer is the bundled SmolLM2's and the vocabulary is sized to it (49 152
 of 128 256 / 151 936): prefill cost is unchanged (the LM head runs on one row per request),
 and every sampled id decodes. Outputs are noise: fidelity is measured with real weights.
 
-``resolve_random`` materialises a small checkpoint directory (config.json with a
-``tessera_random_weights`` entry + tokenizer files, no safetensors) under the user cache, so
-every role reads geometry and tokenizer the usual way; its serving fingerprint differs from
-any real checkpoint's. This module knows nothing about forward passes.
+:func:`tessera.engines.checkpoint.resolve` materialises a small checkpoint directory
+(config.json with a ``tessera_random_weights`` entry + tokenizer files, no safetensors) under
+the user cache, so every role reads geometry and tokenizer the usual way; its serving
+fingerprint differs from any real checkpoint's. The tiny architecture of the tests
+(:func:`tiny_config`, whose weights :mod:`tessera.engines.tiny` makes) is one of the shapes.
+This module knows nothing about files, tensors or forward passes: it only writes dicts.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from tessera.errors import ModelLoadError
@@ -53,9 +49,49 @@ def _qwen3_8b() -> dict[str, Any]:
     }
 
 
-def _tiny() -> dict[str, Any]:
-    from tessera.engines.tiny import tiny_config
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
 
+
+def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, n_layers: int = 2, n_heads: int = 4,
+                n_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 2048,
+                rope_theta: float = 10000.0, rope_scaling: dict[str, Any] | None = None,
+                bos_token_id: int = 1, eos_token_id: int = 2) -> dict[str, Any]:
+    """config.json of a tiny ``arch`` model (the ``tiny`` shape; the tests' checkpoints with weights)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
+    architecture, model_type = ARCHS[arch]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": hidden_size // n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if arch in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+    return config
+
+
+def _tiny() -> dict[str, Any]:
     config = tiny_config("llama", 0)
     del config["vocab_size"], config["bos_token_id"], config["eos_token_id"]
     return config
@@ -67,10 +103,6 @@ SHAPES: dict[str, Callable[[], dict[str, Any]]] = {
     "qwen3-8b": _qwen3_8b,
     "tiny": _tiny,  # 2 layers, hidden 64: for tests of this path
 }
-
-
-def is_random(source: str) -> bool:
-    return source.startswith(PREFIX)
 
 
 def parse(source: str) -> tuple[str, int]:
@@ -94,34 +126,6 @@ def random_config(shape: str, seed: int, tokenizer_config: dict[str, Any]) -> di
                   torch_dtype="bfloat16")
     config[SEED_KEY] = {"shape": shape, "seed": seed}
     return config
-
-
-def write_random_checkpoint(source: str, bundled: Path, root: Path) -> Path:
-    """The checkpoint directory of ``source`` under ``root`` (written once, atomically)."""
-    from tessera.engines.tiny import TOKENIZER_FILES
-
-    shape, seed = parse(source)
-    config = random_config(shape, seed, json.loads((bundled / "config.json").read_text()))
-    text = json.dumps(config, indent=2, sort_keys=True)
-    target = root / f"random-{shape}-{seed}-{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
-        for name in TOKENIZER_FILES:
-            if (bundled / name).is_file():
-                shutil.copyfile(bundled / name, tmp / name)
-        (tmp / "config.json").write_text(text)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process wrote the same directory first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def random_seed(config: dict[str, Any]) -> int | None:

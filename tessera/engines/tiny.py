@@ -1,8 +1,9 @@
 """Tiny random checkpoints (2 layers, hidden 64) with the real SmolLM2 vocabulary.
 
-``write_tiny_checkpoint(dir)`` writes config.json + model.safetensors in the transformers
-layout and copies the bundled SmolLM2 tokenizer files, so ``model.source = dir`` loads through
-the normal path in milliseconds. Tests compare our forward against transformers' on these,
+``write_tiny_checkpoint(dir)`` writes config.json (the ``tiny`` shape's
+:func:`~tessera.engines.shapes.tiny_config`) + model.safetensors in the transformers layout and
+copies the bundled SmolLM2 tokenizer files, so ``model.source = dir`` loads through the normal
+path in milliseconds. Tests compare our forward against transformers' on these,
 and end-to-end tests run real role processes on them.
 
 Weights are N(0, 1/fan_in) (embeddings N(0, 1/hidden)), so attention is far from uniform and
@@ -18,48 +19,8 @@ from typing import Any
 
 import torch
 
-from tessera.engines.checkpoint import resolve_bundled
-
-ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
-
-def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, n_layers: int = 2, n_heads: int = 4,
-                n_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 2048,
-                rope_theta: float = 10000.0, rope_scaling: dict[str, Any] | None = None,
-                bos_token_id: int = 1, eos_token_id: int = 2) -> dict[str, Any]:
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
-    architecture, model_type = ARCHS[arch]
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": hidden_size // n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": rope_theta,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": "float32",
-    }
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
-    if arch in ("qwen2", "qwen3"):
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
-    return config
+from tessera.engines.checkpoint import TOKENIZER_FILES, resolve_bundled
+from tessera.engines.shapes import tiny_config
 
 
 def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 
 from tessera.engines.geometry import ConfigShape
 from tessera.engines.rope import RopeSpec
+from tessera.engines.shapes import random_seed
 from tessera.errors import ModelLoadError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -186,8 +187,6 @@ def load_weights(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.
 
 def checkpoint_weights(path: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Weights:
     """The checkpoint's weights: read from safetensors, or made at random for a random shape."""
-    from tessera.engines.shapes import random_seed
-
     seed = random_seed(json.loads((path / "config.json").read_text()))
     return load_weights(path, spec, dtype, device) if seed is None else random_weights(spec, dtype, device, seed)
 

@@ -35,6 +35,7 @@ from tessera.messages import BlockRef, CancelRequest, NodeToken, PublishRequest,
 from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
 from tessera.transport.blocks import BlockLayout
 from tessera.transport.frames import Capability
+from tessera.transport.unit_blocks import decode_unit, encode_unit
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,8 @@ class KVPoolClient:
             await self._move(lease.blocks, views, write=False, epoch=lease.epoch, tokens=lease.tokens)
             try:
                 return await self._maybe_offload(
-                    len(whole), lambda: self.layout.decode(views, lease.unit_id, lease.epoch, n_tokens,
-                                                    pin_memory=self.pin_memory))
+                    len(whole), lambda: decode_unit(self.layout, views, lease.unit_id, lease.epoch, n_tokens,
+                                               pin_memory=self.pin_memory))
             except ChecksumMismatch as exc:
                 for node in {ref.node for ref in lease.blocks}:  # a restarted node shows up as this
                     self.endpoints.forget(node)
@@ -148,7 +149,7 @@ class KVPoolClient:
             raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} "
                                 "restarted after the grant")
         views = await self._maybe_offload(
-            state.nbytes(), lambda: self.layout.encode(state, grant.unit_id, grant.epoch))
+            state.nbytes(), lambda: encode_unit(self.layout, state, grant.unit_id, grant.epoch))
         try:
             await self._move(grant.blocks, views, write=True, epoch=grant.epoch, tokens=grant.tokens)
         except TransferError:

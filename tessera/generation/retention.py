@@ -57,12 +57,9 @@ class Retainer:
         self.outstanding = outstanding
         self.staged = 0  # bytes of states held by writebacks in flight
         self.writing = 0  # writebacks in flight
-        self.skipped = 0  # grants given back because the budget was spent
         self.tasks = BackgroundTasks("retention")
         self.published = 0
         self.write_failures = 0
-        self.local_inserts = 0
-        self.bytes_written = 0
 
     def retain(self, unit_id: str, state: UnitState, local: bool, grant: WriteGrant | None,
                evict: Sequence[str], received_at: float) -> None:
@@ -79,7 +76,6 @@ class Retainer:
         if grant is not None:
             nbytes = state.nbytes()
             if self.writer is None or not self._reserve(nbytes):
-                self.skipped += self.writer is not None
                 self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
             else:
                 self.tasks.spawn(self._write_shared(grant, state, received_at, nbytes),
@@ -111,8 +107,6 @@ class Retainer:
     def _insert_local(self, unit_id: str, state: UnitState, evict: Sequence[str]) -> None:
         # a plain dict update on the event loop: cheap, and it keeps the cache single-threaded
         inserted, _ = self.cache.insert(unit_id, state, evict)
-        if inserted:
-            self.local_inserts += 1
         # every victim the plan named is answered: gone, or kept (the cache evicts only as many
         # as it needs, and the control plane dropped them all when it planned); a declined
         # insert is reported as "not held", so the plane's view stays true, unless it was
@@ -140,7 +134,6 @@ class Retainer:
             self.writing -= 1
             self.staged -= nbytes
         self.published += 1
-        self.bytes_written += nbytes
 
     async def drain(self, timeout: float) -> None:
         await self.tasks.drain(timeout)

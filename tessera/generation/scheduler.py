@@ -74,8 +74,6 @@ class Scheduler:
         self._decodes: deque[_Job] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.steps = 0
-        self.batched_items = 0
 
     # --- submission ----------------------------------------------------------------------
 
@@ -180,8 +178,6 @@ class Scheduler:
                     if not j.future.done():
                         j.future.set_exception(exc)
                 continue
-            self.steps += 1
-            self.batched_items += len(batch)
             for j in batch:
                 if j.future.done():
                     continue

@@ -13,7 +13,9 @@ field against what its lease
 says and treats any difference as a failed fetch (:class:`ChecksumMismatch`): a torn write,
 a stale writer, a restarted memory node and a flipped bit all look the same to it.
 
-This module knows nothing about where slots live or how bytes move (see the transports).
+This module knows nothing about where slots live or how bytes move (see the transports), nor
+about tensors: it imports no torch, so a memory node (which only scans and serves slots) never
+loads it. Turning a unit state into blocks and back is :mod:`tessera.transport.unit_blocks`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,9 @@ import hashlib
 import hmac
 import struct
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from tessera.engines.base import DTYPES, ModelGeometry, UnitState
+from tessera.engines.geometry import ModelGeometry
 from tessera.errors import ChecksumMismatch
 from tessera.units import blocks_for, unit_key
 
@@ -123,40 +122,16 @@ class BlockLayout:
         start, end = self.token_range(block_index, n_tokens)
         return HEADER_BYTES + (end - start) * self.geometry.token_bytes
 
-    def _half(self, payload: memoryview, tokens: int, which: int) -> torch.Tensor:
-        g = self.geometry
-        dtype = DTYPES[g.kv_dtype]
-        half = tokens * g.token_bytes // 2
-        raw = torch.frombuffer(payload, dtype=torch.uint8, count=half, offset=which * half)
-        # [L, t, H_kv, D]
-        return raw.view(dtype).view(g.n_layers, tokens, g.n_kv_heads, g.head_dim)
-
-    def encode_block(self, state: UnitState, unit_id: str, epoch: int, block_index: int, out: memoryview) -> None:
-        """Write block ``block_index`` of ``state`` (header + payload) into ``out``."""
-        n = state.n_tokens
-        start, end = self.token_range(block_index, n)
-        used = self.used_bytes(block_index, n)
-        assert len(out) >= used, (len(out), used)
-        payload = out[HEADER_BYTES:used]
-        self._half(payload, end - start, 0).copy_(state.keys[:, start:end])
-        self._half(payload, end - start, 1).copy_(state.values[:, start:end])
-        header = BlockHeader(epoch, unit_key(unit_id), block_index, end - start, n, len(payload), zlib.crc32(payload))
+    def seal(self, out: memoryview, unit_id: str, epoch: int, block_index: int, n_tokens: int) -> None:
+        """Write the header of block ``block_index`` of a unit of ``n_tokens`` tokens, whose payload
+        ``out`` already holds after the header: what it is, its CRC-32s and (with a secret) its MAC."""
+        start, end = self.token_range(block_index, n_tokens)
+        payload = out[HEADER_BYTES : self.used_bytes(block_index, n_tokens)]
+        header = BlockHeader(epoch, unit_key(unit_id), block_index, end - start, n_tokens, len(payload),
+                             zlib.crc32(payload))
         if self.mac_key is not None:
             header = dataclasses.replace(header, mac=block_mac(self.mac_key, header, payload))
         header.pack_into(out[:HEADER_BYTES])
-
-    def encode(self, state: UnitState, unit_id: str, epoch: int) -> list[memoryview]:
-        """All blocks of a unit, each a view of exactly its used bytes in one fresh buffer."""
-        n = state.n_tokens
-        sizes = [self.used_bytes(b, n) for b in range(self.n_blocks(n))]
-        whole = memoryview(bytearray(sum(sizes)))
-        out, offset = [], 0
-        for b, size in enumerate(sizes):
-            view = whole[offset : offset + size]
-            self.encode_block(state, unit_id, epoch, b, view)
-            out.append(view)
-            offset += size
-        return out
 
     def verify(self, buf: memoryview, unit_id: str, epoch: int, block_index: int, n_tokens: int) -> memoryview:
         """Check a fetched block against the lease; return its payload or raise ChecksumMismatch."""
@@ -186,24 +161,3 @@ class BlockLayout:
             raise ChecksumMismatch(f"unit {unit_id} block {block_index}: MAC mismatch (the block was not written "
                                    "by a holder of the cluster secret)")
         return payload
-
-    def decode(self, blocks: Sequence[memoryview], unit_id: str, epoch: int, n_tokens: int, *,
-               pin_memory: bool = False) -> UnitState:
-        """Verify every block and assemble the unit's ``[L, T, H_kv, D]`` keys and values.
-
-        ``pin_memory``: assemble into pinned host buffers (the engine runs on CUDA and copies
-        them to the device asynchronously).
-        """
-        if len(blocks) != self.n_blocks(n_tokens):
-            raise ChecksumMismatch(f"unit {unit_id}: {len(blocks)} blocks for {n_tokens} tokens, "
-                                   f"expected {self.n_blocks(n_tokens)}")
-        g = self.geometry
-        shape = (g.n_layers, n_tokens, g.n_kv_heads, g.head_dim)
-        keys = torch.empty(shape, dtype=DTYPES[g.kv_dtype], pin_memory=pin_memory)
-        values = torch.empty(shape, dtype=DTYPES[g.kv_dtype], pin_memory=pin_memory)
-        for b, buf in enumerate(blocks):
-            payload = self.verify(buf, unit_id, epoch, b, n_tokens)
-            start, end = self.token_range(b, n_tokens)
-            keys[:, start:end].copy_(self._half(payload, end - start, 0))
-            values[:, start:end].copy_(self._half(payload, end - start, 1))
-        return UnitState(keys, values)

@@ -12,7 +12,8 @@ import torch
 
 from helpers.cluster import free_port, with_secret_file
 from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, ModelConfig, TransportConfig
-from tessera.engines.base import ModelGeometry, UnitState
+from tessera.engines.base import UnitState
+from tessera.engines.geometry import ModelGeometry
 from tessera.transport.blocks import BlockLayout
 
 # 2 layers, 2 kv heads of dim 8, fp16: 128 bytes per token; B = 4 -> 512-byte payloads
