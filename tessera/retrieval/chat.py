@@ -31,6 +31,7 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.metrics import Metrics
+from tessera.retrieval.access_log import note_outcome
 from tessera.retrieval.chat_call import ChatCall, ClientGone, Outcome, collect, usage
 from tessera.retrieval.chat_request import parse_chat_request
 from tessera.retrieval.chat_response import completion_body, error_body, openapi_document, to_json
@@ -85,6 +86,7 @@ class Serving:
 
     def record(self, outcome: Outcome) -> None:
         s = outcome.stats
+        note_outcome(s, outcome.first_token_at)
         for source, n in s.tokens_by_source():
             self.m_tokens.labels(source=source).inc(n)
         for preparation, n in s.units_by_preparation():
@@ -156,7 +158,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         chat = parse_chat_request(body, default_top_k=node.config.retrieval.top_k,
                                   default_placement=node.config.retrieval.unit_placement,
-                                  served_model=serving.config.model.source)
+                                  served_model=serving.config.model.served_name)
         call = ChatCall(serving, node, chat, tenant_of(request))
         layout = await call.prepare()
         trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") \
@@ -190,7 +192,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     return web.json_response({"object": "list", "data": [
-        {"id": serving.config.model.source, "object": "model", "owned_by": "tessera"}]})
+        {"id": serving.config.model.served_name, "object": "model", "owned_by": "tessera",
+         "root": serving.config.model.source}]})
 
 
 async def openapi(request: web.Request) -> web.Response:
