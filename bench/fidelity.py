@@ -75,7 +75,9 @@ def main() -> None:
             ref = prefill(engine, layout.token_ids(), max_new_tokens=args.continue_tokens, stop_ids=stops)
             ref_logp = torch.log_softmax(ref.logits, -1)
             states32 = prefill_units(engine, layout)
-            states16 = {u: UnitState(s.keys.half(), s.values.half()) for u, s in states32.items()}
+            # float16 storage, read back for this float32 engine: the rounding a float16 tier applies
+            # (handing it float16 tensors raised PlacementError: the engine places kv_dtype states only)
+            states16 = {u: UnitState(s.keys.half().float(), s.values.half().float()) for u, s in states32.items()}
             for dtype, states in (("float32", states32), ("float16", states16)):
                 for name, policy in policies.items():
                     out = compose(engine, layout, policy, states, max_new_tokens=args.continue_tokens,

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from tessera.engines.base import ENGINES, EngineAdapter, UnitState
 from tessera.engines.device import to_host
 from tessera.engines.offline import compose, prefill, prefill_units
 from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.ports import on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_TOKENS = 256
@@ -184,7 +184,7 @@ def _units(rng: random.Random, n: int, words: int) -> list[str]:
 def section_ttft(s: Setup, out: Path, n_requests: int = 5) -> dict[str, Any]:
     from tessera.launcher import LocalCluster
 
-    cfg = _free_ports(s.config)
+    cfg = on_free_ports(s.config)  # every listener, the internal plane too
     rng = random.Random(0)
     requests = [(_units(rng, 5, 180), f"Question {i}: which record mentions the {rng.choice(WORDS)}?")
                 for i in range(n_requests)]
@@ -225,20 +225,6 @@ def section_ttft(s: Setup, out: Path, n_requests: int = 5) -> dict[str, Any]:
     result = {"rows": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
     (out / "ttft.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _free_ports(cfg: ClusterConfig) -> ClusterConfig:
-    return dataclasses.replace(
-        cfg,
-        retrieval=dataclasses.replace(cfg.retrieval, port=free_port()),
-        kvpools=tuple(dataclasses.replace(p, port=free_port(), data_port=free_port()) for p in cfg.kvpools),
-        generation=tuple(dataclasses.replace(g, port=free_port()) for g in cfg.generation))
 
 
 def section_sweep(s: Setup, out: Path, data_dir: Path | None) -> dict[str, Any]:

@@ -67,11 +67,13 @@ setup_env() {
         fi
         export PYTHONPATH=$PYTHONPATH:$ROOT/.gpu/site
     fi
-    [ -d .gpu/smollm2 ] && export TESSERA_BUNDLED_DIR=$ROOT/.gpu/smollm2
+    if [ -d .gpu/smollm2 ]; then export TESSERA_BUNDLED_DIR=$ROOT/.gpu/smollm2; fi
     export TESSERA_CACHE=${TESSERA_CACHE:-/tmp/tessera-cache} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+    # `if`, not `[ ... ] && ...`: under set -e a false test as the function's last command
+    # made `smoke` exit 1 silently on every fresh clone (no .gpu/data there)
     DATA=()
-    [ -n "${TESSERA_DATA:-}" ] && DATA=(--data-dir "$TESSERA_DATA")
-    [ -d .gpu/data ] && DATA=(--data-dir "$ROOT/.gpu/data")
+    if [ -n "${TESSERA_DATA:-}" ]; then DATA=(--data-dir "$TESSERA_DATA"); fi
+    if [ -d .gpu/data ]; then DATA=(--data-dir "$ROOT/.gpu/data"); fi
 }
 
 case "$MODE" in
@@ -94,7 +96,7 @@ run)
     ;;
 smoke)
     setup_env
-    "$PY" bench/gpu.py --cpu-smoke --out "$OUT" "${DATA[@]}" 2>&1 | tee "$OUT/figures.log"
+    "$PY" bench/gpu.py --cpu-smoke --out "$OUT" "${DATA[@]}" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/figures.log"
     ;;
 *)
     echo "usage: bench/gpu.sh prepare|run|smoke" >&2

@@ -23,6 +23,7 @@ import orjson
 
 from tessera.config_file import load_config
 from tessera.launcher import LocalCluster
+from tessera.ports import on_free_ports
 
 QUESTION = "Summarise the notes on the {} in one sentence."
 TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "observatory", "mill")
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
-    cfg = load_config(args.config)
+    cfg = on_free_ports(load_config(args.config))  # beside a cluster on the configured ports
     cluster = LocalCluster(cfg)
     cluster.start()
     try:

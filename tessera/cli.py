@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from tessera.benchmark.options import OptionError
-from tessera.benchmark.workloads import WorkloadName
+from tessera.benchmark.workloads import DataMissing, WorkloadName
 from tessera.config import ClusterConfig, Role
 from tessera.config_file import load_config
 from tessera.errors import BadRequest, ConfigError
+from tessera.launcher import ClusterError
 
 app = typer.Typer(
     name="tessera",
@@ -25,9 +27,27 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from tessera import __version__
+
+        typer.echo(f"tessera {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """Tessera: retrieval as the control plane for KV-cache reuse."""
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
 
 
 ConfigOpt = Annotated[
@@ -57,9 +77,16 @@ def _usage(command: str) -> Iterator[None]:
     except OptionError as exc:  # names its flag
         typer.echo(f"tessera: {exc}", err=True)
         raise typer.Exit(2) from None
+    except DataMissing as exc:
+        offer = "; or --workload synthetic, which needs no data" if command in ("bench", "verify") else ""
+        typer.echo(f"tessera {command}: {exc}{offer}", err=True)
+        raise typer.Exit(2) from None
     except (ConfigError, BadRequest) as exc:
         typer.echo(f"tessera {command}: {exc}", err=True)
         raise typer.Exit(2) from None
+    except ClusterError as exc:  # a cluster that did not start (a busy port, a role that exited)
+        typer.echo(f"tessera {command}: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -71,20 +98,30 @@ def run(
         typer.Option("--node", "-n", help="Node name from the config ([[kvpools]] or [[generation]] name). "
                      "Required for kvpool and generation roles when the config has several."),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+    log_level: Annotated[LogLevel, typer.Option("--log-level", help="Log level.")] = LogLevel.info,
 ) -> None:
     """Run one role (retrieval, kvpool or generation) as a single asyncio process."""
     from tessera.roles import main_for
     from tessera.runtime import configure_logging
 
     cfg = _load(config, role)
-    configure_logging(log_level)
+    configure_logging(log_level.value)
     raise typer.Exit(main_for(role.value, cfg, node))
 
 
 @app.command()
 def up(
     config: ConfigOpt = None,
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Host of the public API (retrieval.host; beyond loopback it needs API keys).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port of the public API (retrieval.port).")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="What to serve (model.source): smollm2, a checkpoint directory, a .gguf file "
+        "or random:<shape>.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="The model name clients send and /v1/models lists (model.served_name; "
+        "default tessera); other names get 404.")] = None,
+    log_level: Annotated[LogLevel, typer.Option("--log-level", help="Log level of every role.")] = LogLevel.info,
     log_dir: Annotated[Path | None,
                        typer.Option("--log-dir", help="Where each role's log goes (default: a temp dir).")] = None,
     data_dir: Annotated[Path | None, typer.Option(
@@ -92,9 +129,14 @@ def up(
         "$XDG_DATA_HOME/tessera/default or ~/.local/share/tessera/default).")] = None,
 ) -> None:
     """Start every role of the config on this machine (retrieval, kvpool, generation) and wait for Ctrl-C."""
-    from tessera.launcher import serve, with_persistent_data
+    from tessera.launcher import serve, with_overrides, with_persistent_data
 
-    raise typer.Exit(serve(with_persistent_data(_load(config), data_dir), log_dir))
+    try:
+        cfg = with_overrides(_load(config), host=host, port=port, model=model, served_name=served_model_name)
+    except ConfigError as exc:
+        typer.echo(f"tessera up: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(serve(with_persistent_data(cfg, data_dir), log_dir, log_level=log_level.value))
 
 
 @app.command()

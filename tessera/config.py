@@ -36,6 +36,7 @@ KV_DTYPES = ("float32", "float16", "bfloat16")
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 MODES = ("compose", "prefix")
 UNIT_PLACEMENTS = ("system", "user")
+ACCESS_LOG_LEVELS = ("debug", "info", "warning", "off")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
@@ -87,9 +88,14 @@ class ModelConfig:
     page_tokens: int = 16
     kv_pool_tokens: int = 0
     cuda_graphs: bool = False
+    # the name clients send as "model" (GET /v1/models lists it; another name is a 404), like
+    # vLLM's --served-model-name
+    served_name: str = "tessera"
 
     def __post_init__(self) -> None:
         _name("model.engine", self.engine)
+        _check(isinstance(self.served_name, str) and bool(self.served_name.strip()), "model.served_name",
+               self.served_name, "expected a non-empty model name")
         _check(isinstance(self.source, str) and bool(self.source), "model.source", self.source,
                'expected "smollm2", a path to a checkpoint directory or .gguf file, or random:<shape>')
         _choice("model.dtype", self.dtype, COMPUTE_DTYPES)
@@ -219,9 +225,13 @@ class RetrievalConfig:
     # the internal plane (/control/*: the other roles' RPCs) listens here, apart from the public API
     internal_host: str = "127.0.0.1"
     internal_port: int = 8401
+    # level of the access log, one line per public request (status, duration; chat: TTFT and
+    # prompt tokens per tier): debug | info | warning | off
+    access_log: str = "info"
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _choice("retrieval.access_log", self.access_log, ACCESS_LOG_LEVELS)
         _check(isinstance(self.data_dir, str), "retrieval.data_dir", self.data_dir, "expected a path or \"\"")
         _check(isinstance(self.index_save_s, (int, float)) and self.index_save_s > 0, "retrieval.index_save_s",
                self.index_save_s, "expected seconds > 0")

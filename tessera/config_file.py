@@ -99,6 +99,21 @@ def _overlay(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_FILE_KEYS = ("secret_file", "keys_file", "tls_cert_file", "tls_key_file", "tls_ca_file")
+
+
+def _anchor_files(raw: dict[str, Any], directory: Path) -> None:
+    """Relative ``[security]`` file paths name files beside the config, like ``base =`` does
+    (they resolved against the working directory: ``tessera up -c deploy/x.toml`` missed keys)."""
+    security = raw.get("security")
+    if not isinstance(security, dict):
+        return
+    for key in _FILE_KEYS:
+        value = security.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            security[key] = str((directory / value).absolute())
+
+
 def _read_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Parsed TOML of ``path`` with its ``base`` (``"default"`` or a path relative to it) applied."""
     if not path.is_file():
@@ -107,6 +122,7 @@ def _read_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    _anchor_files(raw, path.parent)
     base = raw.pop("base", None)
     if base is None:
         return raw

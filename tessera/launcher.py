@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from tessera.auth import ClusterAuth, create_secret
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
+from tessera.errors import TesseraError
+from tessera.ports import check_free, holds_port
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubles while a role keeps dying young
@@ -50,6 +53,10 @@ class Child:
     log_file: IO[bytes] = field(repr=False)
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
+
+    @property
+    def port(self) -> int:
+        return int(urllib.parse.urlsplit(self.url).port or 0)
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -89,13 +96,14 @@ def role_env(**extra: str) -> dict[str, str]:
 
 def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, url: str,
                env: dict[str, str] | None = None, *, append: bool = False,
-               die_with_parent: bool = False) -> Child:
+               die_with_parent: bool = False, log_level: str = "info") -> Child:
     """Start ``tessera run --role ROLE [--node NODE]`` with its output in ``log_path``.
 
     ``die_with_parent``: the child gets SIGTERM when this process exits (call from the main
     thread: see :func:`_die_with_parent`).
     """
-    cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path)]
+    cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path),
+           "--log-level", log_level]
     if node is not None:
         cmd += ["--node", node]
     log_file = open(log_path, "ab" if append else "wb")  # noqa: SIM115 - lives as long as the child
@@ -116,7 +124,8 @@ def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Chil
                                    f"log {child.log_path}:\n{child.tail()}")
             with contextlib.suppress(OSError, urllib.error.URLError), \
                     urllib.request.urlopen(child.url + "/health", timeout=1.0, context=context) as resp:
-                if resp.status == 200:
+                # a 200 counts only from our own child: another cluster may answer on this port
+                if resp.status == 200 and holds_port(child.proc.pid, child.port) is not False:
                     pending.remove(child)
                     if on_ready is not None:
                         on_ready(child)
@@ -140,8 +149,10 @@ def with_secret(config: ClusterConfig, directory: Path) -> ClusterConfig:
 class LocalCluster:
     """Every role of ``config`` as child processes of this one."""
 
-    def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False) -> None:
+    def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False,
+                 log_level: str = "info") -> None:
         self.config = config
+        self.log_level = log_level
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tessera-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         config = self.config = with_secret(config, self.log_dir)
@@ -162,7 +173,7 @@ class LocalCluster:
         # the child dies with the launcher
         child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
                            self.log_dir / f"{role}-{node}.log", f"{self.config.scheme}://{host}:{port}",
-                           append=append, die_with_parent=True)
+                           append=append, die_with_parent=True, log_level=self.log_level)
         self.children.append(child)
         return child
 
@@ -192,8 +203,13 @@ class LocalCluster:
 
     def start(self, timeout: float = 180.0) -> None:
         cfg = self.config
-        # convert the checkpoint once here, not concurrently in every child
-        resolve(cfg.model)
+        try:
+            # a busy port fails here, in a second, rather than as a role that never reports in
+            check_free(cfg)
+            # convert the checkpoint once here, not concurrently in every child
+            resolve(cfg.model)
+        except TesseraError as exc:
+            raise ClusterError(str(exc)) from None
         self._say(f"starting tessera cluster (logs in {self.log_dir}; cluster secret {cfg.security.secret_file})")
         if not cfg.security.keys_file:
             self._say(f"  no API keys (security.keys_file): the API at {cfg.retrieval_url} is open to every "
@@ -313,17 +329,27 @@ def with_persistent_data(config: ClusterConfig, data_dir: Path | None) -> Cluste
     return dataclasses.replace(config, retrieval=dataclasses.replace(config.retrieval, data_dir=str(chosen)))
 
 
-def serve(config: ClusterConfig, log_dir: Path | None) -> int:
+def with_overrides(config: ClusterConfig, *, host: str | None = None, port: int | None = None,
+                   model: str | None = None, served_name: str | None = None) -> ClusterConfig:
+    """``config`` with ``tessera up``'s flags applied (each one overrides one config field)."""
+    r, m = config.retrieval, config.model
+    retrieval = dataclasses.replace(r, host=r.host if host is None else host, port=r.port if port is None else port)
+    model_cfg = dataclasses.replace(m, source=m.source if model is None else model,
+                                    served_name=m.served_name if served_name is None else served_name)
+    return dataclasses.replace(config, retrieval=retrieval, model=model_cfg)
+
+
+def serve(config: ClusterConfig, log_dir: Path | None, log_level: str = "info") -> int:
     """``tessera up``: start every role, keep them up until SIGINT/SIGTERM, then stop; the exit code."""
     print(f"tessera up: units persist in {config.retrieval.data_dir}", flush=True)
-    cluster = LocalCluster(config, log_dir=log_dir)
+    cluster = LocalCluster(config, log_dir=log_dir, log_level=log_level)
     try:
         cluster.start()
     except ClusterError as exc:
         print(f"tessera up: {exc}", file=sys.stderr, flush=True)
         return 1
-    print(f"tessera is up: OpenAI-compatible API at {config.retrieval_url}/v1/chat/completions "
-          f"(metrics at {config.retrieval_url}/metrics). Ctrl-C stops every role.", flush=True)
+    print(f"tessera is up: OpenAI-compatible API at {config.retrieval_url}/v1 (model {config.model.served_name!r}; "
+          f"metrics at {config.retrieval_url}/metrics). Ctrl-C stops every role.", flush=True)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:

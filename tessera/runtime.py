@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from tessera.errors import TesseraError
+from tessera.ports import bind_listener
 
 log = logging.getLogger("tessera")
 
@@ -56,17 +57,26 @@ async def serve(app: web.Application, host: str, port: int, *, name: str, drain_
     or a listener fails.
     """
     sites = [(app, host, port), *also]
+    try:
+        # bind before the start-ups (loading a model takes minutes): a port another process
+        # holds fails the role at once, naming the port and its holder
+        sockets = [bind_listener(h, p, name) for _, h, p in sites]
+    except (OSError, TesseraError) as exc:
+        log.error("%s cannot start: %s", name, exc)
+        return 3
     runners = [web.AppRunner(a, handle_signals=False, shutdown_timeout=drain_s, access_log=None) for a, _, _ in sites]
     scheme = "https" if ssl_context is not None else "http"
     started: list[web.AppRunner] = []
     try:
-        for runner, (_, h, p) in zip(runners, sites, strict=True):
+        for runner, sock in zip(runners, sockets, strict=True):
             started.append(runner)
             await runner.setup()  # runs the cleanup_ctx start-ups
-            await web.TCPSite(runner, h, p, reuse_address=True, ssl_context=ssl_context).start()
+            await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     except (OSError, TesseraError) as exc:
         for runner in reversed(started):
             await runner.cleanup()  # stops what did start, in reverse order
+        for sock in sockets:
+            sock.close()
         log.error("%s cannot start on %s: %s%s", name, ", ".join(f"{h}:{p}" for _, h, p in sites), exc,
                   " (is another process using the port?)" if isinstance(exc, OSError) else "")
         return 3

@@ -144,3 +144,23 @@ def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/hea
         return await handler(request)
 
     return authenticate
+
+
+def admin_middleware(keys: KeyRing | None, paths: tuple[str, ...] = ("/metrics",)
+                     ) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """On an internal listener: ``paths`` (Prometheus' ``/metrics``) need the admin API key that the
+    retrieval role's ``/metrics`` takes, so one scrape config reads every role. No keys: open, as
+    the public API is (the caller binds such a listener to loopback only)."""
+
+    @web.middleware
+    async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if keys is not None and request.path in paths:
+            try:
+                tenant = keys.authenticate(request.headers.get("Authorization"))
+            except BadRequest as exc:
+                return _refuse(request, str(exc), exc.status)
+            if not tenant.admin:
+                return _refuse(request, f"{request.path} needs an admin API key", 403)
+        return await handler(request)
+
+    return admin_only

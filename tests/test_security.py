@@ -299,6 +299,34 @@ async def test_a_tenant_cannot_read_or_write_another_tenants_scope(plane: Plane)
     assert status == 404 and "b-secret-plans" not in out["error"]  # an unknown scope lists no others
 
 
+async def test_an_unknown_scopes_404_names_the_scope_as_the_client_sent_it(plane: Plane) -> None:
+    """Regression (issue 21): with API keys the 404 showed the storage key, 'ops\\x1fmuseum'."""
+    status, out = await call(plane, "POST", "/v1/retrieve", {"version": V, "scope": "museum", "query": "vault"},
+                             key="key-admin")
+    assert status == 404
+    assert out["error"].startswith("unknown scope 'museum':") and "ops" not in out["error"], out
+
+
+async def test_hand_written_bodies_may_leave_out_the_version(plane: Plane) -> None:
+    """Regression (issue 21): a first ingest without "version" was a 400 `field version is required`."""
+    units = [{"scope": "docs", "text": "The ferry to the north island leaves at nine."}]
+    status, out = await call(plane, "POST", "/v1/units", {"units": units}, key="key-a")
+    assert status == 200, out
+    status, out = await call(plane, "POST", "/v1/retrieve", {"scope": "docs", "query": "ferry"}, key="key-a")
+    assert status == 200 and out["units"], out
+    status, out = await call(plane, "POST", "/v1/units/delete", {"scope": "docs", "filter": {"none": 1}}, key="key-a")
+    assert status == 200, out
+
+
+async def test_models_lists_the_served_name_and_another_name_is_404(plane: Plane) -> None:
+    """/v1/models lists model.served_name; a chat request naming another model gets OpenAI's 404 (issue 21)."""
+    status, out = await call(plane, "GET", "/v1/models", key="key-a")
+    assert status == 200 and [m["id"] for m in out["data"]] == [plane.config.model.served_name], out
+    status, out = await call(plane, "POST", "/v1/chat/completions",
+                             {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, key="key-a")
+    assert status == 404 and "'gpt-4' does not exist" in out["error"]["message"], out
+
+
 async def test_the_same_text_is_two_units_for_two_tenants(plane: Plane) -> None:
     """Regression: `new: false` on ingest told a tenant that another tenant held the same text."""
     text = {"scope": "docs", "text": "Quarterly revenue was 12.4 million, up 8 percent."}
@@ -426,6 +454,20 @@ def test_generation_nodes_refuse_snapshot_execute_abort_without_the_secret(clust
     with urllib.request.urlopen(node + "/health", timeout=10) as resp:
         assert orjson.loads(resp.read())["inflight"] == 0  # nothing was pinned
     assert _chat(cfg, "key-a", ["The pier lamp is green."])["choices"]  # the cluster still serves
+
+
+def test_generation_nodes_metrics_take_the_admin_api_key(cluster: tuple[ClusterConfig, Any]) -> None:
+    """Regression (issue 21): a generation node's /metrics needed the cluster's signature, which no
+    Prometheus scraper holds; it takes the admin key of the retrieval role's /metrics (tenant keys: 403)."""
+    cfg, _ = cluster
+    url = f"http://127.0.0.1:{cfg.generation[0].port}/metrics"
+    req = urllib.request.Request(url, headers={"Authorization": "Bearer key-admin"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert b"tessera_node_requests_total" in resp.read()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": "Bearer key-a"}), timeout=10)
+    assert info.value.code == 403
+    info.value.close()
 
 
 def test_no_tier_counter_depends_on_another_tenants_units(cluster: tuple[ClusterConfig, Any]) -> None:

@@ -27,6 +27,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import aiohttp
 from tessera.composition.layout import layout_from_trace
 from tessera.config import ClusterConfig
 from tessera.launcher import Child, LocalCluster
+from tessera.ports import on_free_ports
 
 FAULTS = ("kill_generation", "kill_memory", "stop_generation", "corrupt_block", "restart_retrieval")
 TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "observatory", "mill")
@@ -53,6 +55,7 @@ class ChaosOptions:
     seed: int = 0
     rss_growth: float = 1.5  # RSS after / RSS after warm-up must stay below this
     rss_slack_mb: float = 300.0  # ... plus this (allocator noise of fresh processes)
+    progress: bool = True  # a line on stderr per phase and per fault
 
 
 @dataclass
@@ -131,13 +134,14 @@ def _rss_mb(pid: int) -> float:
 
 class ChaosRun:
     def __init__(self, config: ClusterConfig, options: ChaosOptions, log_dir: Path | None = None) -> None:
-        self.config = config
+        config = self.config = on_free_ports(config)  # beside a cluster on the configured ports
         self.options = options
         self.cluster = LocalCluster(config, log_dir=log_dir, quiet=True)
         self.rng = random.Random(options.seed)
         self.report = ChaosReport()
         self.retrieval_down: list[tuple[float, float]] = []  # (from, to) in run time
         self.t0 = 0.0
+        self.answered = 0  # replies received (progress lines)
         control = config.control
         # the longest a reply may take: every attempt's first-token deadline, then every token
         self.deadline_s = (control.connect_timeout_s + control.first_token_timeout_s) * control.max_attempts \
@@ -148,19 +152,28 @@ class ChaosRun:
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> ChaosReport:
+        # progress on stderr: a run is minutes long (it was silent for ~6 minutes: issue 21)
+        self._say(f"starting the cluster (logs in {self.cluster.log_dir}) and loading the offline oracle")
         oracle = Oracle(self.config)
         self.cluster.start(timeout=300)
         try:
             asyncio.run(self._warm_up())
             self.report.rss_warm_mb = self._rss()
+            self._say(f"load for {self.options.duration_s:.0f}s with a fault every {self.options.fault_every_s:.0f}s")
             replies = asyncio.run(self._drive())
+            self._say(f"load over: {self.answered} replies; bringing every role back")
             self._recover()
             final = asyncio.run(self._final_check())
             self.report.rss_after_mb = self._rss()
         finally:
             self.cluster.stop()
+        self._say(f"verifying {len(replies)} replies against the offline composition")
         self._verify(replies, oracle, final)
         return self.report
+
+    def _say(self, message: str) -> None:
+        if self.options.progress:
+            print(f"tessera chaos: {message}", file=sys.stderr, flush=True)
 
     def _rss(self) -> float:
         return sum(_rss_mb(c.proc.pid) for c in self.cluster.alive())
@@ -182,6 +195,7 @@ class ChaosRun:
                     payload = await resp.json(content_type=None)
                 except ValueError:
                     payload = {}
+                self.answered += 1
                 return Reply(resp.status, sent, time.perf_counter() - start,
                              payload if isinstance(payload, dict) else {})
         except TimeoutError:
@@ -224,6 +238,7 @@ class ChaosRun:
                 cycle = list(FAULTS)
                 self.rng.shuffle(cycle)
             kind = cycle.pop()
+            self._say(f"[{time.monotonic() - self.t0:5.0f}s] {kind.replace('_', ' ')} ({self.answered} replies so far)")
             await getattr(self, "_" + kind)()
             self.report.faults[kind] += 1
             at += self.options.fault_every_s

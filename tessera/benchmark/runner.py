@@ -28,6 +28,7 @@ from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig, ControlConfig
 from tessera.errors import ConfigError
 from tessera.launcher import LocalCluster
+from tessera.ports import on_free_ports
 
 # the paper's §6.4 ablations, plus the exact-prefix baseline (what SGLang/vLLM do today)
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -133,10 +134,11 @@ async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchO
                     load: list[BenchRequest], rate: float, serial: list[BenchRequest] | None = None,
                     embeddings: dict[str, list[float]] | None = None) -> tuple[list[Result], list[Result]]:
     """Fresh cluster: ingest, send ``load`` open-loop at ``rate``, then ``serial`` one at a time."""
-    cluster = LocalCluster(cluster_cfg, log_dir=log_dir, quiet=True)
+    # ports of its own: a bench runs beside a cluster that serves on the configured ones
+    cluster = LocalCluster(on_free_ports(cluster_cfg), log_dir=log_dir, quiet=True)
     await asyncio.to_thread(cluster.start)
     try:
-        url = cluster_cfg.retrieval_url
+        url = cluster.config.retrieval_url
         await ingest(url, workload.corpus, progress=opts.progress, embeddings=embeddings)
         results = await run_phases(url, load, rate, opts, drain=opts.drain_warmup and serial is None,
                                    embeddings=embeddings)

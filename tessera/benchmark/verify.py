@@ -106,15 +106,19 @@ class Prompt:
 
 def prompts_from_file(path: Path, config: ClusterConfig) -> list[Prompt]:
     """Chat requests in the API's format, one JSON object a line, with their ``context_units``."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--prompts {path}: cannot be read ({exc.strerror or exc})") from None
     out = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for i, line in enumerate(lines):
         if not line.strip():
             continue
         where = f"{path}:{i + 1}"
         try:
             chat = parse_chat_request(json.loads(line), default_top_k=config.retrieval.top_k,
                                       default_placement=config.retrieval.unit_placement,
-                                      served_model=config.model.source)
+                                      served_model=config.model.served_name)
         except (json.JSONDecodeError, BadRequest) as exc:
             raise ConfigError(f"{where}: not a valid chat request: {exc}") from None
         if chat.retrieval is not None:

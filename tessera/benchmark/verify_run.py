@@ -94,10 +94,10 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
     from tessera.engines.reference import ReferenceEngine
 
     configured, settings = _settings(config, opts)
+    # a bad --prompts file fails before the model loads
+    pool = vf.prompts_from_file(opts.prompts, config) if opts.prompts is not None else None
     engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
-    if opts.prompts is not None:
-        pool = vf.prompts_from_file(opts.prompts, config)
-    else:
+    if pool is None:
         n = 0 if opts.workload is WorkloadName.locomo else max(4 * opts.samples, 200)
         wl = select_workload(opts.workload, n, opts.data_dir, 1.0, opts.top_k, opts.unit_words, opts.placement,
                              opts.seed, opts.conversations)

@@ -104,9 +104,14 @@ def _truncate(text: str, max_words: int) -> str:
     return text if max_words <= 0 or len(words) <= max_words else " ".join(words[:max_words])
 
 
+class DataMissing(ConfigError):
+    """A workload's data set is not on this machine; the message says where it was looked for."""
+
+
 def _load_json(path: Path, what: str) -> Any:
     if not path.is_file():
-        raise ConfigError(f"{what} data not found at {path}; pass --data-dir or use --workload synthetic")
+        raise DataMissing(f"{what} data not found at {path}; pass --data-dir DIR, a folder with "
+                          "musique/musique_s.json and locomo/locomo10.json (README, Data sets)")
     return json.loads(path.read_text())
 
 
@@ -235,7 +240,7 @@ class WorkloadName(StrEnum):
 
 def select_workload(name: WorkloadName, requests: int, data_dir: Path | None, zipf: float, top_k: int | None,
               unit_words: int, placement: str, seed: int, conversations: int = 0) -> Workload:
-    """The named workload with the CLI's defaults (``tessera bench`` and ``tessera eval``)."""
+    """The named workload with the CLI's defaults (``tessera bench``, ``verify`` and ``eval``)."""
     data = data_dir or DATA_DIR
     if name is WorkloadName.rag:
         return rag_workload(requests, data_dir=data, zipf_s=zipf, top_k=top_k or 5, unit_words=unit_words, seed=seed)

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from tessera.auth import ClusterAuth
 from tessera.composition.policies import policy_from_config
-from tessera.config import ClusterConfig, GenerationNodeConfig
+from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
@@ -54,6 +54,7 @@ from tessera.messages import (
 )
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
+from tessera.tenants import KeyRing, admin_middleware
 from tessera.wire import WIRE_VERSION, decode, encode
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,13 @@ GENERATION_NODE = web.AppKey("generation_node", GenerationNode)
 
 def build_app(config: ClusterConfig, name: str) -> web.Application:
     node = GenerationNode(config, name)
-    # the whole API is internal: only the retrieval role (holding the cluster secret) calls it
-    app = application([ClusterAuth.from_config(config).middleware()])
+    # the whole API is internal: only the retrieval role (holding the cluster secret) calls it;
+    # /metrics takes a Prometheus scraper's admin API key instead, or is open on a loopback-only
+    # node without keys (a scraper cannot sign; issue 21)
+    keys = KeyRing.load(config.security.keys_file) if config.security.keys_file else None
+    scrapable = keys is not None or config.generation_node(name).host in LOOPBACK_HOSTS
+    open_paths = ("/health", "/metrics") if scrapable else ("/health",)
+    app = application([ClusterAuth.from_config(config).middleware(open_paths), admin_middleware(keys)])
     app[GENERATION_NODE] = node
     app.cleanup_ctx.append(node.lifecycle)
     app.router.add_get("/health", node.health)

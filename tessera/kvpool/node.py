@@ -39,6 +39,7 @@ from tessera.errors import ControlPlaneError, TesseraError
 from tessera.http import application
 from tessera.kvpool.inventory import scan
 from tessera.messages import MemoryNodeHello, MemoryNodeInventory
+from tessera.ports import bind_listener
 from tessera.runtime import BackgroundTasks, serve
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import ArenaExport, NodeEndpoint, transport_class
@@ -203,6 +204,8 @@ def run_memory_node(config: ClusterConfig, name: str | None) -> int:
 
     try:
         node_cfg = pick_node(config, name)
+        if node_cfg.data_port:  # fail at once, not after the arena is mapped (the control port: serve)
+            bind_listener(node_cfg.host, node_cfg.data_port, f"kvpool {node_cfg.name} data").close()
         geometry = geometry_from_checkpoint(resolve(config.model), config.kv_dtype, config.model.max_context)
         node = MemoryNode(config, node_cfg, BlockLayout(geometry, config.block_tokens))
     except TesseraError as exc:

@@ -2,13 +2,17 @@
 
 The control RPCs (route, plan, complete, publish, ...) live in :mod:`tessera.messages`;
 this module holds the bodies only the retrieval API speaks.
-Every body carries ``version`` (see :func:`tessera.messages.check_version`).
+Every body carries ``version`` (see :func:`tessera.messages.check_version`); on the three
+request bodies a client sends by hand (ingest, delete, retrieve) it may be left out and means
+the current version, as OpenAI-style APIs carry no version field.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from tessera.wire import WIRE_VERSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +28,7 @@ class IngestUnit:
 
 @dataclass(frozen=True, slots=True)
 class IngestRequest:
-    version: int
+    version: int = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
     units: tuple[IngestUnit, ...]
 
 
@@ -60,7 +64,7 @@ class StoredUnitBody:
 class DeleteRequest:
     """``POST /v1/units/delete``: every unit of ``scope`` whose metadata has all of ``filter``."""
 
-    version: int
+    version: int = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
     scope: str
     filter: dict[str, Any] = field(default_factory=dict)  # {} deletes the whole scope
 
@@ -74,7 +78,7 @@ class DeleteResponse:
 
 @dataclass(frozen=True, slots=True)
 class RetrieveRequest:
-    version: int
+    version: int = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
     scope: str
     query: str | None = None  # exactly one of query and embedding
     embedding: tuple[float, ...] | None = None

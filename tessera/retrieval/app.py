@@ -24,6 +24,7 @@ from tessera.config import LOOPBACK_HOSTS, ClusterConfig
 from tessera.control.routes import STATS_EXTRA, add_control_routes
 from tessera.errors import ConfigError
 from tessera.http import application
+from tessera.retrieval.access_log import access_middleware
 from tessera.retrieval.chat import add_chat_routes
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.routes import RETRIEVAL_NODE, internal_routes, routes
@@ -43,7 +44,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 def build_retrieval_app(config: ClusterConfig, node: RetrievalNode | None = None,
                         keys: KeyRing | None = None) -> web.Application:
     """The public application; its state is ``app[RETRIEVAL_NODE]``."""
-    app = application([public_middleware(keys)])
+    app = application([access_middleware(config.retrieval.access_log), public_middleware(keys)])
     node = node or RetrievalNode(config)
     app[RETRIEVAL_NODE] = node
     app.cleanup_ctx.append(_lifecycle)

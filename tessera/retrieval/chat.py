@@ -99,7 +99,7 @@ async def _chat(request: web.Request, serving: Serving, node: RetrievalNode) -> 
     try:
         chat = parse_chat_request(body, default_top_k=node.config.retrieval.top_k,
                                   default_placement=node.config.retrieval.unit_placement,
-                                  served_model=serving.config.model.source)
+                                  served_model=serving.config.model.served_name)
         return await answer(request, serving, node, chat, tenant_of(request))
     except BadRequest as exc:
         return _json_error(str(exc), exc.status), str(exc.status)
@@ -117,7 +117,8 @@ async def _chat(request: web.Request, serving: Serving, node: RetrievalNode) -> 
 async def models(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     return web.json_response({"object": "list", "data": [
-        {"id": serving.config.model.source, "object": "model", "owned_by": "tessera"}]})
+        {"id": serving.config.model.served_name, "object": "model", "owned_by": "tessera",
+         "root": serving.config.model.source}]})
 
 
 async def openapi(request: web.Request) -> web.Response:

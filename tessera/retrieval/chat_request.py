@@ -227,6 +227,9 @@ def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str,
         req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise BadRequest(validation_message(exc)) from None
+    if req.model and req.model != served_model:  # OpenAI's and vLLM's answer to a model not served
+        raise BadRequest(f"model {req.model!r} does not exist: this server serves {served_model!r} "
+                         "(GET /v1/models; model.served_name)", 404)
     scope = req.scope or "default"
     retrieval = None
     if req.retrieval is not None:

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.messages import DoneEvent, ErrorEvent, ExecuteEvent, PromptLayout, RequestStats, TokenEvent, check_version
+from tessera.retrieval.access_log import note_outcome
 from tessera.retrieval.chat_layout import chat_layout
 from tessera.retrieval.chat_metrics import ChatMetrics
 from tessera.retrieval.chat_request import ChatRequest
@@ -103,6 +104,7 @@ class Reply:
                 if send is not None:
                     await send(delta)
         self.metrics.finished(self.outcome.stats)
+        note_outcome(self.outcome.stats, self.outcome.first_token_at)
         if self.cut is not None and send is not None:
             await send(self.cut)
         return self.outcome

@@ -330,7 +330,13 @@ class UnitStore:
         if not 1 <= k <= MAX_TOP_K:
             raise BadRequest(f"top_k = {top_k} is out of range: expected 1..{MAX_TOP_K} (0 = the default)")
         vector = self._query_vector(query, embedding)
-        found = self.index.search(index_key(tenant, scope), vector, k)
+        try:
+            found = self.index.search(index_key(tenant, scope), vector, k)
+        except BadRequest as exc:
+            if exc.status != 404:
+                raise
+            # name the caller's scope, never the storage key (it showed 'acme\x1fmuseum': issue 21)
+            raise BadRequest(f"unknown scope {scope!r}: nothing was ingested into it", 404) from None
         records = self.records.by_keys([key for key, _ in found])
         return [Hit(_unit(records[key]), score, records[key].metadata) for key, score in found if key in records]
 
