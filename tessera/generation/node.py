@@ -251,8 +251,10 @@ GENERATION_NODE = web.AppKey("generation_node", GenerationNode)
 
 def build_app(config: ClusterConfig, name: str) -> web.Application:
     node = GenerationNode(config, name)
+    cfg = config.generation_node(name)
     # the whole API is internal: only the retrieval role (holding the cluster secret) calls it
-    app = application([ClusterAuth.from_config(config).middleware()])
+    app = application([ClusterAuth.from_config(config).middleware(
+        cfg.host, cfg.port, body_timeout_s=config.listener.body_timeout_s)])
     app[GENERATION_NODE] = node
     app.cleanup_ctx.append(node.lifecycle)
     app.router.add_get("/health", node.health)
@@ -275,5 +277,5 @@ def run_generation(config: ClusterConfig, name: str | None) -> int:
     cfg = config.generation_node(name)
     app = build_app(config, name)
     ssl_context = ClusterAuth.from_config(config).server_ssl()
-    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", drain_s=30.0,
-                             ssl_context=ssl_context))
+    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", limits=config.listener,
+                             drain_s=30.0, ssl_context=ssl_context))
