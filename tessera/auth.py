@@ -5,12 +5,15 @@ created by ``tessera up``). Holding it is what makes a process part of the clust
 internal plane (``/control/*``, the generation nodes' API, the memory nodes' ``/info``)
 refuses any request that does not carry
 
-    X-Tessera-Auth: ts=<unix seconds>,nonce=<hex>,sig=<hex HMAC-SHA256>
+    X-Tessera-Auth: ts=<unix seconds>,nonce=<hex>,len=<body bytes>,sha256=<hex>,sig=<hex HMAC-SHA256>
 
-where ``sig = HMAC(secret, method \\n raw path \\n ts \\n nonce \\n sha256(body))``. A request
-older or newer than ``security.max_clock_skew_s`` is refused, and so is a nonce seen within
-that window (a captured request cannot be replayed). Refusal is a 401 from a middleware that
-runs before any handler, so no state is touched.
+where ``sig = HMAC(secret, method \\n raw path \\n host:port \\n ts \\n nonce \\n len \\n sha256)``:
+``host:port`` is the listener the request is for (as the config names it), ``len`` and
+``sha256`` describe the body. A request older or newer than ``security.max_clock_skew_s`` is
+refused, and so is a nonce seen within that window (a captured request cannot be replayed at
+its own listener, nor used at any other). Refusal is a 401 from a middleware that runs
+before any handler, so no state is touched, and it is decided from the head alone: the body
+is read only after the signature verified, and must then hash to the signed ``sha256``.
 
 Capabilities (:func:`capability`) are HMACs of the same secret over what a data-plane
 request may touch; the memory node checks them (see :mod:`tessera.transport.tcp_server`).
@@ -20,6 +23,7 @@ Only the standard library's ``hmac``, ``hashlib``, ``secrets`` and ``ssl`` are u
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import hmac
@@ -40,6 +44,7 @@ from yarl import URL
 
 from tessera.config import ClusterConfig, SecurityConfig
 from tessera.errors import ConfigError
+from tessera.http import MAX_BODY
 from tessera.messages import BlockRef, NodeToken
 
 log = logging.getLogger(__name__)
@@ -86,69 +91,135 @@ def read_secret(path: str) -> bytes:
 # --- signing and verifying internal requests ---------------------------------------------
 
 
-def _message(method: str, path: str, ts: str, nonce: str, body: bytes) -> bytes:
-    digest = hashlib.sha256(body).hexdigest()
-    return "\n".join((method.upper(), path, ts, nonce, digest)).encode()
+def audience(url: str) -> str:
+    """The listener a request to ``url`` is for: its ``host:port`` as the cluster config names it.
+
+    The config refuses two listeners on one address, so within a cluster the address names
+    exactly one role and node; every role dials the others at their configured ``host:port``.
+    """
+    u = URL(url)
+    return f"{u.host}:{u.port}"
 
 
-def sign(secret: bytes, method: str, path: str, body: bytes = b"", *, now: float | None = None,
+def _message(method: str, path: str, to: str, ts: str, nonce: str, length: int, digest: str) -> bytes:
+    return "\n".join((method.upper(), path, to, ts, nonce, str(length), digest)).encode()
+
+
+def sign(secret: bytes, method: str, path: str, body: bytes = b"", *, to: str = "", now: float | None = None,
          nonce: str | None = None) -> str:
-    """The ``X-Tessera-Auth`` value for one request (``path``: raw path and query)."""
+    """The ``X-Tessera-Auth`` value for one request (``path``: raw path and query; ``to``: :func:`audience`)."""
     ts = str(int(time.time() if now is None else now))
     nonce = nonce or secrets.token_hex(12)
-    sig = hmac.new(secret, _message(method, path, ts, nonce, body), hashlib.sha256).hexdigest()
-    return f"ts={ts},nonce={nonce},sig={sig}"
+    digest = hashlib.sha256(body).hexdigest()
+    sig = hmac.new(secret, _message(method, path, to, ts, nonce, len(body), digest), hashlib.sha256).hexdigest()
+    return f"ts={ts},nonce={nonce},len={len(body)},sha256={digest},sig={sig}"
 
 
 class Unauthorized(Exception):
     """An internal request without a valid signature (HTTP 401)."""
 
 
+@dataclass(frozen=True)
+class SignedHead:
+    """A request head whose signature verified; its body must still hash to ``digest``."""
+
+    length: int
+    digest: str
+
+    def check_body(self, body: bytes) -> None:
+        if len(body) != self.length or not hmac.compare_digest(hashlib.sha256(body).hexdigest(), self.digest):
+            raise Unauthorized("bad signature: the body is not the one that was signed")
+
+
 @dataclass
 class Verifier:
-    """Checks signatures; remembers nonces for the skew window so that none is accepted twice."""
+    """Checks signatures; remembers nonces for the skew window so that none is accepted twice.
+
+    ``audience`` is this listener's ``host:port`` (:func:`audience`): a request signed for
+    another listener is refused, so one captured on its way to one node is no good at any
+    other. The head (method, path, listener, time, nonce, body length and hash) is checked
+    before the body is read (:meth:`check_head`); the body then has to match the signed hash.
+    """
 
     secret: bytes
     max_skew_s: float = 30.0
     clock: Callable[[], float] = time.time
+    audience: str = ""
     _seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
-    def verify(self, method: str, path: str, header: str | None, body: bytes) -> None:
+    def check_head(self, method: str, path: str, header: str | None, content_length: int) -> SignedHead:
+        """Verify the signature over the head and the *declared* body; the nonce is spent."""
         if not header:
             raise Unauthorized(f"missing {AUTH_HEADER}: the internal plane serves the cluster's own processes only")
         try:
             parts = dict(item.split("=", 1) for item in header.split(","))
-            ts, nonce, sig = parts["ts"], parts["nonce"], parts["sig"]
+            ts, nonce, sig, digest = parts["ts"], parts["nonce"], parts["sig"], parts["sha256"]
+            length = int(parts["len"])
             age = self.clock() - int(ts)
         except (KeyError, ValueError):
             raise Unauthorized(f"malformed {AUTH_HEADER}") from None
         if abs(age) > self.max_skew_s:
             raise Unauthorized(f"signature timestamp is {age:.0f}s off this node's clock "
                                f"(at most {self.max_skew_s:.0f}s allowed)")
-        want = hmac.new(self.secret, _message(method, path, ts, nonce, body), hashlib.sha256).hexdigest()
+        message = _message(method, path, self.audience, ts, nonce, length, digest)
+        want = hmac.new(self.secret, message, hashlib.sha256).hexdigest()
         if not hmac.compare_digest(want, sig):
-            raise Unauthorized("bad signature: this process does not hold the cluster secret")
+            raise Unauthorized("bad signature: this process does not hold the cluster secret, "
+                               "or the request was signed for another listener")
+        if length != content_length:
+            raise Unauthorized(f"Content-Length {content_length} is not the signed body length {length}")
         now = self.clock()
         while self._seen and (next(iter(self._seen.values())) < now or len(self._seen) >= MAX_NONCES):
             self._seen.popitem(last=False)
         if nonce in self._seen:
             raise Unauthorized("replayed request (nonce already used)")
         self._seen[nonce] = now + 2 * self.max_skew_s
+        return SignedHead(length, digest)
+
+    def verify(self, method: str, path: str, header: str | None, body: bytes) -> None:
+        """Head and body at once (the body already in hand)."""
+        self.check_head(method, path, header, len(body)).check_body(body)
 
 
-def internal_middleware(verifier: Verifier | None, open_paths: Iterable[str] = ("/health",)
-                        ) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Refuse (401) every request but ``open_paths`` without a valid signature, before its handler."""
+def internal_middleware(verifier: Verifier | None, open_paths: Iterable[str] = ("/health",), *, body_timeout_s: float,
+                        max_body: int = MAX_BODY) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Refuse every request but ``open_paths`` without a valid signature, before its handler.
+
+    Everything but the body hash is checked from the head alone, before a byte of the body is
+    read: a request without the secret costs the node a parsed head, never a buffered body.
+    Bodies must be framed by ``Content-Length`` (chunked ones are refused with 411, longer
+    than ``max_body`` with 413), must arrive within ``body_timeout_s`` (408) and must hash to
+    what was signed (401).
+    """
     exempt = frozenset(open_paths)
+
+    def refuse(status: int, message: str) -> web.Response:
+        resp = web.json_response({"error": message}, status=status)
+        resp.force_close()  # the unread body, if any, is not worth reading
+        return resp
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if verifier is not None and request.path not in exempt:
-            try:
-                verifier.verify(request.method, request.raw_path, request.headers.get(AUTH_HEADER),
-                                await request.read())
-            except Unauthorized as exc:
-                return web.json_response({"error": str(exc)}, status=401)
+        if verifier is None or request.path in exempt:
+            return await handler(request)
+        if "Transfer-Encoding" in request.headers:
+            return refuse(411, "the internal plane takes bodies with a Content-Length only (no chunked encoding)")
+        length = request.content_length or 0
+        if length > max_body:
+            return refuse(413, f"body of {length} B; the internal plane takes at most {max_body} B")
+        try:
+            head = verifier.check_head(request.method, request.raw_path, request.headers.get(AUTH_HEADER), length)
+        except Unauthorized as exc:
+            return refuse(401, str(exc))
+        try:
+            async with asyncio.timeout(body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            return refuse(408, f"the body did not arrive within {body_timeout_s:.0f}s")
+        try:
+            head.check_body(body)
+        except Unauthorized as exc:
+            return refuse(401, str(exc))
         return await handler(request)
 
     return authenticate
@@ -173,7 +244,7 @@ class ClusterAuth:
         """Headers that authenticate one request to ``url`` (none without a secret)."""
         if self.secret is None:
             return {}
-        return {AUTH_HEADER: sign(self.secret, method, URL(url).raw_path_qs, body)}
+        return {AUTH_HEADER: sign(self.secret, method, URL(url).raw_path_qs, body, to=audience(url))}
 
     def client_middleware(self) -> Callable[..., Awaitable[Any]]:
         """An aiohttp *client* middleware that signs every request of a session."""
@@ -186,11 +257,17 @@ class ClusterAuth:
 
         return sign_request
 
-    def verifier(self) -> Verifier | None:
-        return None if self.secret is None else Verifier(self.secret, self.security.max_clock_skew_s)
+    def verifier(self, host: str, port: int) -> Verifier | None:
+        """The verifier of the listener on ``host:port`` (None without a secret)."""
+        if self.secret is None:
+            return None
+        return Verifier(self.secret, self.security.max_clock_skew_s,
+                        audience=audience(str(URL.build(scheme="http", host=host, port=port))))
 
-    def middleware(self, open_paths: Iterable[str] = ("/health",)) -> Callable[..., Awaitable[web.StreamResponse]]:
-        return internal_middleware(self.verifier(), open_paths)
+    def middleware(self, host: str, port: int, *, body_timeout_s: float,
+                   open_paths: Iterable[str] = ("/health",)) -> Callable[..., Awaitable[web.StreamResponse]]:
+        """The internal plane's middleware for the listener on ``host:port``, as the config names it."""
+        return internal_middleware(self.verifier(host, port), open_paths, body_timeout_s=body_timeout_s)
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """TLS context of every HTTP listener, or None without ``security.tls_cert_file``."""

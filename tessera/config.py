@@ -350,6 +350,31 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class ListenerConfig:
+    """Limits of every HTTP listener: the public API, the internal plane, generation and memory nodes."""
+
+    # a new connection is closed unless its first request head is complete within this
+    header_timeout_s: float = 10.0
+    # a kept-alive connection waiting this long for its next complete request head is closed;
+    # above aiohttp clients' 15 s keep-alive, so no client reuses a connection as it closes
+    idle_timeout_s: float = 30.0
+    # open connections per listener; past it a new connection is closed at once
+    max_connections: int = 512
+    # header fields per request (aiohttp caps each at 8190 B): bounds a head's memory
+    max_headers: int = 64
+    # on internal listeners, a signed body must arrive within this after its head
+    body_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for key in ("header_timeout_s", "idle_timeout_s", "body_timeout_s"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                   f"listener.{key}", value, "expected a number of seconds > 0")
+        _positive("listener.max_connections", self.max_connections)
+        _positive("listener.max_headers", self.max_headers)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     # B: tokens per storage block in both cache tiers
     block_tokens: int = 16
@@ -361,6 +386,7 @@ class ClusterConfig:
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    listener: ListenerConfig = field(default_factory=ListenerConfig)
     kvpools: tuple[KVPoolNodeConfig, ...] = ()
     generation: tuple[GenerationNodeConfig, ...] = ()
 

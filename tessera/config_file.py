@@ -19,6 +19,7 @@ from tessera.config import (
     ControlConfig,
     GenerationNodeConfig,
     KVPoolNodeConfig,
+    ListenerConfig,
     ModelConfig,
     RetrievalConfig,
     SecurityConfig,
@@ -35,6 +36,7 @@ _SECTIONS: dict[str, type] = {
     "retrieval": RetrievalConfig,
     "transport": TransportConfig,
     "security": SecurityConfig,
+    "listener": ListenerConfig,
 }
 
 

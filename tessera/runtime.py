@@ -18,7 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
+from tessera.config import ListenerConfig
 from tessera.errors import TesseraError
+from tessera.listener import ListenerSite
 from tessera.ports import bind_listener
 
 log = logging.getLogger("tessera")
@@ -47,11 +49,12 @@ def run(main: Callable[[], Coroutine[Any, Any, int | None]]) -> int:
         return runner.run(main()) or 0
 
 
-async def serve(app: web.Application, host: str, port: int, *, name: str, drain_s: float = 10.0,
-                ssl_context: ssl.SSLContext | None = None,
+async def serve(app: web.Application, host: str, port: int, *, name: str, limits: ListenerConfig,
+                drain_s: float = 10.0, ssl_context: ssl.SSLContext | None = None,
                 also: Sequence[tuple[web.Application, str, int]] = ()) -> int:
     """Serve ``app`` (and the ``also`` apps, e.g. an internal plane) until SIGINT/SIGTERM.
 
+    Every listener obeys ``limits`` (:class:`~tessera.listener.ListenerSite`).
     Then drain and clean up, ``app`` first: its in-flight work may still need the others.
     Returns the exit code: 3 when a start-up (an app's ``cleanup_ctx``, e.g. loading the model)
     or a listener fails.
@@ -68,10 +71,10 @@ async def serve(app: web.Application, host: str, port: int, *, name: str, drain_
     scheme = "https" if ssl_context is not None else "http"
     started: list[web.AppRunner] = []
     try:
-        for runner, sock in zip(runners, sockets, strict=True):
+        for runner, sock, (_, h, p) in zip(runners, sockets, sites, strict=True):
             started.append(runner)
             await runner.setup()  # runs the cleanup_ctx start-ups
-            await web.SockSite(runner, sock, ssl_context=ssl_context).start()
+            await ListenerSite(runner, h, p, limits, sock=sock, ssl_context=ssl_context).start()
     except (OSError, TesseraError) as exc:
         for runner in reversed(started):
             await runner.cleanup()  # stops what did start, in reverse order

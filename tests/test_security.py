@@ -243,6 +243,40 @@ async def test_an_expired_capability_is_refused(plane: Plane, issuer: Capability
         await _write(plane, [3], capabilities(blocks, 7, expired)["kv0"])
 
 
+async def test_a_captured_write_grant_cannot_overwrite_what_it_wrote(plane: Plane) -> None:
+    """Regression (issue 22): a write grant taken off the wire overwrote a published entry until it expired."""
+    grant = await _grant(plane, "w" * 32, 8)
+    cap = capabilities(grant.blocks, grant.epoch, grant.tokens)["kv0"]
+    await _write(plane, list(cap.slots), cap)  # the writer
+    publish = {"version": V, "unit_id": grant.unit_id, "epoch": grant.epoch, "writer": grant.writer,
+               "blocks": [{"node": b.node, "index": b.index} for b in grant.blocks]}
+    assert (await call(plane, "POST", "/control/publish", publish, signed=True))[0] == 200
+    for slots in (list(cap.slots), list(cap.slots[1:])):  # the attacker, with the captured token
+        with pytest.raises(TransferError, match="single-use"):
+            await _write(plane, slots, cap)
+
+
+async def test_a_cancelled_write_grant_cannot_write_again(plane: Plane) -> None:
+    """After the writer cancels, the slots it wrote refuse the grant's token (issue 22)."""
+    grant = await _grant(plane, "c" * 32, 8)
+    cap = capabilities(grant.blocks, grant.epoch, grant.tokens)["kv0"]
+    await _write(plane, [cap.slots[0]], cap)  # the writer got one block out, then gave up
+    cancel = {"version": V, "unit_id": grant.unit_id, "epoch": grant.epoch, "writer": grant.writer}
+    status, ack = await call(plane, "POST", "/control/cancel", cancel, signed=True)
+    assert status == 200 and ack["ok"], ack
+    with pytest.raises(TransferError, match="single-use"):
+        await _write(plane, [cap.slots[0]], cap)
+
+
+async def test_an_older_grant_cannot_write_over_a_newer_one(plane: Plane, issuer: CapabilityIssuer) -> None:
+    """A slot written under epoch 101 refuses a still-valid token of epoch 100 (a cancelled grant's)."""
+    blocks = (BlockRef("kv0", 15),)
+    old, new = (capabilities(blocks, e, issuer.issue("write", blocks, e, 30.0))["kv0"] for e in (100, 101))
+    await _write(plane, [15], new)
+    with pytest.raises(TransferError, match="older epoch 100 is stale"):
+        await _write(plane, [15], old)
+
+
 async def test_publish_needs_the_secret_and_a_valid_grant(plane: Plane) -> None:
     """Unsigned publish is a 401; a signed publish under a made-up epoch or writer is a 409."""
     grant = await _grant(plane, "p" * 32, 4)

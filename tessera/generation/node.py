@@ -252,13 +252,16 @@ GENERATION_NODE = web.AppKey("generation_node", GenerationNode)
 
 def build_app(config: ClusterConfig, name: str) -> web.Application:
     node = GenerationNode(config, name)
+    cfg = config.generation_node(name)
     # the whole API is internal: only the retrieval role (holding the cluster secret) calls it;
     # /metrics takes a Prometheus scraper's admin API key instead, or is open on a loopback-only
     # node without keys (a scraper cannot sign; issue 21)
     keys = KeyRing.load(config.security.keys_file) if config.security.keys_file else None
-    scrapable = keys is not None or config.generation_node(name).host in LOOPBACK_HOSTS
+    scrapable = keys is not None or cfg.host in LOOPBACK_HOSTS
     open_paths = ("/health", "/metrics") if scrapable else ("/health",)
-    app = application([ClusterAuth.from_config(config).middleware(open_paths), admin_middleware(keys)])
+    app = application([ClusterAuth.from_config(config).middleware(
+        cfg.host, cfg.port, open_paths=open_paths, body_timeout_s=config.listener.body_timeout_s),
+        admin_middleware(keys)])
     app[GENERATION_NODE] = node
     app.cleanup_ctx.append(node.lifecycle)
     app.router.add_get("/health", node.health)
@@ -281,5 +284,5 @@ def run_generation(config: ClusterConfig, name: str | None) -> int:
     cfg = config.generation_node(name)
     app = build_app(config, name)
     ssl_context = ClusterAuth.from_config(config).server_ssl()
-    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", drain_s=30.0,
-                             ssl_context=ssl_context))
+    return run(lambda: serve(app, cfg.host, cfg.port, name=f"generation {name}", limits=config.listener,
+                             drain_s=30.0, ssl_context=ssl_context))

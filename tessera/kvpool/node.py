@@ -167,7 +167,8 @@ class MemoryNode:
 
     def app(self) -> web.Application:
         # /info names the shm segment and the data port: cluster processes only
-        app = application([self.auth.middleware()])
+        app = application([self.auth.middleware(self.node.host, self.node.port,
+                                                body_timeout_s=self.config.listener.body_timeout_s)])
         app[KVPOOL_NODE] = self
         app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
@@ -213,6 +214,6 @@ def run_memory_node(config: ClusterConfig, name: str | None) -> int:
         return 2
     try:
         return run(lambda: serve(node.app(), node_cfg.host, node_cfg.port, name=f"kvpool {node_cfg.name}",
-                                 ssl_context=node.auth.server_ssl()))
+                                 limits=config.listener, ssl_context=node.auth.server_ssl()))
     finally:
         node.close_arena()  # when the app never started; closing twice is harmless

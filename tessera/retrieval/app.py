@@ -59,7 +59,9 @@ async def _internal_health(_: web.Request) -> web.Response:
 
 def build_control_app(node: RetrievalNode, auth: ClusterAuth) -> web.Application:
     """The internal plane of ``node``: ``/control/*`` (and ``/health``), signed requests only."""
-    app = application([auth.middleware()])
+    r = node.config.retrieval
+    app = application([auth.middleware(r.internal_host, r.internal_port,
+                                       body_timeout_s=node.config.listener.body_timeout_s)])
     app[STATS_EXTRA] = node.store_stats
     app[RETRIEVAL_NODE] = node  # the memory nodes' inventories are checked against the unit store
     app.router.add_get("/health", _internal_health)
@@ -96,7 +98,8 @@ def run_retrieval_role(config: ClusterConfig) -> int:
         public = build_retrieval_app(config, node, keys)
         internal = build_control_app(node, auth)
         r = config.retrieval
-        return await serve(public, r.host, r.port, name="retrieval", drain_s=30.0, ssl_context=auth.server_ssl(),
+        return await serve(public, r.host, r.port, name="retrieval", limits=config.listener, drain_s=30.0,
+                           ssl_context=auth.server_ssl(),
                            also=[(internal, r.internal_host, r.internal_port)])
 
     return run(main)

@@ -10,6 +10,7 @@ it drains, so a client that does not read its answers cannot grow the node's mem
 The server does not know which slot belongs to whom; the control plane decides that. With
 a cluster secret it serves only requests whose capability (the grant's or lease's token, see
 :mod:`.frames`) covers every slot they name; anything else is refused before a byte moves.
+A write grant is single-use: each of its slots is written once under it (:mod:`.writes`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tessera.transport.frames import (
     Status,
     unpack_blocks,
 )
+from tessera.transport.writes import WriteLedger
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,12 @@ class _Connection(asyncio.BufferedProtocol):
             outside = [slot for slot, _ in self._blocks if slot not in allowed]
             if outside:
                 return self._refuse(f"slot {outside[0]} is not covered by the {op} capability")
+            if self._op is Op.WRITE:
+                written = [slot for slot, _ in self._blocks]
+                reason = self.server.writes.refusal(written, epoch, mac)
+                if reason is not None:
+                    return self._refuse(reason)
+                self.server.writes.record(written, epoch, expires, mac)
         return self._dispatch()
 
     def _dispatch(self) -> None:
@@ -215,6 +223,7 @@ class BlockServer:
         self.boot_id = boot_id
         self.secret = secret  # None: no capabilities required (a cluster without a secret)
         self.node = node  # the name capabilities are bound to
+        self.writes = WriteLedger()  # makes write grants single-use (with a secret)
         self.connections: set[_Connection] = set()
         self.requests = 0
         self.bytes_read = 0

@@ -1,0 +1,183 @@
+"""Listener limits from the attacker's side (issue 22): raw sockets against a real memory node process.
+
+The attacker can reach a listener's port and holds no cluster secret. Each test is one
+attack that worked before issue 22: bodies buffered before the 401, connections held open
+without a request, and no bound on how many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from helpers.kvpool import PoolConfig
+from helpers.processes import MemoryNodeProcess
+
+from tessera.auth import ClusterAuth
+from tessera.config import ClusterConfig, ListenerConfig
+from tessera.config_file import load_config
+from tessera.errors import ConfigError
+from tessera.http import MAX_BODY
+
+HANG_GUARD_S = 30.0  # only so that a failing test fails instead of hanging; never a time being measured
+CAP = 8  # listener.max_connections of the node under test
+
+
+@dataclasses.dataclass
+class Node:
+    config: ClusterConfig
+    host: str
+    port: int
+
+
+def started(directory: Path, pool_config: PoolConfig, limits: ListenerConfig) -> Iterator[Node]:
+    config = dataclasses.replace(pool_config(directory, capacity=4), listener=limits)
+    with MemoryNodeProcess.started(config, directory) as proc:
+        yield Node(config, proc.node.host, proc.node.port)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, pool_config: PoolConfig) -> Iterator[Node]:
+    """Memory node kv0 (secret on): 1.5 s for a first request head, 2 s idle."""
+    yield from started(tmp_path_factory.mktemp("listener"), pool_config,
+                       ListenerConfig(header_timeout_s=1.5, idle_timeout_s=2.0))
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory, pool_config: PoolConfig) -> Iterator[Node]:
+    """Memory node kv0 whose listener holds at most CAP connections (deadlines far away)."""
+    yield from started(tmp_path_factory.mktemp("capped"), pool_config,
+                       ListenerConfig(max_connections=CAP, header_timeout_s=120.0, idle_timeout_s=120.0))
+
+
+def connect(node: Node) -> socket.socket:
+    sock = socket.create_connection((node.host, node.port), timeout=HANG_GUARD_S)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (the hang guard fails the test)."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def read_response_head(sock: socket.socket) -> bytes:
+    """The status line and headers (and whatever part of the body came with them)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One whole response with a Content-Length: (status, body)."""
+    out = read_response_head(sock)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed in the middle of a response"
+        body += chunk
+    return status_of(out), body
+
+
+def get_health(sock: socket.socket, host: str) -> int:
+    sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    return read_response(sock)[0]
+
+
+def status_of(response: bytes) -> int:
+    assert response.startswith(b"HTTP/1.1 "), response[:200]
+    return int(response.split(b" ", 2)[1])
+
+
+def test_an_unsigned_request_is_refused_before_its_body_is_sent(node: Node) -> None:
+    """Regression: the internal plane read a whole body (up to 64 MiB) before answering 401."""
+    with connect(node) as sock:
+        sock.sendall(f"POST /info HTTP/1.1\r\nHost: {node.host}\r\nContent-Length: {MAX_BODY}\r\n\r\n".encode())
+        head = read_response_head(sock)  # no byte of the body was sent
+    assert status_of(head) == 401 and b"Connection: close" in head
+
+
+def test_a_chunked_or_oversized_body_is_refused_before_it_is_read(node: Node) -> None:
+    """Signed or not, a chunked body (411) or one longer than the limit (413) is refused from the head."""
+    url = f"http://{node.host}:{node.port}/info"
+    auth = ClusterAuth.from_config(node.config)
+    for framing, want in (("Transfer-Encoding: chunked", 411), (f"Content-Length: {MAX_BODY + 1}", 413)):
+        signed = auth.headers("POST", url, b"x")
+        with connect(node) as sock:
+            sock.sendall(f"POST /info HTTP/1.1\r\nHost: {node.host}\r\n{framing}\r\n"
+                         f"X-Tessera-Auth: {signed['X-Tessera-Auth']}\r\n\r\n".encode())
+            assert status_of(read_response_head(sock)) == want, framing
+
+
+def test_a_connection_that_never_completes_a_request_head_is_closed(node: Node) -> None:
+    """Regression: idle and slow-head connections stayed open (1,500 of them for 40 s and more)."""
+    with connect(node) as silent, connect(node) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        slow.settimeout(0.2)
+        closed = False
+        for _ in range(int(HANG_GUARD_S / 0.2)):  # one byte of a header value at a time, slowloris-style
+            try:
+                slow.sendall(b"a")
+                if slow.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed, "a head dribbled one byte at a time kept its connection open"
+        assert read_until_closed(silent) == b""  # closed without an answer
+
+
+def test_an_idle_kept_alive_connection_is_closed(node: Node) -> None:
+    """After a complete request, a connection that sends nothing more is closed (listener.idle_timeout_s)."""
+    with connect(node) as sock:
+        assert get_health(sock, node.host) == 200
+        assert read_until_closed(sock) == b""  # closed by the node, with no further answer
+
+
+def test_past_max_connections_new_connections_are_closed_and_open_ones_keep_working(capped: Node) -> None:
+    """Regression: a listener held every connection it was offered; now the (CAP+1)-th is closed at once."""
+    with ExitStack() as stack:
+        held = [stack.enter_context(connect(capped)) for _ in range(CAP)]
+        assert get_health(held[0], capped.host) == 200  # the node has accepted the first ...
+        assert get_health(held[-1], capped.host) == 200  # ... and the last of them
+        extra = stack.enter_context(connect(capped))
+        assert read_until_closed(extra) == b""  # closed at once, unanswered
+        for sock in held:
+            assert get_health(sock, capped.host) == 200  # every open one keeps working
+    answer = b""
+    for _ in range(50):  # the held ones are gone: the listener takes new connections again
+        with connect(capped) as again, contextlib.suppress(ConnectionError):
+            again.sendall(f"GET /health HTTP/1.1\r\nHost: {capped.host}\r\n\r\n".encode())
+            answer = read_response_head(again)
+        if answer:  # (nothing: the node had not yet seen all the held ones close)
+            break
+        time.sleep(0.1)
+    assert status_of(answer) == 200
+
+
+def test_listener_limits_are_read_from_the_config_file(tmp_path: Path) -> None:
+    """[listener] in tessera.toml sets the limits; a bad value is refused naming the key."""
+    path = tmp_path / "t.toml"
+    path.write_text('base = "default"\n[listener]\nmax_connections = 3\nheader_timeout_s = 2\n')
+    limits = load_config(path).listener
+    assert (limits.max_connections, limits.header_timeout_s) == (3, 2)
+    path.write_text('base = "default"\n[listener]\nmax_connections = 0\n')
+    with pytest.raises(ConfigError, match=r"listener\.max_connections = 0"):
+        load_config(path)
