@@ -26,7 +26,6 @@ from aiohttp import web
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
-from tessera.control.stats import plane_metrics
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import BadRequest, Overloaded, TesseraError
@@ -71,7 +70,7 @@ class Serving:
         self.m_bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
         self.m_completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
         self.g_pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
-        m.read_at_scrape(lambda: plane_metrics(plane))
+        m.read_at_scrape(plane.metrics)
 
     def builder_for(self, node: RetrievalNode) -> PromptBuilder:
         if self.builder is None:
