@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> None:
           f"compute {s.compute / s.units:.1%}; retained local {s.keep_local}, shared {s.keep_shared}, "
           f"local evictions {s.local_evictions}, shared evictions {plane.shared.evictions}")
     loads = [len(c) for c in cluster.caches.values()]
-    print(f"  local cache units per node: {loads}; shared entries {len(plane.directory)}")
+    shown = loads if len(loads) <= 16 else f"min {min(loads)}, median {int(np.median(loads))}, max {max(loads)}"
+    print(f"  local cache units per node: {shown}; shared entries {len(plane.directory)}")
 
 
 def main() -> None:
