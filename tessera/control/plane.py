@@ -231,6 +231,7 @@ class ControlPlane:
         self.liveness.heard(node, self.clock())
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
+        node.prefill_tokens_per_s = msg.prefill_tokens_per_s
         # first report to this plane (a new incarnation): ask for the whole local cache
         return Ack(WIRE_VERSION, True, "resync" if first else "")
 

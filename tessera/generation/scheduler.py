@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,9 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
         self.batched_items = 0
+        # prefill throughput over recent batches with extend work (decayed sums: tokens, seconds)
+        self._prefill_tokens = 0.0
+        self._prefill_s = 0.0
 
     # --- submission ----------------------------------------------------------------------
 
@@ -91,8 +95,20 @@ class Scheduler:
         return state
 
     async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Compute tokens at positions over the request's slots; logits of the last position."""
-        logits: torch.Tensor = await self._submit(Extend(slots, token_ids, positions), decode=False)
+        """Compute tokens at positions (ascending) over the request's slots; logits of the last position.
+
+        A prompt longer than ``max_batch_tokens`` runs in chunks of that size, one batch each
+        (chunked prefill): as one item, a ~7,000-token prompt held every other request's next
+        token for its whole minute of prefill. Each chunk attends to the slots the chunks
+        before it filled, so the result is the same computation in pieces.
+        """
+        step = self.max_batch_tokens
+        assert len(token_ids) == len(positions) > 0, (len(token_ids), len(positions))
+        logits: torch.Tensor | None = None
+        for start in range(0, len(token_ids), step):
+            logits = await self._submit(Extend(slots, token_ids[start:start + step], positions[start:start + step]),
+                                        decode=False)
+        assert logits is not None
         return logits
 
     async def decode(self, slots: KVSlots, token_id: int, position: int) -> torch.Tensor:
@@ -127,6 +143,18 @@ class Scheduler:
     @property
     def queued_tokens(self) -> int:
         return sum(j.tokens for j in self._extends) + len(self._decodes)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Tokens per second of the recent batches that computed prompts (0 until one ran)."""
+        return self._prefill_tokens / self._prefill_s if self._prefill_s > 0 else 0.0
+
+    def _measure(self, batch: list[_Job], seconds: float) -> None:
+        """One batch's speed; only batches with prompt work count (a decode-only step is not a prefill)."""
+        if all(j.decode for j in batch):
+            return
+        self._prefill_tokens = 0.8 * self._prefill_tokens + sum(j.tokens for j in batch)
+        self._prefill_s = 0.8 * self._prefill_s + seconds
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -172,6 +200,7 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            t0 = time.perf_counter()
             try:
                 await self.worker.call(self.engine.step, [j.item for j in batch])
             except Exception as exc:
@@ -180,6 +209,7 @@ class Scheduler:
                     if not j.future.done():
                         j.future.set_exception(exc)
                 continue
+            self._measure(batch, time.perf_counter() - t0)
             self.steps += 1
             self.batched_items += len(batch)
             for j in batch:
