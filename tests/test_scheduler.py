@@ -72,6 +72,19 @@ async def test_decodes_ride_along_with_every_chunk_of_a_long_extend(fake_engine:
     assert fake_engine.batches == [[1, 8], [8], [4]]
 
 
+async def test_a_request_whose_units_are_ready_goes_before_unit_prefills_queued_earlier(fake_engine: Any) -> None:
+    """Regression: at 3x saturation a request's final extend queued behind the unit prefills of
+    every request that arrived after it, so first tokens came late and in bursts (accepted p99
+    above max_queue_wait_s + one service time). Its extend now runs before queued unit prefills."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        prefills = [asyncio.ensure_future(s.prefill_unit([1] * 6)) for _ in range(2)]
+        extend = _extend(s, await _slots(s), 3)
+        await _queued(*prefills, extend)
+        s.start()
+        await asyncio.gather(*prefills, extend)
+    assert fake_engine.batches == [[3], [6], [6]]
+
+
 async def test_a_cancelled_request_never_reaches_the_engine(fake_engine: Any) -> None:
     """Work whose requester went away (cancelled future) is dropped, the rest still runs."""
     async with scheduler(fake_engine, max_batch_tokens=64) as s:

@@ -9,7 +9,8 @@ keeps serving HTTP, transfers and other requests while a forward pass runs. The
     resolve each item's future
 
 Unit prefills (internal requests for missing units) and requests' final extends join the
-same batches; a request that waits for its unit states is simply not in the queue yet, so
+same batches, the extends first (a request whose units are ready is one step from its first
+token); a request that waits for its unit states is simply not in the queue yet, so
 it never blocks anyone.
 
 The scheduler is the executor's only way to the engine: besides batched extends, decodes
@@ -71,7 +72,8 @@ class Scheduler:
         self.engine = engine
         self.worker = EngineWorker(engine)
         self.max_batch_tokens = max_batch_tokens
-        self._extends: deque[_Job] = deque()
+        self._extends: deque[_Job] = deque()  # requests' prompt extends (chunks of them)
+        self._prefills: deque[_Job] = deque()  # unit prefills (internal requests)
         self._decodes: deque[_Job] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -85,7 +87,8 @@ class Scheduler:
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        (self._decodes if decode else self._extends).append(_Job(item, future, decode))
+        queue = self._decodes if decode else self._prefills if isinstance(item, UnitPrefill) else self._extends
+        queue.append(_Job(item, future, decode))
         self._wake.set()
         return future
 
@@ -142,7 +145,7 @@ class Scheduler:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(j.tokens for j in self._extends) + len(self._decodes)
+        return sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + len(self._decodes)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -169,10 +172,11 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for job in (*self._extends, *self._decodes):
+        for job in (*self._extends, *self._prefills, *self._decodes):
             if not job.future.done():
                 job.future.set_exception(RuntimeError("generation node is shutting down"))
         self._extends.clear()
+        self._prefills.clear()
         self._decodes.clear()
         self.worker.close()
 
@@ -181,16 +185,20 @@ class Scheduler:
         batch = [j for j in self._decodes if not j.future.cancelled()]
         self._decodes.clear()
         budget = self.max_batch_tokens - len(batch)
-        while self._extends:
-            job = self._extends[0]
-            if job.future.cancelled():
-                self._extends.popleft()
-                continue
-            # an item larger than the budget still runs, alone with the decodes
-            if job.tokens > budget and any(not j.decode for j in batch):
-                break
-            batch.append(self._extends.popleft())
-            budget -= job.tokens
+        # requests' own extends (their first token is next) before unit prefills: a request
+        # whose units are ready must not wait behind the unit prefills of every request that
+        # arrived after it (that made first tokens come late and in bursts under load)
+        for queue in (self._extends, self._prefills):
+            while queue:
+                job = queue[0]
+                if job.future.cancelled():
+                    queue.popleft()
+                    continue
+                # an item larger than the budget still runs, alone with the decodes
+                if job.tokens > budget and any(not j.decode for j in batch):
+                    return batch
+                batch.append(queue.popleft())
+                budget -= job.tokens
         return batch
 
     async def _loop(self) -> None:
