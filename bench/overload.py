@@ -2,10 +2,12 @@
 
     python bench/overload.py [--config tessera.toml] [--factor 3] [--duration 60]
 
-Starts the cluster, measures the unloaded TTFT (one request at a time) and the service time,
-takes saturation as nodes / mean service time, then sends Poisson load at ``factor`` times
-that. Prints outcome counts and the p50/p99 TTFT of accepted requests against the unloaded
-p99 (the target: within 3x, refusals only 429/503).
+Starts the cluster (the embedded default config unless ``--config``), measures the unloaded
+TTFT (one request at a time) and the service time, takes saturation as nodes / mean service
+time, then sends Poisson load at ``factor`` times that. Prints outcome counts, the p50/p99
+TTFT of accepted requests against the unloaded p99 and against ``control.max_queue_wait_s``
+plus one service time (the bound the overload control promises), and every role's RSS
+before the load, right after it and ``--settle`` seconds later.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from tessera.benchmark.chaos import rss_mb
 from tessera.config_file import load_config
 from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
@@ -56,7 +59,28 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs or [float("nan")])[0]
 
 
-async def measure(url: str, nodes: int, factor: float, duration: float, max_tokens: int) -> None:
+def rss(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
+    """(RSS, of which shared memory) of every role process, MB, by role (and node).
+
+    A generation node's RSS counts the pages of the memory node's ``/dev/shm`` arena it wrote
+    or read (RssShmem): the shared tier, bounded by the arena, not the node's own memory.
+    """
+    return {f"{c.role}:{c.node}": (rss_mb(c.proc.pid), _status_mb(c.proc.pid, "RssShmem:")) for c in cluster.children}
+
+
+def _status_mb(pid: int, key: str) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next((int(line.split()[1]) / 1024 for line in fh if line.startswith(key)), 0.0)
+
+
+def print_rss(when: str, figures: dict[str, tuple[float, float]]) -> None:
+    print(f"RSS {when}: " + ", ".join(f"{k} {v:.0f} MB (shm {s:.0f})" for k, (v, s) in figures.items())
+          + f"; total {sum(v for v, _ in figures.values()):.0f} MB")
+
+
+async def measure(cluster: LocalCluster, factor: float, duration: float, max_tokens: int, settle: float) -> None:
+    cfg = cluster.config
+    url, nodes, bound = cfg.retrieval_url, len(cfg.generation), cfg.control.max_queue_wait_s
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for i in range(3):
             await one(session, url, _body(i, max_tokens))
@@ -67,6 +91,7 @@ async def measure(url: str, nodes: int, factor: float, duration: float, max_toke
         rate = factor * saturation
         print(f"unloaded: TTFT p50 {pct(ttft0, 50) * 1000:.0f} ms, p99 {pct(ttft0, 99) * 1000:.0f} ms; "
               f"service {service * 1000:.0f} ms; saturation ~{saturation:.2f} req/s; driving {rate:.2f} req/s")
+        print_rss("before the load", rss(cluster))
         rng = random.Random(0)
         tasks, at, t0, i = [], 0.0, time.monotonic(), 0
         while at < duration:
@@ -75,11 +100,17 @@ async def measure(url: str, nodes: int, factor: float, duration: float, max_toke
             at += rng.expovariate(rate)
             i += 1
         results = await asyncio.gather(*tasks)
+    print_rss("right after the load", rss(cluster))
     outcomes = Counter(o for o, _, _ in results)
     ttft = [t for o, t, _ in results if o == "200" and t is not None]
     print(f"requests {len(results)}; outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     print(f"accepted TTFT p50 {pct(ttft, 50) * 1000:.0f} ms, p99 {pct(ttft, 99) * 1000:.0f} ms = "
           f"{pct(ttft, 99) / pct(ttft0, 99):.1f}x the unloaded p99")
+    if bound > 0:
+        print(f"bound: control.max_queue_wait_s {bound:g} s + one service time = {(bound + service) * 1000:.0f} ms; "
+              f"accepted p99 is {pct(ttft, 99) / (bound + service):.2f}x that")
+    await asyncio.sleep(settle)
+    print_rss(f"{settle:g} s after the load", rss(cluster))
 
 
 def main() -> None:
@@ -88,12 +119,13 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=3.0)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--settle", type=float, default=60.0, help="seconds to wait after the load before the last RSS")
     args = ap.parse_args()
     cfg = on_free_ports(load_config(args.config))  # beside a cluster on the configured ports
     cluster = LocalCluster(cfg)
     cluster.start()
     try:
-        asyncio.run(measure(cfg.retrieval_url, len(cfg.generation), args.factor, args.duration, args.max_tokens))
+        asyncio.run(measure(cluster, args.factor, args.duration, args.max_tokens, args.settle))
     finally:
         cluster.stop()
 

@@ -167,12 +167,13 @@ class ControlConfig:
     heartbeat_timeout_s: float = 10.0
     # a routed request whose completion never arrives (its caller died) is expired after this
     request_ttl_s: float = 900.0
-    # deadlines toward generation nodes: connecting, the first token (snapshot included),
-    # and the gap between two tokens; on expiry the node is told to abort
+    # deadlines toward generation nodes: connecting; the snapshot, and the slack on top of the
+    # first token's work at the node's measured prefill rate (control/pace.py); the gap between
+    # two tokens. On expiry the node is told to abort; it leaves routing only if it is also silent
     connect_timeout_s: float = 2.0
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 30.0
-    # nodes one request may be tried on before anything was streamed (unreachable, 429, timeout)
+    # nodes one request may be tried on while nothing reached its client (failed, silent, 429)
     max_attempts: int = 3
     # overload control: refuse (429 + Retry-After) a request whose expected queueing on every
     # node (requests without a first token yet × measured service time) exceeds this; 0 = off

@@ -322,6 +322,7 @@ class LoadReport:
     node: str
     inflight: int
     queued_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured over the node's recent extend batches; 0: not yet
 
 
 @dataclass(frozen=True, slots=True)

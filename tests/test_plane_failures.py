@@ -8,11 +8,12 @@ import pytest
 import torch
 from helpers.plane import B, Cluster
 
+from tessera.control.pace import first_token_deadline_s
 from tessera.engines.base import UnitState
 from tessera.errors import Overloaded, Unavailable
 from tessera.generation.retention import Retainer
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import InvalidateRequest, Preparation, ReleaseRequest, ResidencyReport
+from tessera.messages import InvalidateRequest, LoadReport, Preparation, ReleaseRequest, ResidencyReport
 from tessera.wire import WIRE_VERSION
 
 # --- membership --------------------------------------------------------------------------
@@ -223,3 +224,37 @@ def test_without_a_measured_throughput_nothing_is_refused() -> None:
     """A node that has not measured its speed yet (just started) is never the reason for a 429."""
     c = Cluster(nodes=1, max_queue_wait_s=1.0)
     assert {c.plane.route(f"r{i}", []) for i in range(100)} == {"gen0"}
+
+
+def test_a_node_that_starts_its_queue_in_bursts_is_measured_at_its_real_speed() -> None:
+    """Regression: at the default 10 s bound a node batches many first tokens at once (one long
+    sample, then zeros); the moving average, weighted towards the last samples, said a fraction of
+    the real service time, and accepted requests waited 3.4x max_queue_wait_s."""
+    c = Cluster(nodes=1, max_queue_wait_s=10.0, heartbeat_timeout_s=1000.0)
+    n = 0
+    for _ in range(4):  # rounds of 8 requests whose first tokens come together after 8 s: 1 s each
+        ids = [f"r{n + i}" for i in range(8)]
+        n += 8
+        for rid in ids:
+            c.plane.route(rid, [])
+        c.clock.advance(8.0)
+        for rid in ids:
+            c.plane.started(rid)
+            c.plane.complete(rid)
+    assert c.plane.generation_node("gen0").service_s == pytest.approx(1.0)
+    # the eleventh request queues behind ten (10 s, the bound); a twelfth would wait 11 s
+    for i in range(11):
+        c.plane.route(f"q{i}", [])
+    with pytest.raises(Overloaded, match="max_queue_wait_s"):
+        c.plane.route("late", [])
+
+
+def test_the_first_token_deadline_follows_the_prompt_and_the_queue_at_the_measured_rate() -> None:
+    """Regression: the first-token deadline was a fixed 60 s, so a valid ~7,000-token prompt that
+    needs a minute of prefill on one CPU thread was treated as a dead node; now it is its work at
+    the node's reported prefill rate plus its queue, with first_token_timeout_s as the slack."""
+    c = Cluster(nodes=1, heartbeat_timeout_s=1000.0)
+    node = c.plane.generation_node("gen0")
+    assert first_token_deadline_s(node, 7000, 60.0) == 60.0  # nothing measured yet: the slack alone
+    c.plane.load(LoadReport(WIRE_VERSION, "gen0", inflight=1, queued_tokens=1000, prefill_tokens_per_s=100.0))
+    assert first_token_deadline_s(node, 7000, 60.0) == pytest.approx(60.0 + 8000 / 100.0)

@@ -47,25 +47,42 @@ async def test_extends_are_batched_up_to_the_token_budget(fake_engine: Any) -> N
     assert fake_engine.batches == [[4, 4], [4]]
 
 
-async def test_an_item_longer_than_the_budget_runs_alone(fake_engine: Any) -> None:
-    """A 20-token extend under a budget of 8 runs in its own batch; the next one waits for the next step."""
+async def test_an_extend_longer_than_the_budget_runs_in_chunks_that_others_interleave(fake_engine: Any) -> None:
+    """Regression: a prompt longer than max_batch_tokens ran as one item, and every other request
+    waited for its whole prefill (a ~7,000-token prompt delayed the others by up to 29 s). A
+    20-token extend under a budget of 8 runs as 8 + 8 + 4, and the short extend queued behind it
+    runs between its chunks."""
     async with scheduler(fake_engine, max_batch_tokens=8) as s:
         tasks = [_extend(s, await _slots(s), 3), _extend(s, await _slots(s), 20), _extend(s, await _slots(s), 3)]
         await _queued(*tasks)
         s.start()
-        await asyncio.gather(*tasks)
-    assert fake_engine.batches == [[3], [20], [3]]
+        results = await asyncio.gather(*tasks)
+    assert fake_engine.batches == [[3], [8], [3], [8], [4]]
+    assert int(results[1].argmax()) == 2  # the logits of the last chunk's last token (token 1 -> 2)
 
 
-async def test_decodes_ride_along_with_a_long_extend(fake_engine: Any) -> None:
-    """Pending decodes join the batch of an over-budget extend instead of waiting behind it."""
+async def test_decodes_ride_along_with_every_chunk_of_a_long_extend(fake_engine: Any) -> None:
+    """A pending decode joins the first chunk of a long extend instead of waiting behind all of it."""
     async with scheduler(fake_engine, max_batch_tokens=8) as s:
         decode = asyncio.ensure_future(s.decode(await _slots(s), 1, 0))
         long_extend = _extend(s, await _slots(s), 20)
         await _queued(decode, long_extend)
         s.start()
         await asyncio.gather(decode, long_extend)
-    assert fake_engine.batches == [[1, 20]]
+    assert fake_engine.batches == [[1, 8], [8], [4]]
+
+
+async def test_a_request_whose_units_are_ready_goes_before_unit_prefills_queued_earlier(fake_engine: Any) -> None:
+    """Regression: at 3x saturation a request's final extend queued behind the unit prefills of
+    every request that arrived after it, so first tokens came late and in bursts (accepted p99
+    above max_queue_wait_s + one service time). Its extend now runs before queued unit prefills."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        prefills = [asyncio.ensure_future(s.prefill_unit([1] * 6)) for _ in range(2)]
+        extend = _extend(s, await _slots(s), 3)
+        await _queued(*prefills, extend)
+        s.start()
+        await asyncio.gather(*prefills, extend)
+    assert fake_engine.batches == [[3], [6], [6]]
 
 
 async def test_a_cancelled_request_never_reaches_the_engine(fake_engine: Any) -> None:

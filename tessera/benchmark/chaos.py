@@ -121,7 +121,7 @@ class Oracle:
         return list(comp.generated)
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
@@ -143,9 +143,11 @@ class ChaosRun:
         self.t0 = 0.0
         self.answered = 0  # replies received (progress lines)
         control = config.control
-        # the longest a reply may take: every attempt's first-token deadline, then every token
-        self.deadline_s = (control.connect_timeout_s + control.first_token_timeout_s) * control.max_attempts \
-            + control.idle_timeout_s * options.max_tokens + 10.0
+        # the longest a reply may take: every attempt's first-token deadline (the slack; the work
+        # of these short prompts is well under a second), or, on a stopped node, its heartbeats
+        # timing out; then every token
+        attempt_s = control.connect_timeout_s + max(control.first_token_timeout_s, control.heartbeat_timeout_s + 1.0)
+        self.deadline_s = attempt_s * control.max_attempts + control.idle_timeout_s * options.max_tokens + 10.0
         self.units = [f"Record {i}: the {TOPICS[i % len(TOPICS)]} ledger notes {i * 7} visitors and "
                       f"{i * 3 + 1} deliveries in week {i}. " * 2 for i in range(options.units)]
 
@@ -176,7 +178,7 @@ class ChaosRun:
             print(f"tessera chaos: {message}", file=sys.stderr, flush=True)
 
     def _rss(self) -> float:
-        return sum(_rss_mb(c.proc.pid) for c in self.cluster.alive())
+        return sum(rss_mb(c.proc.pid) for c in self.cluster.alive())
 
     def _body(self, i: int) -> dict[str, Any]:
         picks = self.rng.sample(self.units, k=min(3, len(self.units)))

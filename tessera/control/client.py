@@ -168,10 +168,10 @@ class NodeControl(ControlClient):
         except ControlPlaneError as exc:
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
-    async def load(self, inflight: int, queued_tokens: int) -> Ack:
+    async def load(self, inflight: int, queued_tokens: int, prefill_tokens_per_s: float = 0.0) -> Ack:
         """The heartbeat; an ack with reason "resync" asks for :meth:`resync`."""
         return await self._ack(
-            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens))
+            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s))
 
     async def resync(self, units: Sequence[tuple[str, int]]) -> None:
         """Report the whole local cache, (unit, blocks) each, to a control plane that restarted."""

@@ -224,6 +224,7 @@ class ControlPlane:
         first = node.last_seen is None
         self.liveness.heard(node, self.clock())
         node.queued_tokens = msg.queued_tokens
+        node.prefill_tokens_per_s = msg.prefill_tokens_per_s
         # first report to this plane (a new incarnation): ask for the whole local cache
         return Ack(WIRE_VERSION, True, "resync" if first else "")
 

@@ -36,6 +36,7 @@ from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
 from tessera.errors import BadRequest, TesseraError
 from tessera.generation.executor import Executor
+from tessera.generation.memory import IdleTrim
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler
@@ -75,6 +76,7 @@ class GenerationNode:
         control = config.control
         self.pin_timeout_s = control.connect_timeout_s + control.first_token_timeout_s
         self.background = BackgroundTasks(f"generation {name}")
+        self.trim = IdleTrim()
         self.metrics = Metrics()
         self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome",
                                                ["outcome"])
@@ -127,11 +129,14 @@ class GenerationNode:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens)
+                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens,
+                                              self.scheduler.prefill_tokens_per_s)
                 if ack.reason == "resync":
                     await self.control.resync(self.cache.residency())
             except TesseraError as exc:
                 log.debug("%s: heartbeat failed: %s", self.name, exc)
+            if not self.inflight and not self.scheduler.queued_tokens:
+                self.trim.idle(self.scheduler.steps)  # a spell of work ended: give its freed memory back
             await asyncio.sleep(HEARTBEAT_S)
 
     # --- handlers ------------------------------------------------------------------------

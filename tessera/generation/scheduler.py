@@ -9,7 +9,8 @@ keeps serving HTTP, transfers and other requests while a forward pass runs. The
     resolve each item's future
 
 Unit prefills (internal requests for missing units) and requests' final extends join the
-same batches; a request that waits for its unit states is simply not in the queue yet, so
+same batches, the extends first (a request whose units are ready is one step from its first
+token); a request that waits for its unit states is simply not in the queue yet, so
 it never blocks anyone.
 
 The scheduler is the executor's only way to the engine: besides batched extends, decodes
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -70,16 +72,22 @@ class Scheduler:
         self.engine = engine
         self.worker = EngineWorker(engine)
         self.max_batch_tokens = max_batch_tokens
-        self._extends: deque[_Job] = deque()
+        self._extends: deque[_Job] = deque()  # requests' prompt extends (chunks of them)
+        self._prefills: deque[_Job] = deque()  # unit prefills (internal requests)
         self._decodes: deque[_Job] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.steps = 0  # batches run: the idle memory trim tells spells of work apart by it
+        # prefill throughput over recent batches with extend work (decayed sums: tokens, seconds)
+        self._prefill_tokens = 0.0
+        self._prefill_s = 0.0
 
     # --- submission ----------------------------------------------------------------------
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        (self._decodes if decode else self._extends).append(_Job(item, future, decode))
+        queue = self._decodes if decode else self._prefills if isinstance(item, UnitPrefill) else self._extends
+        queue.append(_Job(item, future, decode))
         self._wake.set()
         return future
 
@@ -89,8 +97,20 @@ class Scheduler:
         return state
 
     async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Compute tokens at positions over the request's slots; logits of the last position."""
-        logits: torch.Tensor = await self._submit(Extend(slots, token_ids, positions), decode=False)
+        """Compute tokens at positions (ascending) over the request's slots; logits of the last position.
+
+        A prompt longer than ``max_batch_tokens`` runs in chunks of that size, one batch each
+        (chunked prefill): as one item, a ~7,000-token prompt held every other request's next
+        token for its whole minute of prefill. Each chunk attends to the slots the chunks
+        before it filled, so the result is the same computation in pieces.
+        """
+        step = self.max_batch_tokens
+        assert len(token_ids) == len(positions) > 0, (len(token_ids), len(positions))
+        logits: torch.Tensor | None = None
+        for start in range(0, len(token_ids), step):
+            logits = await self._submit(Extend(slots, token_ids[start:start + step], positions[start:start + step]),
+                                        decode=False)
+        assert logits is not None
         return logits
 
     async def decode(self, slots: KVSlots, token_id: int, position: int) -> torch.Tensor:
@@ -124,7 +144,19 @@ class Scheduler:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(j.tokens for j in self._extends) + len(self._decodes)
+        return sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + len(self._decodes)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Tokens per second of the recent batches that computed prompts (0 until one ran)."""
+        return self._prefill_tokens / self._prefill_s if self._prefill_s > 0 else 0.0
+
+    def _measure(self, batch: list[_Job], seconds: float) -> None:
+        """One batch's speed; only batches with prompt work count (a decode-only step is not a prefill)."""
+        if all(j.decode for j in batch):
+            return
+        self._prefill_tokens = 0.8 * self._prefill_tokens + sum(j.tokens for j in batch)
+        self._prefill_s = 0.8 * self._prefill_s + seconds
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -139,10 +171,11 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for job in (*self._extends, *self._decodes):
+        for job in (*self._extends, *self._prefills, *self._decodes):
             if not job.future.done():
                 job.future.set_exception(RuntimeError("generation node is shutting down"))
         self._extends.clear()
+        self._prefills.clear()
         self._decodes.clear()
         self.worker.close()
 
@@ -151,16 +184,20 @@ class Scheduler:
         batch = [j for j in self._decodes if not j.future.cancelled()]
         self._decodes.clear()
         budget = self.max_batch_tokens - len(batch)
-        while self._extends:
-            job = self._extends[0]
-            if job.future.cancelled():
-                self._extends.popleft()
-                continue
-            # an item larger than the budget still runs, alone with the decodes
-            if job.tokens > budget and any(not j.decode for j in batch):
-                break
-            batch.append(self._extends.popleft())
-            budget -= job.tokens
+        # requests' own extends (their first token is next) before unit prefills: a request
+        # whose units are ready must not wait behind the unit prefills of every request that
+        # arrived after it (that made first tokens come late and in bursts under load)
+        for queue in (self._extends, self._prefills):
+            while queue:
+                job = queue[0]
+                if job.future.cancelled():
+                    queue.popleft()
+                    continue
+                # an item larger than the budget still runs, alone with the decodes
+                if job.tokens > budget and any(not j.decode for j in batch):
+                    return batch
+                batch.append(queue.popleft())
+                budget -= job.tokens
         return batch
 
     async def _loop(self) -> None:
@@ -170,6 +207,7 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            t0 = time.perf_counter()
             try:
                 await self.worker.call(self.engine.step, [j.item for j in batch])
             except Exception as exc:
@@ -178,6 +216,8 @@ class Scheduler:
                     if not j.future.done():
                         j.future.set_exception(exc)
                 continue
+            self._measure(batch, time.perf_counter() - t0)
+            self.steps += 1
             for j in batch:
                 if j.future.done():
                     continue

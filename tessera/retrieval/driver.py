@@ -1,13 +1,20 @@
 """One chat request through the cluster: route → snapshot → plan → execute → complete, with retries.
 
 :meth:`ChatDriver.run` takes the request's fixed layout and yields the serving generation
-node's events (tokens, then one ``DoneEvent`` or ``ErrorEvent``). Each attempt asks the
-control plane to route, takes the chosen node's snapshot, finalizes the plan against it and
-streams the node's execution; whatever happens, the attempt's route is completed. A node
-that cannot be reached, misses a deadline or answers 429 before its first event is left for
-another one (at most ``control.max_attempts`` nodes): the failed attempt's leases and grants
-go back at once. An attempt that ends before its ``DoneEvent`` (a deadline, a broken stream,
-a stop string, a client gone: the consumer closes :meth:`run`) tells the node to abort.
+node's events (tokens, then one ``DoneEvent``). Each attempt asks the control plane to
+route, takes the chosen node's snapshot, finalizes the plan against it and streams the
+node's execution; whatever happens, the attempt's route is completed.
+
+Retries follow the node, never the clock: a node that failed (unreachable, a broken stream,
+silent past its heartbeats, an ``ErrorEvent``) or refused (429) is left for another one, at
+most ``control.max_attempts`` nodes, as long as nothing reached the client yet (the
+:class:`Receiver` says; a non-streamed reply sends nothing before its end, so it is retried
+even after tokens came). A failed node leaves routing; one that refused stays. A node that
+is alive but slow (:class:`~tessera.retrieval.generation_client.NodeSlow`: it missed a
+deadline that follows its work while still reporting in) is neither retried nor suspected:
+another node would have to redo the same work. A failed attempt's leases and grants go back
+at once. An attempt that ends before its ``DoneEvent`` (a deadline, a broken stream, a stop
+string, a client gone: the consumer closes :meth:`run`) tells the node to abort.
 
 This module knows nothing about HTTP, text or metrics: it relays node events as they come.
 """
@@ -18,25 +25,46 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Collection
+from typing import Protocol
 
-from tessera.errors import Overloaded, Unavailable
+from tessera.control.pace import NodeWatch, first_token_deadline_s
+from tessera.errors import Overloaded, TesseraError, Unavailable
 from tessera.messages import (
     CancelRequest,
     DoneEvent,
     ErrorEvent,
-    ExecuteEvent,
     ExecuteRequest,
     PromptLayout,
     ReleaseRequest,
     RequestPlan,
     SamplingParams,
     SegmentKind,
+    TokenEvent,
 )
 from tessera.retrieval.generation_client import NodeClients, NodeUnavailable
 from tessera.retrieval.node import RetrievalNode
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
+
+
+class NodeFailed(TesseraError):
+    """The node answered the request with an ``ErrorEvent`` (HTTP 503; retried while nothing was sent)."""
+
+
+class Receiver(Protocol):
+    """The consumer of :meth:`ChatDriver.run`: whether it may still start the reply over."""
+
+    def committed(self) -> bool:
+        """True once anything of the reply reached the client: a failure can no longer be retried."""
+        ...
+
+    def restart(self) -> None:
+        """Forget the events taken so far: the request starts over on another node."""
+        ...
+
+
+Failure = NodeUnavailable | NodeFailed | Overloaded
 
 
 class ChatDriver:
@@ -52,34 +80,38 @@ class ChatDriver:
         self.target = ""
         self.plan: RequestPlan | None = None
 
-    async def run(self, layout: PromptLayout) -> AsyncGenerator[ExecuteEvent, None]:
-        """Yield the serving node's events; another node is tried while none was delivered."""
+    async def run(self, layout: PromptLayout, receiver: Receiver) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
+        """Yield the serving node's events; another node is tried while nothing reached the client."""
         refs = self._unit_refs(layout)
         tried: set[str] = set()
-        failed: NodeUnavailable | Overloaded | None = None
+        failed: Failure | None = None
         attempts = self.control.max_attempts
         for attempt in range(1, attempts + 1):
             self.target = self._route(refs, tried, failed)
             self.plan = None
             delivered = finished = False
             try:
-                msg = await self._plan(layout, refs)
-                async with contextlib.aclosing(self.nodes.execute(self.target, msg)) as node_events:
+                watch, msg = await self._plan(layout, refs)
+                async with contextlib.aclosing(self.nodes.execute(watch, msg)) as node_events:
                     async for event in node_events:
                         if not delivered:
                             self.plane.started(self.request_id)  # its queueing ended: overload control measures it
                         delivered = True
-                        finished = isinstance(event, DoneEvent | ErrorEvent)
+                        if isinstance(event, ErrorEvent):
+                            raise NodeFailed(f"generation node {self.target} failed: {event.message}")
+                        finished = isinstance(event, DoneEvent)
                         yield event
                 finished = True
                 return
-            except (NodeUnavailable, Overloaded) as exc:
+            except (NodeUnavailable, NodeFailed, Overloaded) as exc:
                 if isinstance(exc, NodeUnavailable):
                     self.plane.suspect(self.target)
                 if not delivered:
                     self._return_grants()
-                if delivered or attempt == attempts:
+                if receiver.committed() or attempt == attempts:
                     raise
+                if delivered:
+                    receiver.restart()
                 failed = exc
                 tried.add(self.target)
                 log.info("request %s: %s; trying another node (attempt %d of %d)",
@@ -96,7 +128,7 @@ class ChatDriver:
                     refs.setdefault(seg.unit_id, len(seg.token_ids))
         return refs
 
-    def _route(self, refs: dict[str, int], tried: Collection[str], failed: NodeUnavailable | Overloaded | None) -> str:
+    def _route(self, refs: dict[str, int], tried: Collection[str], failed: Failure | None) -> str:
         try:
             return self.plane.route(self.request_id, list(refs.items()), tried)
         except Unavailable:
@@ -104,11 +136,17 @@ class ChatDriver:
                 raise failed from None  # every node that could serve is full: 429, not 503
             raise
 
-    async def _plan(self, layout: PromptLayout, refs: dict[str, int]) -> ExecuteRequest:
-        """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
-        snap = await self.nodes.snapshot(self.target, self.request_id, list(refs))
+    async def _plan(self, layout: PromptLayout, refs: dict[str, int]) -> tuple[NodeWatch, ExecuteRequest]:
+        """Snapshot the routed node (it pins what it holds) and finalize the plan against it.
+
+        The watch carries the attempt's first-token deadline: the prompt's work on this node.
+        """
+        node = self.plane.generation_node(self.target)
+        deadline_s = first_token_deadline_s(node, layout.n_tokens, self.control.first_token_timeout_s)
+        watch = NodeWatch(node, self.plane.clock, deadline_s)
+        snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
         self.plan = self.plane.finalize(self.request_id, self.target, snap.held)
-        return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant)
+        return watch, ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant)
 
     def _complete(self, finished: bool) -> None:
         """The attempt is over: an unfinished run is aborted on its node, and its route completed."""

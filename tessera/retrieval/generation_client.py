@@ -1,24 +1,32 @@
 """The retrieval role's client of the generation nodes (snapshot, execute, abort), in typed messages.
 
-Every call toward a node is bounded (``[control]`` deadlines): connecting, the snapshot and
-the first token of a reply together (``first_token_timeout_s``), and the gap between two
-tokens (``idle_timeout_s``). A node that misses a deadline, refuses the connection or breaks
-a stream raises :class:`NodeUnavailable`; the caller decides about retries and tells the
-node to abort (:meth:`NodeClients.abort_later`), since a wedged node may still be working.
+Every call toward a node is bounded: connecting (``control.connect_timeout_s``), the snapshot
+(``first_token_timeout_s``), the first token of a reply (the attempt's
+:class:`~tessera.control.pace.NodeWatch`: its work at the node's measured rate, plus
+``first_token_timeout_s`` as slack) and the gap between two tokens (``idle_timeout_s``).
+Every wait also ends as soon as the control plane declares the node dead (missed heartbeats).
+
+Two outcomes, by cause: a node that refuses the connection, breaks a stream, is declared
+dead, or misses a deadline without a heartbeat since the wait began raises
+:class:`NodeUnavailable` (it failed: the caller retries elsewhere); a node that misses a
+deadline while it still reports in raises :class:`NodeSlow` (it is alive, only slow: no
+retry, the node stays in routing). Either way the caller tells the node to abort
+(:meth:`NodeClients.abort_later`), since it may still be working.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
+from tessera.control.pace import NodeWatch
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.http import LazySession
 from tessera.messages import (
@@ -35,10 +43,16 @@ from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION, decode, decode_tagged, encode, from_wire
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+WATCH_S = 0.5  # how often a wait looks at the node's liveness
 
 
 class NodeUnavailable(TesseraError):
-    """A generation node could not be reached, missed a deadline or failed mid-request (HTTP 503)."""
+    """A generation node could not be reached, failed mid-request or went silent (HTTP 503; retried)."""
+
+
+class NodeSlow(TesseraError):
+    """A generation node that still reports in missed a deadline (HTTP 503; not retried, not suspected)."""
 
 
 class NodeClients:
@@ -74,44 +88,41 @@ class NodeClients:
             return BadRequest(f"generation node {node} refused the request: {text}", resp.status)
         return NodeUnavailable(f"generation node {node} answered HTTP {resp.status}: {text}")
 
-    async def snapshot(self, node: str, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
+    async def _snapshot(self, node: str, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
         msg = SnapshotRequest(WIRE_VERSION, request_id, tuple(unit_ids))
         try:
-            async with asyncio.timeout(self.first_token_timeout_s), \
-                    self._post(node, "/v1/snapshot", encode(msg)) as resp:
+            async with self._post(node, "/v1/snapshot", encode(msg)) as resp:
                 if resp.status != 200:
                     raise await self._error(node, resp)
-                return from_wire(SnapshotResponse, orjson.loads(await resp.read()))
-        except TimeoutError:
-            raise NodeUnavailable(f"generation node {node} did not answer the snapshot within "
-                                  f"{self.first_token_timeout_s:g}s (control.first_token_timeout_s)") from None
+                body = await resp.read()
+            return from_wire(SnapshotResponse, orjson.loads(body))
         except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
 
-    async def execute(self, node: str, msg: ExecuteRequest) -> AsyncGenerator[ExecuteEvent, None]:
+    async def snapshot(self, watch: NodeWatch, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
+        """The node's snapshot (it pins what it holds); given up when the node is declared dead."""
+        return await _watched(self._snapshot(watch.name, request_id, unit_ids), watch, self.first_token_timeout_s,
+                              "the snapshot", "control.first_token_timeout_s")
+
+    async def execute(self, watch: NodeWatch, msg: ExecuteRequest) -> AsyncGenerator[ExecuteEvent, None]:
         """Yield the node's events; the last one is a ``DoneEvent`` (or an ``ErrorEvent``)."""
-        wait, what = self.first_token_timeout_s, "its first token"
-        # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
-        # that arrives as its awaitable completes, and a client's disconnect would be lost
+        node = watch.name
+        wait, what = watch.first_token_s, "its first token"
+        key = "its work at the measured rate + control.first_token_timeout_s"
         try:
-            async with asyncio.timeout(wait):
-                resp = await self._post(node, "/v1/execute", encode(msg))
+            resp = await _watched(self._post(node, "/v1/execute", encode(msg)), watch, wait, what, key)
             try:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 while True:
-                    async with asyncio.timeout(wait):
-                        line = await resp.content.readline()
+                    line = await _watched(resp.content.readline(), watch, wait, what, key)
                     if not line:
                         return
                     if line.strip():
-                        wait, what = self.idle_timeout_s, "its next token"
+                        wait, what, key = self.idle_timeout_s, "its next token", "control.idle_timeout_s"
                         yield decode_tagged(EXECUTE_EVENTS, line)
             finally:
                 resp.close()  # an unfinished stream closes the connection: the node sees it
-        except TimeoutError:
-            raise NodeUnavailable(f"generation node {node} did not send {what} within {wait:g}s "
-                                  "(control.first_token_timeout_s / idle_timeout_s)") from None
         except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
 
@@ -133,3 +144,35 @@ class NodeClients:
     def abort_later(self, node: str, request_id: str) -> None:
         """Tell the node to stop a request, without waiting (the caller may be unwinding)."""
         self.aborts.spawn(self.abort(node, request_id), name=f"abort-{request_id[-8:]}")
+
+
+async def _watched(step: Awaitable[T], watch: NodeWatch, deadline_s: float, what: str, key: str) -> T:
+    """Await one step of a call toward ``watch``'s node, within ``deadline_s``, while the node lives.
+
+    Past the deadline the heartbeat decides: a node heard since the wait began is slow
+    (:class:`NodeSlow`); one not heard yet is waited for until it reports in (slow) or the
+    plane declares it dead (:class:`NodeUnavailable`), at most ``heartbeat_timeout_s`` more.
+    The step runs as its own task, never cancelled between looks at the node (a half-read
+    line stays read); it is cancelled when the wait is given up or the caller is cancelled.
+    """
+    task = asyncio.ensure_future(step)
+    watch.mark()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    try:
+        while True:
+            left = end - loop.time()
+            # NOTE: asyncio.wait, not wait_for: on Python 3.11 wait_for swallows a cancellation
+            # that arrives as its awaitable completes, and a client's disconnect would be lost
+            done, _ = await asyncio.wait((task,), timeout=max(0.01, min(WATCH_S, left)) if left > 0 else WATCH_S)
+            if done:
+                return task.result()
+            if not watch.alive():
+                raise NodeUnavailable(f"generation node {watch.name} stopped reporting in while we waited for {what} "
+                                      "(control.heartbeat_timeout_s)")
+            if loop.time() >= end and watch.heard_since_mark():
+                raise NodeSlow(f"generation node {watch.name} is alive but did not send {what} within "
+                               f"{deadline_s:.0f}s ({key})")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -26,7 +26,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.messages import DoneEvent, ErrorEvent, ExecuteEvent, PromptLayout, RequestStats, TokenEvent, check_version
+from tessera.messages import DoneEvent, PromptLayout, RequestStats, TokenEvent, check_version
 from tessera.retrieval.access_log import note_outcome
 from tessera.retrieval.chat_layout import chat_layout
 from tessera.retrieval.chat_metrics import ChatMetrics
@@ -91,17 +91,28 @@ class Reply:
         self.outcome = Outcome()
         self.done = False
         self.cut: str | None = None  # the text before a stop string, sent after the reply is counted
+        self.sent = False  # something reached the client: the request can no longer start over
+        self._ttft_observed = False
+
+    def committed(self) -> bool:
+        return self.sent
+
+    def restart(self) -> None:
+        """The driver starts the request over on another node: what came so far is not the reply."""
+        assert not self.sent, self.driver.request_id
+        self.outcome, self.done, self.cut = Outcome(), False, None
 
     async def relay(self, send: Send | None = None) -> Outcome:
         """Run the request, ``send`` each text delta as it comes; the outcome once the reply is complete."""
         # closing the run at once (a stop string, a client gone) aborts the node's work now, not
         # whenever the garbage collector finalizes the generator
-        async with contextlib.aclosing(self.driver.run(self.layout)) as node_events:
+        async with contextlib.aclosing(self.driver.run(self.layout, self)) as node_events:
             async for event in node_events:
                 delta = self._take(event)
                 if self.done:
                     break
                 if send is not None:
+                    self.sent = True
                     await send(delta)
         self.metrics.finished(self.outcome.stats)
         note_outcome(self.outcome.stats, self.outcome.first_token_at)
@@ -109,18 +120,18 @@ class Reply:
             await send(self.cut)
         return self.outcome
 
-    def _take(self, event: ExecuteEvent) -> str:
+    def _take(self, event: TokenEvent | DoneEvent) -> str:
         """The text delta of one node event; sets ``done`` at the DoneEvent or a stop string."""
         check_version(event.version)
         out = self.outcome
-        if isinstance(event, ErrorEvent):
-            raise TesseraError(f"generation node {self.driver.target} failed: {event.message}")
         if isinstance(event, DoneEvent):
             out.finish_reason, out.stats, self.done = event.finish_reason, event.stats, True
             return ""
         if out.first_token_at is None:
             out.first_token_at = time.perf_counter()
-            self.metrics.first_token(out.first_token_at - self.started)
+            if not self._ttft_observed:  # once per request, also when it started over elsewhere
+                self._ttft_observed = True
+                self.metrics.first_token(out.first_token_at - self.started)
         if event.stats is not None:  # the first token carries the prompt's preparation figures
             out.stats = dataclasses.replace(event.stats)
         out.tokens += 1

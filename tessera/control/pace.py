@@ -1,0 +1,61 @@
+"""How long a request may take to its first token on a node, and whether a late node is slow or gone.
+
+A node that still reports in is alive, however long its work takes: a ~7,000-token prompt
+needs over a minute of prefill on one CPU thread, and a fixed first-token deadline treated
+that as a dead node (the request was retried elsewhere, missed again, and both nodes left
+routing). So the deadline follows the work: the request's prompt tokens and the tokens
+queued ahead of it, at the prefill rate the node measured and reports with its heartbeat,
+plus the node's expected queueing (:meth:`GenerationNode.expected_wait_s`), plus
+``control.first_token_timeout_s`` as slack. Until a node has measured its rate, the slack
+alone is the deadline.
+
+Missing the deadline is judged by the heartbeat (:class:`NodeWatch`): a node heard since the
+wait began is slow (its request fails, the node keeps serving the others and stays in
+routing); a node not heard since is gone (its request is retried elsewhere). A node the
+plane declared dead meanwhile (missed heartbeats) ends the wait at once.
+
+This module knows nothing of HTTP; the retrieval role's node client applies the watch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tessera.control.membership import GenerationNode
+
+
+def first_token_deadline_s(node: GenerationNode, prompt_tokens: int, slack_s: float) -> float:
+    """Seconds a request of ``prompt_tokens`` may take to its first token on ``node``."""
+    rate = node.prefill_tokens_per_s
+    work_s = (prompt_tokens + node.queued_tokens) / rate if rate > 0 else 0.0
+    return slack_s + work_s + node.expected_wait_s()
+
+
+class NodeWatch:
+    """One attempt's view of its node: alive, heard since a wait began, and its first-token deadline.
+
+    ``clock`` is the plane's (heartbeat times are on it); ``mark`` starts a wait.
+    """
+
+    def __init__(self, node: GenerationNode, clock: Callable[[], float], first_token_s: float) -> None:
+        self._node = node
+        self._clock = clock
+        self.first_token_s = first_token_s
+        self._since = clock()
+
+    @property
+    def name(self) -> str:
+        return self._node.name
+
+    def alive(self) -> bool:
+        """False once the plane declared the node dead (missed heartbeats, or suspected)."""
+        return self._node.alive
+
+    def mark(self) -> None:
+        """A wait on the node begins now."""
+        self._since = self._clock()
+
+    def heard_since_mark(self) -> bool:
+        """The node reported in (a heartbeat) after the current wait began: it is alive, only slow."""
+        seen = self._node.last_seen
+        return seen is not None and seen >= self._since

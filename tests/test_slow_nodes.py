@@ -1,0 +1,105 @@
+"""Slow is not dead: real generation nodes that are slow, or killed under load (issue 22, item 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from helpers.cluster import StartCluster, cluster_config, signed_get
+from helpers.http import call, wait_for
+
+from tessera.config import ClusterConfig
+from tessera.engines.tiny import write_tiny_checkpoint
+from tessera.launcher import LocalCluster
+
+FLOOR_S = 1.0  # control.first_token_timeout_s: the slack above a prompt's measured work
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+            start_module_cluster: StartCluster) -> Iterator[tuple[ClusterConfig, LocalCluster]]:
+    # a random Llama big enough that a ~1,800-token prompt takes several times FLOOR_S to prefill
+    # on one CPU thread (the tiny 64-wide model would take milliseconds)
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("wide") / "llama", "llama", seed=7, hidden_size=512,
+                                  n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=1536)
+    cfg = cluster_config(str(model), nodes=2, max_inflight=200, connect_timeout_s=2.0,
+                         first_token_timeout_s=FLOOR_S, idle_timeout_s=60.0, heartbeat_timeout_s=5.0,
+                         max_queue_wait_s=0.0)
+    c = start_module_cluster(cfg, tmp_path_factory.mktemp("slow"))
+    yield c.config, c
+
+
+def _alive(cfg: ClusterConfig) -> dict[str, bool]:
+    stats = json.loads(signed_get(cfg, cfg.control_url + "/control/stats"))
+    return {name: node["alive"] for name, node in stats["nodes"].items()}
+
+
+def _inflight(cfg: ClusterConfig, i: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{cfg.generation[i].port}/health", timeout=5) as resp:
+        return int(json.loads(resp.read())["inflight"])
+
+
+def _ask(cfg: ClusterConfig, content: str, **extra: Any) -> tuple[int, Any]:
+    return call(cfg.retrieval_url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0, **extra})
+
+
+def test_a_prompt_slower_than_the_first_token_timeout_is_served_and_its_node_stays_routed(
+        cluster: tuple[ClusterConfig, LocalCluster]) -> None:
+    """Regression: a valid long prompt that needs more than first_token_timeout_s to its first token
+    missed the fixed deadline on one node, was retried on the other, missed again: 503, and both
+    nodes left routing. Now the deadline follows its tokens at the node's measured prefill rate."""
+    cfg, _ = cluster
+    for i in range(4):  # each node measures its prefill rate on a few ordinary prompts
+        status, body = _ask(cfg, f"warm up {i} " + "the ledger lists crates of tea. " * 40)
+        assert status == 200, body
+    long_prompt = " ".join(f"line {k}: the harbour ledger lists crates of tea and bolts of silk." for k in range(100))
+    status, body = _ask(cfg, long_prompt)
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] > 1500
+    assert _alive(cfg) == {"gen0": True, "gen1": True}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> tuple[int, bool]:
+    """(HTTP status, whether a streamed reply carried an error event) of one request."""
+    body = {"messages": [{"role": "user", "content": f"question {i}: what does the ledger say?"}],
+            "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": stream}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        text = await resp.read()
+        return resp.status, stream and b'"error"' in text
+
+
+def test_every_request_that_sent_nothing_to_its_client_survives_a_kill_9_of_its_node(
+        cluster: tuple[ClusterConfig, LocalCluster]) -> None:
+    """Regression: after kill -9 of a node, requests in flight on it that had sent nothing to their
+    clients failed with 503 (a non-streamed reply whose node had already sent tokens was not retried)."""
+    cfg, c = cluster
+    victim = next(ch for ch in c.children if ch.node == "gen0")
+
+    async def load() -> list[tuple[int, bool]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            tasks = [asyncio.create_task(_one(session, cfg.retrieval_url, i, stream=i % 4 == 0)) for i in range(40)]
+            await asyncio.to_thread(wait_for, lambda: _inflight(cfg, 0) >= 8, 60.0, "requests in flight on gen0")
+            await asyncio.sleep(1.0)  # well into decoding: gen0 has sent tokens of most of them
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(load())
+    finally:
+        victim.proc.wait()
+        c.restart_child(victim, wait_timeout=120)
+        c._wait_heard([n.name for n in cfg.generation], timeout=60)
+    # a non-streamed reply sends nothing before its end, and a stream's headers go out with its
+    # first token: any status but 200 is a request that had sent nothing and was not retried
+    assert Counter(status for status, _ in results) == {200: 40}
+    # only a stream that had already sent tokens from gen0 may end with an error event
+    assert all(i % 4 == 0 for i, (_, cut) in enumerate(results) if cut)
