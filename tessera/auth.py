@@ -46,6 +46,7 @@ from tessera.config import ClusterConfig, SecurityConfig
 from tessera.errors import ConfigError
 from tessera.http import MAX_BODY
 from tessera.messages import BlockRef, NodeToken
+from tessera.private_files import check_private
 
 log = logging.getLogger(__name__)
 AUTH_HEADER = "X-Tessera-Auth"
@@ -73,15 +74,12 @@ def read_secret(path: str) -> bytes:
     """The secret in ``path``; refuses a missing, short or group/world-readable file."""
     p = Path(path)
     try:
-        mode = p.stat().st_mode
         text = p.read_text().strip()
     except OSError as exc:
         raise ConfigError(f"security.secret_file = {path!r} cannot be read ({exc}); `tessera up` creates one, "
                           "or run `python -c 'import secrets; print(secrets.token_hex(32))' > FILE; "
                           "chmod 600 FILE`") from None
-    if mode & 0o077:
-        raise ConfigError(f"security.secret_file = {path!r} is readable by other users (mode {mode & 0o777:o}); "
-                          f"run chmod 600 {path}")
+    check_private(p, "security.secret_file")
     if len(text) < 32:
         raise ConfigError(f"security.secret_file = {path!r} holds {len(text)} characters; expected at least 32 "
                           "(64 hex digits from secrets.token_hex(32))")

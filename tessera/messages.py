@@ -175,6 +175,9 @@ class PromptLayout:
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
+# the smallest normal float32: sampling compares top_p with float32 probabilities, so a smaller
+# top_p (1e-300) became 0 there and once filtered out every token (a 503); the API refuses it
+MIN_TOP_P = 1.1754943508222875e-38
 MAX_TOP_LOGPROBS = 20
 
 

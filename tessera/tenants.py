@@ -8,6 +8,9 @@ Keys are read from ``security.keys_file`` (TOML, or JSON when the name ends in `
     keys_sha256 = ["<sha256 hex of the key>"]   # or keys = ["plain key"] (hashed on load)
     admin = false                      # admin keys may read /metrics
 
+The file must be readable by its owner only (``chmod 600``), like the cluster secret: one
+that group or others may read is refused at start-up.
+
 A request names its key OpenAI-style (``Authorization: Bearer KEY``): a missing or unknown
 key is a 401, a scope the tenant does not own a 403 whose message names only the scope the
 request asked for (never another tenant's). The tenant's name is part of every unit's
@@ -33,6 +36,7 @@ import orjson
 from aiohttp import web
 
 from tessera.errors import BadRequest, ConfigError
+from tessera.private_files import check_private
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -76,6 +80,7 @@ class KeyRing:
             raw: Any = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"security.keys_file = {str(p)!r} cannot be read: {exc}") from None
+        check_private(p, "security.keys_file")  # like the secret: keys (or their digests) are credentials
         entries = raw.get("tenants") if isinstance(raw, dict) else None
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"{p}: expected a non-empty list of [[tenants]] with name, scopes and keys_sha256")

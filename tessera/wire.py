@@ -137,12 +137,16 @@ def encode(obj: Any) -> bytes:
     return orjson.dumps(to_wire(obj))
 
 
-def decode(cls: type[T], body: bytes | str) -> T:
+def loads(body: bytes | str) -> Any:
+    """JSON builtins of a body (DecodeError if it is not JSON), before :func:`from_wire`."""
     try:
-        value = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"body is not valid JSON: {exc}") from None
-    return from_wire(cls, value)
+
+
+def decode(cls: type[T], body: bytes | str) -> T:
+    return from_wire(cls, loads(body))
 
 
 def decode_tagged(classes: Mapping[str, type[T]], body: bytes | str, tag: str = "kind") -> T:

@@ -91,6 +91,7 @@ def _keys(tmp_path: Path, suffix: str = ".toml") -> KeyRing:
         for t in tenants:
             lines += ["[[tenants]]", *(f"{k} = {json.dumps(v)}" for k, v in t.items()), ""]
         path.write_text("\n".join(lines).replace("True", "true"))
+    path.chmod(0o600)
     return KeyRing.load(path)
 
 

@@ -1,4 +1,4 @@
-"""Bounds applied before work: prompt size, metadata, the token cache, chunked ingest, tiny temperatures."""
+"""Bounds applied before work: prompt and unit size, metadata, the token cache, chunked ingest, sampling values."""
 
 from __future__ import annotations
 
@@ -12,9 +12,15 @@ import pytest
 import torch
 from helpers.plane import plane_config
 
+from tessera.config import RetrievalConfig
+from tessera.config_file import load_config
+from tessera.engines.checkpoint import resolve
 from tessera.engines.sampling import Sampler
+from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
 from tessera.errors import BadRequest
-from tessera.messages import SamplingParams
+from tessera.messages import MIN_TOP_P, SamplingParams
+from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.limits import (
     INGEST_CHUNK_UNITS,
     MAX_CHARS_PER_TOKEN,
@@ -23,8 +29,8 @@ from tessera.retrieval.limits import (
     check_prompt_chars,
 )
 from tessera.retrieval.node import RetrievalNode
-from tessera.retrieval.store import Ingested
-from tessera.units import ContextUnit, TokenCache
+from tessera.retrieval.store import Ingested, UnitStore
+from tessera.units import ContextUnit, TokenCache, UnitFactory
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-20, 1e-38, 1e-45])
@@ -33,6 +39,49 @@ def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 20
     sampler = Sampler(SamplingParams(max_tokens=1, temperature=temperature, seed=1))
     assert sampler.pick(logits) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-39])
+def test_a_top_p_that_float32_cannot_hold_is_a_400_naming_it(top_p: float) -> None:
+    """Regression (issue 22): top_p <= 1e-300 became 0 in float32, filtered every token and answered 503."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0}
+    with pytest.raises(BadRequest, match=r"top_p = .* send a top_p of at least 1\.18e-38") as exc:
+        parse_chat_request({**body, "top_p": top_p}, default_top_k=5, default_placement="system", served_model="m")
+    assert exc.value.status == 400
+    ok = parse_chat_request({**body, "top_p": MIN_TOP_P}, default_top_k=5, default_placement="system",
+                            served_model="m")
+    assert ok.sampling.top_p == MIN_TOP_P
+
+
+@pytest.mark.parametrize("top_p", [1e-300, MIN_TOP_P, 1e-9])
+def test_a_top_p_below_every_probability_keeps_the_most_likely_token(top_p: float) -> None:
+    """Regression (issue 22): when top_p rounded to 0 in float32 the nucleus was empty (multinomial failed: 503)."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(SamplingParams(max_tokens=1, temperature=1.0, top_p=top_p, seed=3))
+    assert [sampler.pick(logits) for _ in range(5)] == [int(logits.argmax())] * 5
+
+
+def test_a_unit_too_long_for_max_unit_tokens_is_refused_without_tokenizing() -> None:
+    """Regression (issue 22): a 20 MB unit was tokenized (4.19 M tokens, 24.7 s on the worker) before its 413."""
+    config = load_config()
+    checkpoint = resolve(config.model)
+    tokenizer = load_tokenizer(checkpoint)
+    tokenized: list[int] = []  # characters handed to the tokenizer
+
+    def encode(text: str) -> list[int]:
+        tokenized.append(len(text))
+        return list(tokenizer.encode(text))
+
+    factory = UnitFactory(serving_fingerprint(config, checkpoint, tokenizer), TokenCache(encode))
+    store = UnitStore(factory, Embedder(), RetrievalConfig(max_unit_tokens=64))
+    try:
+        with pytest.raises(BadRequest, match=r"units\[0\]\.text has 20000000 characters, more than "
+                                             r"retrieval\.max_unit_tokens = 64 tokens can hold") as exc:
+            store.identify("kb", "x" * 20_000_000, "units[0]")
+        assert exc.value.status == 413 and tokenized == []
+        assert store.identify("kb", "a short unit", "units[0]").n_tokens > 0 and tokenized == [12]
+    finally:
+        store.close()
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,7 +65,8 @@ async def call(service: Service, method: str, path: str, body: Any = None, raw: 
     data = raw if raw is not None else (None if body is None else orjson.dumps(body))
     url = (service.control_url if path.startswith("/control/") else service.url) + path
     headers = service.auth.headers(method, url, data or b"") if path.startswith("/control/") else {}
-    async with aiohttp.ClientSession() as session, session.request(method, url, data=data, headers=headers) as resp:
+    payload = None if data is None else io.BytesIO(data)  # a 20 MB body as bytes would warn (aiohttp)
+    async with aiohttp.ClientSession() as session, session.request(method, url, data=payload, headers=headers) as resp:
         assert resp.content_type == "application/json", await resp.text()
         return resp.status, await resp.json()
 
@@ -197,3 +199,28 @@ async def test_deeply_nested_metadata_is_refused_at_ingest_and_retrieval_keeps_w
     assert status == 200
     status, hits = await call(service, "POST", "/v1/retrieve", {"version": V, "scope": "deep", "query": "ships"})
     assert status == 200 and hits["units"][0]["metadata"] == {"a": 1}
+
+
+async def test_a_batch_with_an_oversized_unit_is_refused_whole_before_any_work(service: Service) -> None:
+    """Regression (issue 22): a 20 MB unit was tokenized (24.7 s, every chat waiting) before its 413,
+    after the batch's first chunk had been committed."""
+    units = [{"scope": "big", "text": f"Unit number {i} of a batch that carries one huge text."} for i in range(65)]
+    units.append({"scope": "big", "text": "word " * 4_000_000})  # 20 MB, the 66th unit: past the first chunk
+    status, out = await call(service, "POST", "/v1/units", {"version": V, "units": units})
+    assert status == 413 and out["error"].startswith("units[65].text has 20000000 characters, more than "
+                                                     "retrieval.max_unit_tokens = 64 tokens can hold"), out
+    status, out = await call(service, "POST", "/v1/retrieve", {"version": V, "scope": "big", "query": "unit"})
+    assert status == 404, out  # none of the batch was written
+
+
+async def test_query_and_unit_vectors_are_bounded_before_they_are_decoded(service: Service) -> None:
+    """Regression (issue 22): a 20 MB query vector was decoded element by element (the loop stalled 6 s)."""
+    huge = [0.5] * 4_000_000  # ~20 MB of JSON
+    status, out = await call(service, "POST", "/v1/retrieve", {"version": V, "scope": "kb", "embedding": huge})
+    assert status == 413 and "at most 1048576 are accepted (send one query text or one embedding)" in out["error"]
+    status, out = await call(service, "POST", "/v1/units", {"version": V, "units": [
+        {"scope": "kb", "text": "A vector from some other model.", "embedding": huge}]})
+    assert status == 400 and out["error"].startswith(
+        "units[0].embedding has 4000000 dimensions; the embedder's have 384: send a 384-dimensional vector"), out
+    status, out = await call(service, "POST", "/v1/retrieve", {"version": V, "scope": "kb", "embedding": [0.1] * 1000})
+    assert status == 400 and "send a 384-dimensional vector" in out["error"], out

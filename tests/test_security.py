@@ -50,6 +50,7 @@ def keys_file(directory: Path) -> Path:
                   f"admin = {'true' if tenant == 'ops' else 'false'}", ""]
     path = directory / "keys.toml"
     path.write_text("\n".join(lines))
+    path.chmod(0o600)
     return path
 
 
@@ -377,6 +378,20 @@ async def test_the_same_text_is_two_units_for_two_tenants(plane: Plane) -> None:
     assert status == 200 and [u["unit_id"] for u in hits["units"]] == [ids[1]]
 
 
+async def test_deleting_another_tenants_deleted_unit_is_a_404(plane: Plane) -> None:
+    """Regression (issue 22): a tombstone answered 200 {"already": [id]} to any tenant, confirming the id."""
+    units = [{"scope": "docs", "text": "The board meets on the first Tuesday of each month."}]
+    status, out = await call(plane, "POST", "/v1/units", {"version": V, "units": units}, key="key-b")
+    unit_id = out["units"][0]["unit_id"]
+    status, out = await call(plane, "DELETE", f"/v1/units/{unit_id}", key="key-b")
+    assert (status, out["deleted"]) == (200, [unit_id])
+    status, never = await call(plane, "DELETE", f"/v1/units/{'0' * 32}", key="key-a")
+    status, out = await call(plane, "DELETE", f"/v1/units/{unit_id}", key="key-a")
+    assert status == 404 and out == {"error": never["error"].replace("0" * 32, unit_id)}  # like a never-stored id
+    status, out = await call(plane, "DELETE", f"/v1/units/{unit_id}", key="key-b")
+    assert (status, out["already"]) == (200, [unit_id])  # its owner still sees its own delete as idempotent
+
+
 # --- exposure and TLS ----------------------------------------------------------------------
 
 
@@ -389,6 +404,20 @@ def test_a_public_interface_without_keys_is_refused(tmp_path: Path, pool_config:
     assert proc.proc.wait(120) == 2
     proc.stop()
     assert "without API keys" in proc.log()
+
+
+def test_a_keys_file_other_users_can_read_is_refused(tmp_path: Path, pool_config: PoolConfig,
+        start_role: StartRole) -> None:
+    """Regression (issue 22): a world-readable keys file with plain keys was accepted without a word."""
+    config = pool_config(tmp_path, transport="tcp", model_source="smollm2")
+    keys = keys_file(tmp_path)
+    keys.write_text(keys.read_text() + '[[tenants]]\nname = "plain"\nscopes = ["p"]\nkeys = ["hunter2"]\n')
+    keys.chmod(0o644)
+    config = dataclasses.replace(config, security=dataclasses.replace(config.security, keys_file=str(keys)))
+    proc = start_role("retrieval", write_config(tmp_path, config))
+    assert proc.proc.wait(60) == 2
+    proc.stop()
+    assert f"security.keys_file = '{keys}' is readable by other users (mode 644); run chmod 600 {keys}" in proc.log()
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tessera.errors import BadRequest
-from tessera.messages import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
+from tessera.messages import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TOP_P, SamplingParams
 
 Role = Literal["system", "user", "assistant"]
 Placement = Literal["system", "user"]
@@ -124,6 +124,16 @@ class ChatCompletionRequest(_Strict):
     return_layout: bool = False
 
     _check_scope = field_validator("scope")(_scope)
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_representable(cls, value: float) -> float:
+        # temperature needs no such bound: below GREEDY_BELOW (1e-5) sampling is greedy, nothing is divided by it
+        if value < MIN_TOP_P:
+            raise ValueError(f"top_p = {value:g} is below {MIN_TOP_P:.3g}, which 32-bit sampling cannot tell from 0; "
+                             f"send a top_p of at least {MIN_TOP_P:.3g} (any top_p below the most likely token's "
+                             "probability keeps only that token)")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod

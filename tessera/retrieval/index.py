@@ -6,7 +6,14 @@ ingested.
 
 The index stores record keys and vectors only; texts and metadata live in the unit records
 (records.py), which are the source of truth: an index file is a cache of them, saved
-atomically and rebuilt from the stored embeddings when it is missing or stale.
+atomically and rebuilt from the stored embeddings when it is missing, stale or corrupt.
+
+Every saved file ``X.usearch`` has a sidecar ``X.usearch.sha256`` holding its SHA-256,
+written (temp file, fsync, rename) after the index file is in place. A file is checked
+against it before usearch reads a byte of it: usearch trusts its input, and 200 random bytes
+in an index file made it dereference garbage (SIGSEGV on the first search, a crash loop
+under ``tessera up``). A crash between the two renames leaves a new index beside the old
+checksum: a mismatch, so the scope is rebuilt, never loaded unchecked.
 """
 
 from __future__ import annotations
@@ -20,10 +27,35 @@ from pathlib import Path
 import numpy as np
 from usearch.index import Index
 
-from tessera.errors import BadRequest
+from tessera.errors import BadRequest, IntegrityError
+from tessera.private_files import FILE_MODE
 
 # letters, digits and . _ - : / ; starts with a letter or digit; at most 128 characters
 SCOPE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+class IndexCorrupt(IntegrityError):
+    """A saved index file does not match its recorded checksum (or has none)."""
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically with ``data`` (0600, fsynced before the rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
 
 
 def check_scope(scope: str, field: str = "scope") -> None:
@@ -67,14 +99,28 @@ class ScopeIndex:
         return [(int(key), 1.0 - float(dist)) for key, dist in zip(matches.keys, matches.distances, strict=True)]
 
     def save(self, path: Path) -> None:
-        """Write atomically: a crash leaves the old file or the new one, never a torn one."""
+        """Write atomically (0600), then its checksum: a crash never leaves a torn file that loads."""
         tmp = path.with_name(path.name + ".tmp")
         self._index.save(str(tmp))
+        os.chmod(tmp, FILE_MODE)  # the vectors are derived from every tenant's text
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        digest = _sha256(tmp)
         os.replace(tmp, path)
+        _write_durably(checksum_path(path), f"{digest}\n".encode())
 
     def load(self, path: Path) -> None:
+        """Load a saved file; IndexCorrupt, before usearch reads it, unless it matches its checksum."""
+        recorded = checksum_path(path)
+        try:
+            expected = recorded.read_text().strip()
+        except FileNotFoundError:
+            raise IndexCorrupt(f"{path} has no checksum file {recorded.name} (saved by an older Tessera, or "
+                               "the checksum was lost); it is not loaded unchecked") from None
+        actual = _sha256(path)
+        if actual != expected:
+            raise IndexCorrupt(f"{path} ({path.stat().st_size} bytes) has SHA-256 {actual[:16]}..., its checksum "
+                               f"file records {expected[:16]}...: the file was changed or damaged after it was saved")
         self._index.load(str(path))
 
     def keys(self) -> np.ndarray:

@@ -3,7 +3,11 @@
 A chat body is bounded in bytes before it is parsed; its rendered prompt is bounded in
 characters before it is tokenized (a token covers at most ``MAX_CHARS_PER_TOKEN``
 characters of text, so a prompt longer than that many characters per context token cannot
-fit and is refused without tokenizing it); unit metadata is bounded in nesting depth and
+fit and is refused without tokenizing it). An ingested unit's text is bounded the same way
+by ``retrieval.max_unit_tokens`` (a 20 MB unit used to be tokenized, 4.19 M tokens in 24.7 s
+on the worker every chat needs, before its 413). A ``/v1/retrieve`` body is bounded in bytes,
+and a query or unit embedding in dimensions before it is decoded (a 20 MB query vector held
+the event loop for 6 s in the typed decoder). Unit metadata is bounded in nesting depth and
 encoded size when it is ingested (orjson refuses to encode deeper than 254 levels, which
 used to turn every later ``/v1/retrieve`` that hit such a unit into a 500).
 
@@ -20,16 +24,17 @@ import orjson
 from tessera.errors import BadRequest
 
 MAX_CHAT_BODY_BYTES = 16 << 20  # one chat request; more is refused with 413 before it is read
+MAX_RETRIEVE_BODY_BYTES = 1 << 20  # one /v1/retrieve request: a query or one vector (384 floats: ~8 KB)
 MAX_CHARS_PER_TOKEN = 32  # no token of a real vocabulary covers more characters than this
 MAX_METADATA_DEPTH = 16  # nesting levels of one unit's metadata
 MAX_METADATA_BYTES = 64 << 10  # one unit's metadata, encoded as JSON
 INGEST_CHUNK_UNITS = 64  # units per worker job of one ingest call: chat requests interleave
 
 
-def check_body_size(content_length: int | None) -> None:
-    if content_length is not None and content_length > MAX_CHAT_BODY_BYTES:
-        raise BadRequest(f"the request body has {content_length} bytes; at most {MAX_CHAT_BODY_BYTES} are accepted "
-                         "(send fewer or shorter messages and units)", 413)
+def check_body_size(content_length: int | None, limit: int = MAX_CHAT_BODY_BYTES,
+                    fix: str = "send fewer or shorter messages and units") -> None:
+    if content_length is not None and content_length > limit:
+        raise BadRequest(f"the request body has {content_length} bytes; at most {limit} are accepted ({fix})", 413)
 
 
 def check_prompt_chars(texts: Iterable[str], max_tokens: int) -> None:
@@ -40,6 +45,22 @@ def check_prompt_chars(texts: Iterable[str], max_tokens: int) -> None:
         raise BadRequest(f"the prompt has {chars} characters (units included), more than the model's context of "
                          f"{max_tokens} tokens can hold ({limit} characters at most); send fewer or shorter "
                          "messages or units")
+
+
+def check_unit_chars(field: str, text: str, max_tokens: int) -> None:
+    """Refuse a unit text that cannot fit ``max_tokens`` tokens (413), without tokenizing it."""
+    limit = max_tokens * MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise BadRequest(f"{field}.text has {len(text)} characters, more than retrieval.max_unit_tokens = "
+                         f"{max_tokens} tokens can hold ({limit} characters at most); split it into smaller units",
+                         413)
+
+
+def check_vector(field: str, value: Any, dim: int) -> None:
+    """Refuse a (still undecoded) embedding whose length is not the embedder's dimension."""
+    if isinstance(value, list) and len(value) != dim:
+        raise BadRequest(f"{field} has {len(value)} dimensions; the embedder's have {dim}: send a {dim}-dimensional "
+                         "vector from the same embedding model, or send text and let the service embed it")
 
 
 def _depth(value: Any, limit: int) -> int:

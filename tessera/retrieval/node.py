@@ -28,7 +28,7 @@ from tessera.messages import InventoryResult, MemoryNodeInventory
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.limits import INGEST_CHUNK_UNITS
 from tessera.retrieval.revocation import Revoker
-from tessera.retrieval.store import Deleted, Hit, Ingested, StoredUnit, UnitStore
+from tessera.retrieval.store import Deleted, Hit, Ingested, Owner, StoredUnit, UnitStore
 from tessera.runtime import BackgroundTasks
 from tessera.units import ContextUnit, ServingFingerprint
 
@@ -98,6 +98,11 @@ class RetrievalNode:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
+    @property
+    def embedding_dim(self) -> int:
+        """Dimension of the embedder's vectors (a query or unit embedding must have it)."""
+        return self._pool().embedder.dim
+
     def _pool(self) -> UnitStore:
         assert self.pool is not None, "retrieval node is not started"
         return self.pool
@@ -141,8 +146,8 @@ class RetrievalNode:
         units = await self._run(self._pool().by_digest, sorted({b.unit_key for b in msg.blocks}))
         return self.plane.adopt(msg, units)
 
-    async def delete(self, unit_ids: Sequence[str]) -> Deleted:
-        done = await self._run(self._pool().delete, unit_ids)
+    async def delete(self, unit_ids: Sequence[str], owns: Owner | None = None) -> Deleted:
+        done = await self._run(self._pool().delete, unit_ids, owns)
         await self._revoke(done.deleted)
         return done
 

@@ -15,6 +15,11 @@ Tables:
 * ``meta``: the serving fingerprint the token ids were made with, and the incarnation
   counter of the retrieval role (storage epochs are derived from it so they never repeat).
 
+Integrity: the whole database passes ``PRAGMA integrity_check`` at every opening, or the
+role refuses to start (:class:`StoreCorrupt`, naming the ways to recover); SQLite keeps no
+checksums of its own, so this finds broken pages and indexes, not a flipped byte in a text.
+The directory is 0700 and the database files 0600: they hold every tenant's text.
+
 Durability: WAL journal with ``synchronous=FULL``. In WAL mode NORMAL may lose the last
 transactions on power loss (the WAL is not fsynced at each commit), and the contract is
 that a unit acknowledged by ``POST /v1/units`` survives; FULL fsyncs the WAL per commit,
@@ -28,6 +33,7 @@ only called from the retrieval worker thread (one connection, one thread at a ti
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -37,11 +43,13 @@ from typing import Any
 
 import numpy as np
 
-from tessera.errors import TesseraError
+from tessera.errors import IntegrityError, TesseraError
+from tessera.private_files import FILE_MODE, make_private, private_dir
 from tessera.units import unit_key_hex
 
 SCHEMA_VERSION = 1
 DB_NAME = "units.sqlite3"
+MAX_PROBLEMS = 5  # integrity-check findings named in the error
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -66,6 +74,10 @@ CREATE TABLE IF NOT EXISTS scopes (scope TEXT PRIMARY KEY, version INTEGER NOT N
 
 class StoreMismatch(TesseraError):
     """The data directory was written for another model, tokenizer or schema."""
+
+
+class StoreCorrupt(IntegrityError):
+    """The database fails SQLite's integrity check (or is not a database); the message says how to recover."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +123,25 @@ class UnitRecords:
     """The SQLite database of one data directory. Verbs: ``write``, ``revoke``, ``get``/``select``."""
 
     def __init__(self, directory: Path, fingerprint: str, *, label: str = "") -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(directory)  # 0700: the units' text is every tenant's
         self.path = directory / DB_NAME
+        if not self.path.exists():  # created 0600; SQLite gives the -wal and -shm files the same mode
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+        for suffix in ("", "-wal", "-shm"):  # a store made before files were private
+            make_private(self.path.with_name(DB_NAME + suffix))
         # one worker thread uses it, but not always the thread that opened it
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._check_integrity()
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
+            self._db.close()
+            raise StoreCorrupt(self._corrupt(str(exc))) from None
+        except StoreCorrupt:
+            self._db.close()
+            raise
         self._check_fingerprint(fingerprint, label)
         self.incarnation = self._next_incarnation()
 
@@ -126,6 +149,26 @@ class UnitRecords:
         self._db.close()
 
     # --- start-up ------------------------------------------------------------------------
+
+    def _check_integrity(self) -> None:
+        """Every page and index of the database, before anything is served from it.
+
+        ``integrity_check``, not ``quick_check``: it also checks that every index matches its
+        table (a unique index out of step answers wrong lookups without an error), and on a
+        100k-unit store (497 MiB) it took 0.34 s against quick_check's 0.13-0.22 s (README).
+        """
+        problems = [str(row[0]) for row in self._db.execute(f"PRAGMA integrity_check({MAX_PROBLEMS})")]
+        if problems != ["ok"]:
+            raise StoreCorrupt(self._corrupt("; ".join(problems)))
+
+    def _corrupt(self, problems: str) -> str:
+        d = self.directory
+        return (f"{self.path} is corrupt ({problems}); Tessera will not serve units from it. Stop Tessera, then "
+                f"either restore {d} from a backup; or salvage what SQLite can still read: "
+                f"`sqlite3 {self.path} .recover | sqlite3 {d}/recovered.sqlite3`, then move the old "
+                f"{DB_NAME}, {DB_NAME}-wal and {DB_NAME}-shm away and rename recovered.sqlite3 to {DB_NAME} "
+                f"(the index files are rebuilt from it); or move {d} away to start empty (every unit must then "
+                "be ingested again)")
 
     def _meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -259,6 +302,11 @@ class UnitRecords:
             return {u for (u,) in self._db.execute("SELECT unit_id FROM revoked")}
         return {u for (u,) in self._db.execute("SELECT unit_id FROM revoked WHERE unit_id IN "
                                                "(SELECT value FROM json_each(?))", (json.dumps(list(unit_ids)),))}
+
+    def tombstones(self, unit_ids: Iterable[str]) -> dict[str, str]:
+        """unit_id -> scope of the tombstoned ids among ``unit_ids``."""
+        return dict(self._db.execute("SELECT unit_id, scope FROM revoked WHERE unit_id IN "
+                                     "(SELECT value FROM json_each(?))", (json.dumps(list(unit_ids)),)))
 
     def select(self, scope: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
         """(unit_id, metadata) of every live unit of a scope."""

@@ -4,32 +4,48 @@
 GET    /health             200 {"status": "ready"} once the tokenizer, embedder and store are loaded
 POST   /v1/units           ingest (or update by external_id) units -> ids and token counts
 GET    /v1/units/{id}      one stored unit (404 if unknown or deleted)
-DELETE /v1/units/{id}      revoke one unit (200 again if already deleted, 404 if never stored)
+DELETE /v1/units/{id}      revoke one unit (200 again if already deleted, 404 if never stored or another tenant's)
 POST   /v1/units/delete    revoke every unit of a scope matching a metadata filter
 POST   /v1/retrieve        top-k units of a scope for a query text or embedding
 POST   /control/kvpool/inventory   a memory node's verified blocks after this role restarted
 =========================  ==================================================================
 
 A delete is acknowledged only once it is committed, the unit left the index, the control
-plane revoked it and the generation nodes were told (see RetrievalNode).
+plane revoked it and the generation nodes were told (see RetrievalNode). A unit of another
+tenant, live or deleted, is answered 404 like an id never stored: no reply confirms that
+another tenant's id exists.
+
+Ingest and retrieve bodies are checked before the typed decoder turns them into messages
+(its cost is per array element): embeddings must have the embedder's dimension, a retrieve
+body is bounded in bytes, and a unit's text in characters before it is tokenized (limits.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
-from tessera.messages import MemoryNodeInventory
+from tessera.messages import MemoryNodeInventory, check_version
 from tessera.retrieval import api
-from tessera.retrieval.limits import check_metadata
+from tessera.retrieval.limits import (
+    MAX_RETRIEVE_BODY_BYTES,
+    check_body_size,
+    check_metadata,
+    check_unit_chars,
+    check_vector,
+)
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.store import StoredUnit
 from tessera.tenants import tenant_of
-from tessera.wire import WIRE_VERSION
+from tessera.wire import WIRE_VERSION, from_wire, loads
 
 RETRIEVAL_NODE = web.AppKey("retrieval_node", RetrievalNode)
 MAX_INGEST = 4096  # units per ingest call
+T = TypeVar("T")
 
 routes = web.RouteTableDef()
 
@@ -45,6 +61,44 @@ def ready(request: web.Request) -> RetrievalNode:
     return node
 
 
+async def checked_body(request: web.Request, cls: type[T], check: Callable[[Any], None],
+                       limit: int | None = None, fix: str = "send a smaller body") -> T:
+    """:func:`tessera.http.body`, with ``check`` run on the raw JSON before the typed decode.
+
+    ``limit``: bytes of the body (413 naming ``fix`` past it); else the app's ``client_max_size``.
+    """
+    if limit is not None:
+        check_body_size(request.content_length, limit, fix)
+    raw = await request.read()
+    if limit is not None:
+        check_body_size(len(raw), limit, fix)  # a chunked body has no Content-Length
+    value = loads(raw)
+    check(value)
+    msg = from_wire(cls, value)
+    check_version(msg.version)  # type: ignore[attr-defined]
+    return msg
+
+
+def _ingest_bounds(dim: int) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        units = value.get("units") if isinstance(value, dict) else None
+        if not isinstance(units, list):
+            return  # the typed decoder names what is wrong
+        if len(units) > MAX_INGEST:
+            raise BadRequest(f"{len(units)} units in one call; send at most {MAX_INGEST} per call", 413)
+        for i, u in enumerate(units):
+            if isinstance(u, dict):
+                check_vector(f"units[{i}].embedding", u.get("embedding"), dim)
+    return check
+
+
+def _retrieve_bounds(dim: int) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if isinstance(value, dict):
+            check_vector("embedding", value.get("embedding"), dim)
+    return check
+
+
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     ok = state(request).ready
@@ -53,18 +107,17 @@ async def health(request: web.Request) -> web.Response:
 
 @routes.post("/v1/units")
 async def ingest(request: web.Request) -> web.Response:
-    msg = await body(request, api.IngestRequest)
+    node = ready(request)
+    msg = await checked_body(request, api.IngestRequest, _ingest_bounds(node.embedding_dim))
     if not msg.units:
         raise BadRequest("units is empty; send at least one {scope, text} unit")
-    if len(msg.units) > MAX_INGEST:
-        raise BadRequest(f"{len(msg.units)} units in one call; send at most {MAX_INGEST} per call", 413)
     tenant = tenant_of(request)
-    for i, u in enumerate(msg.units):
+    for i, u in enumerate(msg.units):  # all of them before any work: a refused batch writes nothing
         tenant.check_scope(u.scope, f"units[{i}].scope")
+        check_unit_chars(f"units[{i}]", u.text, node.config.retrieval.max_unit_tokens)
         check_metadata(f"units[{i}]", u.metadata)
-    done = await ready(request).ingest([(u.scope, u.text, u.metadata) for u in msg.units],
-                                       [u.embedding for u in msg.units], [u.external_id for u in msg.units],
-                                       tenant.name)
+    done = await node.ingest([(u.scope, u.text, u.metadata) for u in msg.units],
+                             [u.embedding for u in msg.units], [u.external_id for u in msg.units], tenant.name)
     return reply(api.IngestResponse(WIRE_VERSION, tuple(
         api.IngestedUnit(unit.unit_id, unit.scope, unit.n_tokens, new) for unit, new in done.units), done.revoked))
 
@@ -92,11 +145,9 @@ async def get_unit(request: web.Request) -> web.Response:
 @routes.delete("/v1/units/{unit_id}")
 async def delete_unit(request: web.Request) -> web.Response:
     unit_id = request.match_info["unit_id"]
-    node = ready(request)
-    if await node.get(unit_id) is not None and await _owned(request, unit_id) is None:
-        # another tenant's unit: answered like an unknown id, so ids of others are not confirmed
-        raise BadRequest(f"no unit {unit_id!r} was ever stored here; nothing to delete", 404)
-    done = await node.delete([unit_id])
+    tenant = tenant_of(request)
+    # another tenant's unit or tombstone counts as unknown: a 404, so ids of others are not confirmed
+    done = await ready(request).delete([unit_id], lambda owner, scope: owner == tenant.name and tenant.allows(scope))
     if done.unknown:
         raise BadRequest(f"no unit {unit_id!r} was ever stored here; nothing to delete", 404)
     return reply(api.DeleteResponse(WIRE_VERSION, done.deleted, done.already))
@@ -113,11 +164,13 @@ async def delete_units(request: web.Request) -> web.Response:
 
 @routes.post("/v1/retrieve")
 async def retrieve(request: web.Request) -> web.Response:
-    msg = await body(request, api.RetrieveRequest)
+    node = ready(request)
+    msg = await checked_body(request, api.RetrieveRequest, _retrieve_bounds(node.embedding_dim),
+                             MAX_RETRIEVE_BODY_BYTES, "send one query text or one embedding")
     tenant = tenant_of(request)
     tenant.check_scope(msg.scope)
-    hits = await ready(request).retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k,
-                                         tenant=tenant.name)
+    hits = await node.retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k,
+                               tenant=tenant.name)
     return reply(api.RetrieveResponse(WIRE_VERSION, msg.scope, tuple(
         api.RetrievedUnit(h.unit.unit_id, h.unit.scope, h.unit.text, h.unit.n_tokens, h.score, dict(h.metadata))
         for h in hits)))

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,10 @@ import numpy as np
 
 from tessera.config import RetrievalConfig
 from tessera.errors import BadRequest
+from tessera.private_files import private_dir
 from tessera.retrieval.embedder import Embedder
-from tessera.retrieval.index import UnitIndex, check_scope, index_path
+from tessera.retrieval.index import IndexCorrupt, UnitIndex, check_scope, index_path
+from tessera.retrieval.limits import check_unit_chars
 from tessera.retrieval.records import Existing, NewRecord, Record, UnitRecords
 from tessera.units import ContextUnit, UnitFactory
 
@@ -84,12 +86,21 @@ class Ingested:
 class Deleted:
     deleted: tuple[str, ...]  # live units revoked now
     already: tuple[str, ...] = ()  # revoked earlier (deletes are idempotent)
-    unknown: tuple[str, ...] = ()  # never stored here
+    unknown: tuple[str, ...] = ()  # never stored here (or, given an owner, not the caller's)
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(tenant, scope) of a storage scope (the inverse of :func:`index_key`)."""
+    tenant, sep, scope = key.rpartition(SEP)
+    return (tenant, scope) if sep else ("", key)
 
 
 def _unit(r: Record) -> ContextUnit:
-    tenant, sep, scope = r.scope.rpartition(SEP)
-    return ContextUnit(r.unit_id, scope if sep else r.scope, r.text, r.token_ids, tenant)
+    tenant, scope = split_key(r.scope)
+    return ContextUnit(r.unit_id, scope, r.text, r.token_ids, tenant)
+
+
+Owner = Callable[[str, str], bool]  # (tenant, scope) -> whether the caller owns units there
 
 
 class UnitStore:
@@ -111,8 +122,7 @@ class UnitStore:
         self.records = UnitRecords(self.directory, fp.digest.hex(),
                                    label=f"model {fp.model}, tokenizer {fp.tokenizer}, kv {fp.kv_dtype}")
         self.index = UnitIndex(embedder.dim, config.hnsw_connectivity, config.hnsw_expansion_search)
-        self._index_dir = self.directory / "index"
-        self._index_dir.mkdir(exist_ok=True)
+        self._index_dir = private_dir(self.directory / "index")
         self._dirty: set[str] = set()  # scopes whose index changed since it was saved
         self.rebuilt: list[str] = []  # scopes whose index was rebuilt from the records at start
         self.caught_up: dict[str, int] = {}  # scope -> units a stale saved index was brought up to date with
@@ -142,7 +152,8 @@ class UnitStore:
         Saved at the records' current version: loaded as is. Saved earlier (a crash before the
         next periodic save): loaded, then the units added since are indexed from their stored
         embeddings and the deleted ones removed, so recovery costs what changed, not the
-        whole scope. No file (or an unreadable one): rebuilt from the stored embeddings.
+        whole scope. No file, or one that fails its checksum or does not load: rebuilt from the
+        stored embeddings, with a warning naming the file.
         """
         for scope, (version, saved) in self.records.scopes().items():
             path = index_path(self._index_dir, scope)
@@ -151,8 +162,9 @@ class UnitStore:
             if path.exists():
                 try:
                     index.load(path)
-                except (RuntimeError, ValueError) as exc:
-                    log.warning("scope %s: index file %s unreadable (%s); rebuilding it", scope, path, exc)
+                except (IndexCorrupt, RuntimeError, ValueError) as exc:
+                    log.warning("scope %s: index file %s not loaded (%s); rebuilding it from the unit store",
+                                scope, path, exc)
                     index = self.index.scope_reset(scope)
                 else:
                     if saved == version and len(index) == self.records.scope_size(scope):
@@ -215,6 +227,7 @@ class UnitStore:
         check_scope(scope, f"{field}.scope")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest(f"{field}.text is empty; a unit needs some text")
+        check_unit_chars(field, text, self.config.max_unit_tokens)  # before tokenizing a 20 MB text
         unit = self.factory.make(scope, text, tenant)
         if unit.n_tokens == 0:
             raise BadRequest(f"{field}.text has no tokens")
@@ -293,10 +306,17 @@ class UnitStore:
         return Ingested([(unit, new.get(unit.unit_id) == row) for row, unit in enumerate(units)],
                         tuple(replaced))
 
-    def delete(self, unit_ids: Sequence[str]) -> Deleted:
-        """Revoke these units (one transaction); ids already revoked or unknown are reported."""
+    def delete(self, unit_ids: Sequence[str], owns: Owner | None = None) -> Deleted:
+        """Revoke these units (one transaction); ids already revoked or unknown are reported.
+
+        ``owns(tenant, scope)``: the caller's units; a unit or tombstone of anyone else is left
+        alone and reported unknown, so a delete never confirms that another tenant's id exists.
+        """
         live = self.records.existing(unit_ids)
-        gone = self.records.revoked([u for u in unit_ids if u not in live])
+        gone = self.records.tombstones([u for u in unit_ids if u not in live])
+        if owns is not None:
+            live = {u: found for u, found in live.items() if owns(*split_key(found.scope))}
+            gone = {u: scope for u, scope in gone.items() if owns(*split_key(scope))}
         self._revoke(live)
         return Deleted(tuple(u for u in dict.fromkeys(unit_ids) if u in live),
                        tuple(u for u in dict.fromkeys(unit_ids) if u in gone),
