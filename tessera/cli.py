@@ -99,14 +99,64 @@ def up(
 
 @app.command()
 def analyze(
-    trace: Annotated[Path, typer.Argument(help="JSONL trace: {stream, tokens, units} per request.")],
+    trace: Annotated[Path, typer.Argument(help="JSONL trace: traffic format (messages, units, ...; see the "
+                                          "README) or rendered prompts ({stream, tokens, units} per line).")],
     per_stream: Annotated[bool, typer.Option("--per-stream", help="Also print each stream's numbers.")] = False,
+    config: ConfigOpt = None,
 ) -> None:
-    """Classify unit tokens of a trace as prefix-covered, non-prefix repeats or new (paper §3.1)."""
+    """Classify a trace's unit tokens (prefix-covered, non-prefix repeat, new; paper §3) and print the ceiling:
+    the best-case prefill saving of composition over prefix caching."""
     from tessera.benchmark.trace import run_analyze
 
+    cfg = _load(config)
     with _usage("analyze"):
-        run_analyze(trace, per_stream)
+        run_analyze(trace, per_stream, cfg)
+
+
+trace_app = typer.Typer(help="Write traffic traces (the format tessera analyze and tessera bench --trace read).",
+                        no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("from-workload")
+def trace_from_workload(
+    out: Annotated[Path, typer.Option(help="The traffic trace to write (JSONL).")],
+    workload: Annotated[WorkloadName, typer.Option(help="rag, locomo or synthetic.")] = WorkloadName.synthetic,
+    requests: Annotated[int, typer.Option(help="Requests (locomo: 0 = all).")] = 60,
+    rate: Annotated[float, typer.Option(help="Poisson arrival times at this rate (req/s); 0: no times.")] = 0.0,
+    private: Annotated[bool, typer.Option("--private", help="Units as {id, tokens}: no text in the trace.")] = False,
+    top_k: Annotated[int | None, typer.Option(help="Units per request.")] = None,
+    unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep).")] = 0,
+    placement: Annotated[str, typer.Option(help="locomo: user or system placement.")] = "user",
+    conversations: Annotated[int, typer.Option(help="locomo: the first N conversations (0: all).")] = 0,
+    data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
+    config: ConfigOpt = None,
+) -> None:
+    """A bench workload's requests, with the units retrieval would give them, as a traffic trace."""
+    from tessera.benchmark.traffic_run import write_workload_trace
+
+    cfg = _load(config)
+    with _usage("trace"):
+        write_workload_trace(cfg, workload, out, requests=requests, rate=rate, private=private, top_k=top_k,
+                             unit_words=unit_words, placement=placement, conversations=conversations,
+                             data_dir=data_dir, seed=seed)
+
+
+@trace_app.command("from-rendered")
+def trace_from_rendered(
+    rendered: Annotated[Path, typer.Argument(help="Rendered prompts ({stream, tokens, units} per line).")],
+    out: Annotated[Path, typer.Option(help="The traffic trace to write (JSONL).")],
+    private: Annotated[bool, typer.Option("--private", help="Units as {id, tokens}: no text in the trace.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Tessera's rendered traces (--trace-only, --dump-trace, return_layout) as a traffic trace; the config's
+    tokenizer must be the one that rendered them."""
+    from tessera.benchmark.traffic_run import write_rendered_trace
+
+    cfg = _load(config)
+    with _usage("trace"):
+        write_rendered_trace(cfg, rendered, out, private=private)
 
 
 @app.command()

@@ -68,7 +68,7 @@ async def answer(request: web.Request, serving: Serving, node: RetrievalNode, ch
     """Reply to an admitted request: the response and its request status (``200``, ``stream-error``)."""
     started = time.perf_counter()
     driver = ChatDriver(node, serving.nodes, chat.sampling, tenant.name)
-    layout = await chat_layout(serving, node, chat, tenant)
+    layout = (await chat_layout(serving, node, chat, tenant)).served
     trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") if chat.return_layout else None
     reply = Reply(serving.metrics, node.tokenizer, chat, driver, layout, started)
     if chat.stream:
