@@ -195,9 +195,27 @@ def bench(
                                               "its unloaded TTFT (0: run every rate).")] = 10.0,
     fidelity: Annotated[int, typer.Option(help="Score N of the measured requests offline against full prefill "
                                           "(tessera verify's metrics) and report them next to TTFT (0: skip).")] = 0,
+    trace: Annotated[Path | None, typer.Option(help="Replay this traffic trace (JSONL, see the README) instead of "
+                                               "--workload.")] = None,
+    arrivals: Annotated[str, typer.Option(help="--trace: recorded (its arrival_s), poisson (at --rates), or auto "
+                                          "(recorded when the trace has times).")] = "auto",
+    time_scale: Annotated[float, typer.Option(help="--trace: multiply recorded arrival times by this "
+                                              "(0.5 replays twice as fast).")] = 1.0,
+    url: Annotated[list[str] | None, typer.Option(
+        help="[NAME=]URL of a running endpoint to drive instead of fresh clusters (repeatable): Tessera, or any "
+             "OpenAI-compatible server (units rendered into the prompt as text). Loopback only unless "
+             "--allow-host.")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option(
+        help="A non-loopback host --url may drive (repeatable; compared as written, never resolved).")] = None,
+    api: Annotated[str, typer.Option(help="--url: tessera, openai, or auto (ask GET /v1/models).")] = "auto",
+    api_key: Annotated[str, typer.Option(envvar="TESSERA_API_KEY", help="Bearer key sent to --url endpoints.")] = "",
+    max_concurrency: Annotated[int, typer.Option(help="Requests in flight at most; a request waiting for a slot "
+                                                 "counts the wait in its TTFT (0: no bound).")] = 256,
+    timeout: Annotated[float, typer.Option(help="Seconds one request may take before it counts as failed.")] = 3600.0,
     config: ConfigOpt = None,
 ) -> None:
-    """Open-loop Poisson load against fresh local clusters; prints and plots TTFT per system and rate."""
+    """Open-loop load (Poisson, or a trace's recorded times) against fresh local clusters or running endpoints;
+    prints and plots TTFT per system and rate."""
     from tessera.benchmark.sweep import SweepOptions, run_sweep
 
     cfg = _load(config)
@@ -205,7 +223,10 @@ def bench(
                         requests=requests, warmup=warmup, unloaded=unloaded, max_tokens=max_tokens, zipf=zipf,
                         top_k=top_k, unit_words=unit_words, placement=placement, conversations=conversations,
                         data_dir=data_dir, out=out, dump_trace=dump_trace, trace_only=trace_only, seed=seed,
-                        drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity)
+                        drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity, trace=trace,
+                        arrivals=arrivals, time_scale=time_scale, urls=tuple(url or ()),
+                        allow_hosts=tuple(allow_host or ()), api=api, api_key=api_key,
+                        max_concurrency=max_concurrency, timeout_s=timeout)
     with _usage("bench"):
         run_sweep(cfg, opts)
 
