@@ -263,6 +263,8 @@ def verify(
     policies: Annotated[str, typer.Option(help="Comma-separated composition policies.")] = "naive,epic,full",
     ks: Annotated[str, typer.Option(help="epic: comma-separated k (recompute_tokens).")] = "4,16",
     fractions: Annotated[str, typer.Option(help="epic: comma-separated recompute_fraction values.")] = "1.0",
+    inline_shares: Annotated[str, typer.Option(help="epic: comma-separated inline_share values (default: the "
+                                               "config's).")] = "",
     leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>).")] = "none,lead",
     answer_tokens: Annotated[int, typer.Option(help="N: greedy answer tokens of full prefill to compare.")] = 16,
     kl_positions: Annotated[int, typer.Option(help="Answer positions the mean KL is taken over.")] = 8,
@@ -270,9 +272,11 @@ def verify(
         help="Fail (exit 1) if the configured setting's mean KL is above.")] = None,
     min_agreement: Annotated[float | None, typer.Option(help="Fail (exit 1) if the configured setting's greedy "
                                                         "prefix agreement is below.")] = None,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="Pick the cheapest setting (fewest recomputed "
-                                            "unit tokens) meeting --target-kl/--target-agreement (default: the "
-                                            "configured setting's own KL and agreement); write an overlay.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Write a calibration record per scored setting "
+                                            "(composition.calibration_dir; the fidelity gate reads them), and pick "
+                                            "the cheapest setting (fewest recomputed unit tokens) meeting "
+                                            "--target-kl/--target-agreement (default: the configured setting's own "
+                                            "KL and agreement); write an overlay.")] = False,
     target_kl: Annotated[float | None, typer.Option(help="Calibration target: mean KL at most this.")] = None,
     target_agreement: Annotated[float | None, typer.Option(
         help="Calibration target: greedy prefix agreement at least this.")] = None,
@@ -296,7 +300,8 @@ def verify(
 
     cfg = _load(config)
     opts = VerifyOptions(workload=workload, prompts=prompts, samples=samples, policies=policies, ks=ks,
-                         fractions=fractions, leads=leads, answer_tokens=answer_tokens, kl_positions=kl_positions,
+                         fractions=fractions, inline_shares=inline_shares, leads=leads, answer_tokens=answer_tokens,
+                         kl_positions=kl_positions,
                          max_kl=max_kl, min_agreement=min_agreement, calibrate=calibrate, target_kl=target_kl,
                          target_agreement=target_agreement, overlay=overlay, out=out, top_k=top_k,
                          unit_words=unit_words, placement=placement, conversations=conversations, data_dir=data_dir,
