@@ -158,7 +158,7 @@ async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, m
             body = req.body(max_tokens) if body_of is None else body_of(req, max_tokens)
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-            if return_layout:
+            if return_layout and body_of is None:  # a Tessera extension: never sent to other servers
                 body["return_layout"] = True
             if embeddings is not None and "retrieval" in body and body["retrieval"]["query"] in embeddings:
                 body["retrieval"]["embedding"] = embeddings[body["retrieval"]["query"]]

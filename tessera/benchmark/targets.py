@@ -72,8 +72,9 @@ class RunningEndpoint:
         return {"url": e.url, "api": e.api, "model": e.model}
 
     @property
-    def body_of(self) -> BodyOf:
-        return self.endpoint.body
+    def body_of(self) -> BodyOf | None:
+        # a Tessera endpoint takes Tessera's own body (and its return_layout); others the plain one
+        return None if self.endpoint.api == "tessera" else self.endpoint.body
 
     @asynccontextmanager
     async def open(self, log_dir: Path, progress: bool) -> AsyncIterator[str]:
