@@ -141,14 +141,64 @@ def up(
 
 @app.command()
 def analyze(
-    trace: Annotated[Path, typer.Argument(help="JSONL trace: {stream, tokens, units} per request.")],
+    trace: Annotated[Path, typer.Argument(help="JSONL trace: traffic format (messages, units, ...; see the "
+                                          "README) or rendered prompts ({stream, tokens, units} per line).")],
     per_stream: Annotated[bool, typer.Option("--per-stream", help="Also print each stream's numbers.")] = False,
+    config: ConfigOpt = None,
 ) -> None:
-    """Classify unit tokens of a trace as prefix-covered, non-prefix repeats or new (paper §3.1)."""
+    """Classify a trace's unit tokens (prefix-covered, non-prefix repeat, new; paper §3) and print the ceiling:
+    the best-case prefill saving of composition over prefix caching."""
     from tessera.benchmark.trace import run_analyze
 
+    cfg = _load(config)
     with _usage("analyze"):
-        run_analyze(trace, per_stream)
+        run_analyze(trace, per_stream, cfg)
+
+
+trace_app = typer.Typer(help="Write traffic traces (the format tessera analyze and tessera bench --trace read).",
+                        no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("from-workload")
+def trace_from_workload(
+    out: Annotated[Path, typer.Option(help="The traffic trace to write (JSONL).")],
+    workload: Annotated[WorkloadName, typer.Option(help="rag, locomo or synthetic.")] = WorkloadName.synthetic,
+    requests: Annotated[int, typer.Option(help="Requests (locomo: 0 = all).")] = 60,
+    rate: Annotated[float, typer.Option(help="Poisson arrival times at this rate (req/s); 0: no times.")] = 0.0,
+    private: Annotated[bool, typer.Option("--private", help="Units as {id, tokens}: no text in the trace.")] = False,
+    top_k: Annotated[int | None, typer.Option(help="Units per request.")] = None,
+    unit_words: Annotated[int, typer.Option(help="Truncate units to this many words (0: keep).")] = 0,
+    placement: Annotated[str, typer.Option(help="locomo: user or system placement.")] = "user",
+    conversations: Annotated[int, typer.Option(help="locomo: the first N conversations (0: all).")] = 0,
+    data_dir: Annotated[Path | None, typer.Option(help="Folder with musique/ and locomo/.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
+    config: ConfigOpt = None,
+) -> None:
+    """A bench workload's requests, with the units retrieval would give them, as a traffic trace."""
+    from tessera.benchmark.traffic_run import write_workload_trace
+
+    cfg = _load(config)
+    with _usage("trace"):
+        write_workload_trace(cfg, workload, out, requests=requests, rate=rate, private=private, top_k=top_k,
+                             unit_words=unit_words, placement=placement, conversations=conversations,
+                             data_dir=data_dir, seed=seed)
+
+
+@trace_app.command("from-rendered")
+def trace_from_rendered(
+    rendered: Annotated[Path, typer.Argument(help="Rendered prompts ({stream, tokens, units} per line).")],
+    out: Annotated[Path, typer.Option(help="The traffic trace to write (JSONL).")],
+    private: Annotated[bool, typer.Option("--private", help="Units as {id, tokens}: no text in the trace.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Tessera's rendered traces (--trace-only, --dump-trace, return_layout) as a traffic trace; the config's
+    tokenizer must be the one that rendered them."""
+    from tessera.benchmark.traffic_run import write_rendered_trace
+
+    cfg = _load(config)
+    with _usage("trace"):
+        write_rendered_trace(cfg, rendered, out, private=private)
 
 
 @app.command()
@@ -187,9 +237,27 @@ def bench(
                                               "its unloaded TTFT (0: run every rate).")] = 10.0,
     fidelity: Annotated[int, typer.Option(help="Score N of the measured requests offline against full prefill "
                                           "(tessera verify's metrics) and report them next to TTFT (0: skip).")] = 0,
+    trace: Annotated[Path | None, typer.Option(help="Replay this traffic trace (JSONL, see the README) instead of "
+                                               "--workload.")] = None,
+    arrivals: Annotated[str, typer.Option(help="--trace: recorded (its arrival_s), poisson (at --rates), or auto "
+                                          "(recorded when the trace has times).")] = "auto",
+    time_scale: Annotated[float, typer.Option(help="--trace: multiply recorded arrival times by this "
+                                              "(0.5 replays twice as fast).")] = 1.0,
+    url: Annotated[list[str] | None, typer.Option(
+        help="[NAME=]URL of a running endpoint to drive instead of fresh clusters (repeatable): Tessera, or any "
+             "OpenAI-compatible server (units rendered into the prompt as text). Loopback only unless "
+             "--allow-host.")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option(
+        help="A non-loopback host --url may drive (repeatable; compared as written, never resolved).")] = None,
+    api: Annotated[str, typer.Option(help="--url: tessera, openai, or auto (ask GET /v1/models).")] = "auto",
+    api_key: Annotated[str, typer.Option(envvar="TESSERA_API_KEY", help="Bearer key sent to --url endpoints.")] = "",
+    max_concurrency: Annotated[int, typer.Option(help="Requests in flight at most; a request waiting for a slot "
+                                                 "counts the wait in its TTFT (0: no bound).")] = 256,
+    timeout: Annotated[float, typer.Option(help="Seconds one request may take before it counts as failed.")] = 3600.0,
     config: ConfigOpt = None,
 ) -> None:
-    """Open-loop Poisson load against fresh local clusters; prints and plots TTFT per system and rate."""
+    """Open-loop load (Poisson, or a trace's recorded times) against fresh local clusters or running endpoints;
+    prints and plots TTFT per system and rate."""
     from tessera.benchmark.sweep import SweepOptions, run_sweep
 
     cfg = _load(config)
@@ -197,7 +265,10 @@ def bench(
                         requests=requests, warmup=warmup, unloaded=unloaded, max_tokens=max_tokens, zipf=zipf,
                         top_k=top_k, unit_words=unit_words, placement=placement, conversations=conversations,
                         data_dir=data_dir, out=out, dump_trace=dump_trace, trace_only=trace_only, seed=seed,
-                        drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity)
+                        drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity, trace=trace,
+                        arrivals=arrivals, time_scale=time_scale, urls=tuple(url or ()),
+                        allow_hosts=tuple(allow_host or ()), api=api, api_key=api_key,
+                        max_concurrency=max_concurrency, timeout_s=timeout)
     with _usage("bench"):
         run_sweep(cfg, opts)
 
@@ -234,6 +305,8 @@ def verify(
     policies: Annotated[str, typer.Option(help="Comma-separated composition policies.")] = "naive,epic,full",
     ks: Annotated[str, typer.Option(help="epic: comma-separated k (recompute_tokens).")] = "4,16",
     fractions: Annotated[str, typer.Option(help="epic: comma-separated recompute_fraction values.")] = "1.0",
+    inline_shares: Annotated[str, typer.Option(help="epic: comma-separated inline_share values (default: the "
+                                               "config's).")] = "",
     leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>).")] = "none,lead",
     answer_tokens: Annotated[int, typer.Option(help="N: greedy answer tokens of full prefill to compare.")] = 16,
     kl_positions: Annotated[int, typer.Option(help="Answer positions the mean KL is taken over.")] = 8,
@@ -241,9 +314,11 @@ def verify(
         help="Fail (exit 1) if the configured setting's mean KL is above.")] = None,
     min_agreement: Annotated[float | None, typer.Option(help="Fail (exit 1) if the configured setting's greedy "
                                                         "prefix agreement is below.")] = None,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="Pick the cheapest setting (fewest recomputed "
-                                            "unit tokens) meeting --target-kl/--target-agreement (default: the "
-                                            "configured setting's own KL and agreement); write an overlay.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Write a calibration record per scored setting "
+                                            "(composition.calibration_dir; the fidelity gate reads them), and pick "
+                                            "the cheapest setting (fewest recomputed unit tokens) meeting "
+                                            "--target-kl/--target-agreement (default: the configured setting's own "
+                                            "KL and agreement); write an overlay.")] = False,
     target_kl: Annotated[float | None, typer.Option(help="Calibration target: mean KL at most this.")] = None,
     target_agreement: Annotated[float | None, typer.Option(
         help="Calibration target: greedy prefix agreement at least this.")] = None,
@@ -267,7 +342,8 @@ def verify(
 
     cfg = _load(config)
     opts = VerifyOptions(workload=workload, prompts=prompts, samples=samples, policies=policies, ks=ks,
-                         fractions=fractions, leads=leads, answer_tokens=answer_tokens, kl_positions=kl_positions,
+                         fractions=fractions, inline_shares=inline_shares, leads=leads, answer_tokens=answer_tokens,
+                         kl_positions=kl_positions,
                          max_kl=max_kl, min_agreement=min_agreement, calibrate=calibrate, target_kl=target_kl,
                          target_agreement=target_agreement, overlay=overlay, out=out, top_k=top_k,
                          unit_words=unit_words, placement=placement, conversations=conversations, data_dir=data_dir,

@@ -125,8 +125,24 @@ class CompositionConfig:
     # way EPIC's chunks start with BOS). "" = none: against full prefill of the user's own prompt
     # the lead costs fidelity on LoCoMo and MuSiQue (README, `tessera verify`)
     unit_lead: str = ""
+    # the fidelity gate (tessera.composition.calibration): approximate composition serves only under
+    # a calibration record (tessera verify --calibrate) meeting max_kl and min_agreement, else full prefill
+    require_calibration: bool = False
+    max_kl: float = 0.2
+    min_agreement: float = 0.35
+    # where calibration records live; "" = $XDG_DATA_HOME/tessera/calibration (~/.local/share/...)
+    calibration_dir: str = ""
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.require_calibration, bool), "composition.require_calibration",
+               self.require_calibration, "expected true or false")
+        _check(isinstance(self.max_kl, (int, float)) and not isinstance(self.max_kl, bool) and self.max_kl >= 0,
+               "composition.max_kl", self.max_kl, "expected a KL >= 0")
+        _check(isinstance(self.min_agreement, (int, float)) and not isinstance(self.min_agreement, bool)
+               and 0.0 <= self.min_agreement <= 1.0, "composition.min_agreement", self.min_agreement,
+               "expected a share in [0, 1]")
+        _check(isinstance(self.calibration_dir, str), "composition.calibration_dir", self.calibration_dir,
+               "expected a path (\"\" for the default)")
         _check(isinstance(self.policy, str) and bool(self.policy), "composition.policy", self.policy,
                "expected a registered policy name such as epic, naive or full")
         _non_negative("composition.recompute_tokens", self.recompute_tokens)

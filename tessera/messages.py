@@ -456,6 +456,9 @@ class RequestStats:
     recomputed_tokens: int = 0  # tokens computed in the final extend pass
     bytes_fetched: int = 0
     completion_tokens: int = 0
+    # unit id -> where its state came from: local, remote or computed (prefilled here; also a
+    # failed fetch); a unit the final extend recomputes whole is not prepared and not listed
+    unit_sources: dict[str, str] = field(default_factory=dict)
 
     def tokens_by_source(self) -> tuple[tuple[str, int], ...]:
         """Prompt tokens by where their state came from: the ``source`` label of the token metrics."""

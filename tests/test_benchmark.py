@@ -208,7 +208,10 @@ def test_analyze_cli_prints_the_classification(tmp_path: Path) -> None:
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = run_cli("analyze", str(trace))
     assert out.returncode == 0, out.stderr
-    assert "non-prefix repeat: 50.0%" in out.stdout and "new: 50.0%" in out.stdout
+    assert "non-prefix repeat 50.0%" in out.stdout and "new 50.0%" in out.stdout
+    # prefix caching computes all 8 tokens; reusing the repeat saves its 3, epic recomputes 1 of them
+    assert "best-case prefill saving over prefix caching: 37.5% (with epic k=16 f=0.25 inline=0.75: 25.0%)" \
+        in out.stdout
 
 
 def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:

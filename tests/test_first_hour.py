@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from helpers.cluster import REPO, cluster_config, free_port
+from helpers.cluster import REPO, cluster_config
 from typer.testing import CliRunner
 
-from tessera.benchmark import runner
+from tessera.benchmark import targets
 from tessera.benchmark.chaos import ChaosOptions, ChaosRun
 from tessera.cli import app
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml, load_config
 from tessera.launcher import ClusterError, LocalCluster, spawn_role, wait_healthy
 from tessera.messages import RequestStats
+from tessera.ports import on_free_ports
 
 PYTHON = sys.executable
 
@@ -133,12 +134,17 @@ def test_bench_and_demo_clusters_take_ports_of_their_own(monkeypatch: pytest.Mon
             seen.append(config)
             raise Stop
 
-    monkeypatch.setattr(runner, "LocalCluster", Recording)
+    monkeypatch.setattr(targets, "LocalCluster", Recording)
     base = load_config()
     import asyncio
 
+    async def open_fresh_cluster() -> None:
+        target = targets.FreshCluster(base, None, {})  # type: ignore[arg-type]  # never ingests: start stops
+        async with target.open(tmp_path, False):
+            pass
+
     with pytest.raises(Stop):
-        asyncio.run(runner._run_once(base, None, None, tmp_path, load=[], rate=1.0))  # type: ignore[arg-type]
+        asyncio.run(open_fresh_cluster())
     chaos = ChaosRun(base, ChaosOptions(), tmp_path)
     for cfg in (seen[0], chaos.config):
         assert not set(_ports(cfg)) & set(_ports(base))
@@ -150,8 +156,11 @@ def test_bench_and_demo_clusters_take_ports_of_their_own(monkeypatch: pytest.Mon
 
 def test_a_bad_model_source_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     """Regression: `tessera up` with a bad model.source printed a traceback."""
-    done = _tessera("up", "--model", str(tmp_path / "missing"), "--log-dir", str(tmp_path),
-                    "--data-dir", str(tmp_path / "data"), "--port", str(free_port()))
+    # every port a free one: the default ones may be held by a cluster serving on this machine
+    config = tmp_path / "tessera.toml"
+    config.write_text(dump_toml(on_free_ports(load_config())))
+    done = _tessera("up", "--config", str(config), "--model", str(tmp_path / "missing"), "--log-dir", str(tmp_path),
+                    "--data-dir", str(tmp_path / "data"))
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and "model.source" in done.stderr, done.stderr
 

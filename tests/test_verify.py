@@ -21,7 +21,8 @@ def tiny_config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("verify")
     model = write_tiny_checkpoint(root / "tiny")
     path = root / "tiny.toml"
-    path.write_text(f'base = "default"\nkv_dtype = "float32"\n[model]\nsource = "{model}"\nthreads = 1\n')
+    path.write_text(f'base = "default"\nkv_dtype = "float32"\n[model]\nsource = "{model}"\nthreads = 1\n'
+                    f'[composition]\ncalibration_dir = "{root / "records"}"\n')
     return path
 
 
@@ -60,7 +61,7 @@ def test_a_missed_threshold_exits_non_zero(tiny_config_file: Path, tmp_path: Pat
     """The configured setting (epic k=16 f=0.25) misses KL = 0; full meets it."""
     code, report, output = _run(tiny_config_file, tmp_path, "--policies", "naive", "--max-kl", "0")
     assert code == 1 and "FAIL" in output
-    assert report["configured"] == "epic k=16 f=0.25"
+    assert report["configured"] == "epic k=16 f=0.25 inline=0.75 lead=none"
     full_cfg = tmp_path / "full.toml"
     full_cfg.write_text(f'base = "{tiny_config_file}"\n[composition]\npolicy = "full"\nunit_lead = ""\n')
     code, _, output = _run(full_cfg, tmp_path, "--policies", "full", "--max-kl", "0", "--min-agreement", "1")
@@ -105,7 +106,7 @@ def test_bench_fidelity_scores_the_configured_setting_on_measured_requests(tiny_
     cfg = load_config(tiny_config_file)
     wl = synthetic_workload(8, n_units=6, unit_words=12, units_per_request=2)
     fid = measured_fidelity(cfg, wl, 3, 0.5, answer_tokens=3, kl_positions=2)
-    assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 f=0.25"
+    assert fid["prompts"] == 3 and fid["setting"] == "epic k=16 f=0.25 inline=0.75 lead=none"
     assert 0.0 <= fid["prefix"]["mean"] <= 1.0 and fid["kl"]["mean"] >= 0.0
     assert "measured requests" in format_fidelity(fid)
 

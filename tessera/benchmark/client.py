@@ -9,9 +9,10 @@ final stream chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,79 +73,105 @@ async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progre
     return len(corpus)
 
 
-async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], result: Result, start: float) -> None:
+async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], result: Result, start: float,
+               headers: Mapping[str, str] | None = None, slots: asyncio.Semaphore | None = None) -> None:
+    # TTFT counts from the request's arrival, including any wait for a free concurrency slot
     t0 = time.perf_counter()
     try:
-        async with http.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
-                             headers={"Content-Type": "application/json"}) as resp:
-            result.status = resp.status
-            if resp.status != 200:
-                result.error = (await resp.text())[:300]
-                return
-            parts: list[str] = []
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = orjson.loads(payload)
-                if "error" in chunk:
-                    result.error = str(chunk["error"])[:300]
-                    return
-                for choice in chunk.get("choices", []):
-                    content = choice.get("delta", {}).get("content")
-                    if content is not None and result.ttft is None:
-                        result.ttft = time.perf_counter() - t0
-                    if content:
-                        parts.append(content)
-                if chunk.get("usage"):
-                    result.usage = chunk["usage"]
-                if chunk.get("tessera_layout"):
-                    result.layout = chunk["tessera_layout"]
-            result.text = "".join(parts)
+        async with contextlib.AsyncExitStack() as stack:
+            if slots is not None:
+                await stack.enter_async_context(slots)
+            await _post(http, url, body, result, t0, headers)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         result.error = repr(exc)[:300]
     finally:
         result.latency = time.perf_counter() - t0
 
 
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], result: Result, t0: float,
+                headers: Mapping[str, str] | None) -> None:
+    """One streamed chat request: status, TTFT (from ``t0``), text, usage and layout into ``result``."""
+    async with http.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json", **(headers or {})}) as resp:
+        result.status = resp.status
+        if resp.status != 200:
+            result.error = (await resp.text())[:300]
+            return
+        parts: list[str] = []
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = orjson.loads(payload)
+            if "error" in chunk:
+                result.error = str(chunk["error"])[:300]
+                return
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                content = delta.get("content")
+                # the first token's chunk; an empty role-only chunk (which some servers send before
+                # their prefill is done) is not a token
+                if content is not None and result.ttft is None and (content or "role" not in delta):
+                    result.ttft = time.perf_counter() - t0
+                if content:
+                    parts.append(content)
+            if chunk.get("usage"):
+                result.usage = chunk["usage"]
+            if chunk.get("tessera_layout"):
+                result.layout = chunk["tessera_layout"]
+        result.text = "".join(parts)
+
+
+BodyOf = Callable[[BenchRequest, int], dict[str, Any]]
+
+
 async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, max_tokens: int = 1,
                    seed: int = 0, return_layout: bool = False, progress: bool = True,
-                   desc: str = "", embeddings: Mapping[str, list[float]] | None = None) -> list[Result]:
-    """Send ``requests`` at Poisson arrivals of ``rate`` req/s (rate <= 0: one at a time).
+                   desc: str = "", embeddings: Mapping[str, list[float]] | None = None,
+                   arrivals: Sequence[float] | None = None, body_of: BodyOf | None = None,
+                   max_concurrency: int = 0, timeout_s: float = BENCH_CLIENT_TIMEOUT_S,
+                   headers: Mapping[str, str] | None = None) -> list[Result]:
+    """Send ``requests`` at Poisson arrivals of ``rate`` req/s (rate <= 0: one at a time), or at
+    the given ``arrivals`` (seconds from the start, one per request).
 
     With ``embeddings`` (query text -> vector) retrieval requests carry precomputed query
-    embeddings, so TTFT excludes query embedding, as in the paper's methodology.
+    embeddings, so TTFT excludes query embedding, as in the paper's methodology. ``body_of``
+    builds each body (default: Tessera's, :meth:`BenchRequest.body`); at most
+    ``max_concurrency`` requests are in flight (0: no bound), each ends after ``timeout_s``.
     """
+    assert arrivals is None or len(arrivals) == len(requests), (len(arrivals or ()), len(requests))
     rng = random.Random(seed)
     results = [Result(i, 0.0) for i in range(len(requests))]
     bar = tqdm(total=len(requests), desc=desc or f"{rate:g} req/s", unit="req", disable=not progress,
                leave=False)
-    timeout = aiohttp.ClientTimeout(total=BENCH_CLIENT_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         start = time.perf_counter()
         tasks = []
         next_at = 0.0
         for i, req in enumerate(requests):
-            body = req.body(max_tokens)
+            body = req.body(max_tokens) if body_of is None else body_of(req, max_tokens)
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-            if return_layout:
+            if return_layout and body_of is None:  # a Tessera extension: never sent to other servers
                 body["return_layout"] = True
             if embeddings is not None and "retrieval" in body and body["retrieval"]["query"] in embeddings:
                 body["retrieval"]["embedding"] = embeddings[body["retrieval"]["query"]]
-            if rate > 0:
-                delay = start + next_at - time.perf_counter()
+            if arrivals is not None or rate > 0:
+                at = arrivals[i] if arrivals is not None else next_at
+                delay = start + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                next_at += rng.expovariate(rate)
+                next_at += rng.expovariate(rate) if rate > 0 else 0.0
             results[i].sent_at = time.perf_counter() - start
-            task = asyncio.create_task(_one(http, url, body, results[i], start))
+            task = asyncio.create_task(_one(http, url, body, results[i], start, headers, slots))
             task.add_done_callback(lambda _t: bar.update(1))
-            if rate <= 0:
+            if arrivals is None and rate <= 0:
                 await task  # closed loop: the unloaded reference
             tasks.append(task)
         await asyncio.gather(*tasks)

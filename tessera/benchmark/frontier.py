@@ -32,7 +32,7 @@ def plot_frontier(rows: Sequence[Row], path: Path, title: str) -> Path:
                     [getattr(r, key).hi - getattr(r, key).mean for r in pts]]
             ax.errorbar(xs, ys, yerr=errs, fmt=marker, capsize=3, label="with unit lead" if lead else "plain units")
             for r, x, y in zip(pts, xs, ys, strict=True):
-                ax.annotate(r.setting.label.replace(" +lead", ""), (x, y), fontsize=7, xytext=(3, 3),
+                ax.annotate(r.setting.label.replace(" lead=none", ""), (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
         ax.set_xlabel("composed prefill per request (s, offline, unit states ready)")
         ax.set_ylabel(ylabel)

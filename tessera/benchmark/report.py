@@ -20,7 +20,9 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
     tiers = {"prefix": 0, "local": 0, "remote": 0, "computed": 0, "recomputed": 0, "prompt": 0}
     for r in ok:
         t = r.usage.get("tessera", {})
-        tiers["prefix"] += t.get("prefix_cached_tokens", 0)
+        # an OpenAI-compatible server's prefix cache hits, where it reports them
+        cached = (r.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        tiers["prefix"] += t.get("prefix_cached_tokens", cached if not t else 0)
         tiers["local"] += t.get("local_tokens", 0)
         tiers["remote"] += t.get("remote_tokens", 0)
         tiers["computed"] += t.get("computed_unit_tokens", 0)

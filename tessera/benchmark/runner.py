@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S, Result, ingest, run_load
+from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S, BodyOf, Result, run_load
 from tessera.benchmark.report import compare, plot, summarize, table
+from tessera.benchmark.targets import FreshCluster, Target
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig, ControlConfig
 from tessera.errors import ConfigError
-from tessera.launcher import LocalCluster
-from tessera.ports import on_free_ports
 
 # the paper's §6.4 ablations, plus the exact-prefix baseline (what SGLang/vLLM do today)
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -74,9 +73,22 @@ class BenchOptions:
     saturation_factor: float = 10.0
     # per-system rate lists replacing ``rates`` (each system swept where its curve bends)
     system_rates: dict[str, list[float]] = field(default_factory=dict)
+    # a trace's recorded arrival times (seconds, already scaled), one per request: one run per
+    # system at these times instead of Poisson arrivals at each rate
+    arrivals: list[float] | None = None
+    max_concurrency: int = 0  # requests in flight at most (0: no bound)
+    timeout_s: float = BENCH_CLIENT_TIMEOUT_S  # per request
 
     def rates_for(self, system: str) -> list[float]:
+        if self.arrivals is not None:
+            return [recorded_rate(self.arrivals)]
         return self.system_rates.get(system, self.rates)
+
+
+def recorded_rate(arrivals: list[float]) -> float:
+    """The mean rate of recorded arrivals (req/s): what a recorded-time run is labelled with."""
+    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+    return round(len(arrivals) / span, 4) if span > 0 else float(len(arrivals))
 
 
 def embed_workload(workload: Workload) -> dict[str, list[float]]:
@@ -113,42 +125,43 @@ def _write_trace(path: Path, results: list[Result], workload: Workload) -> None:
 
 
 async def run_phases(url: str, load: list[BenchRequest], rate: float, opts: BenchOptions, *, drain: bool,
-                     embeddings: dict[str, list[float]] | None = None) -> list[Result]:
-    """Send ``load`` open-loop at ``rate``; with ``drain``, the measured share starts only after
-    every warm-up request has completed (the results keep the sequence's order either way)."""
+                     embeddings: dict[str, list[float]] | None = None, body_of: BodyOf | None = None,
+                     headers: dict[str, str] | None = None) -> list[Result]:
+    """Send ``load`` open-loop at ``rate`` (or at ``opts.arrivals``); with ``drain``, the measured
+    share starts only after every warm-up request has completed (the results keep the
+    sequence's order either way; a recorded phase keeps its own spacing, from its first arrival)."""
     split = int(len(load) * opts.warmup_frac)
-    phases = [load[:split], load[split:]] if drain and 0 < split < len(load) else [load]
+    cuts = [(0, split), (split, len(load))] if drain and 0 < split < len(load) else [(0, len(load))]
     results: list[Result] = []
-    for n, phase in enumerate(phases):
+    for n, (a, b) in enumerate(cuts):
+        phase = load[a:b]
+        arrivals = None
+        if opts.arrivals is not None:
+            arrivals = [t - opts.arrivals[a] for t in opts.arrivals[a:b]]
         part = await run_load(url, phase, rate, max_tokens=opts.max_tokens, seed=opts.seed + n,
                               return_layout=opts.dump_trace, progress=opts.progress,
-                              desc=f"{rate:g} req/s" + (" warm-up" if len(phases) > 1 and n == 0 else ""),
-                              embeddings=embeddings)
+                              desc=f"{rate:g} req/s" + (" warm-up" if len(cuts) > 1 and n == 0 else ""),
+                              embeddings=embeddings, arrivals=arrivals, body_of=body_of,
+                              max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s, headers=headers)
         for r in part:
             r.index += len(results)
         results += part
     return results
 
 
-async def _run_once(cluster_cfg: ClusterConfig, workload: Workload, opts: BenchOptions, log_dir: Path, *,
-                    load: list[BenchRequest], rate: float, serial: list[BenchRequest] | None = None,
+async def _run_once(target: Target, opts: BenchOptions, log_dir: Path, *, load: list[BenchRequest], rate: float,
+                    serial: list[BenchRequest] | None = None,
                     embeddings: dict[str, list[float]] | None = None) -> tuple[list[Result], list[Result]]:
-    """Fresh cluster: ingest, send ``load`` open-loop at ``rate``, then ``serial`` one at a time."""
-    # ports of its own: a bench runs beside a cluster that serves on the configured ones
-    cluster = LocalCluster(on_free_ports(cluster_cfg), log_dir=log_dir, quiet=True)
-    await asyncio.to_thread(cluster.start)
-    try:
-        url = cluster.config.retrieval_url
-        await ingest(url, workload.corpus, progress=opts.progress, embeddings=embeddings)
+    """One run on ``target``: send ``load`` open-loop at ``rate``, then ``serial`` one at a time."""
+    async with target.open(log_dir, opts.progress) as url:
         results = await run_phases(url, load, rate, opts, drain=opts.drain_warmup and serial is None,
-                                   embeddings=embeddings)
+                                   embeddings=embeddings, body_of=target.body_of, headers=target.headers)
         serial_results: list[Result] = []
         if serial:
             serial_results = await run_load(url, serial, 0.0, max_tokens=opts.max_tokens, progress=opts.progress,
-                                            desc="unloaded", embeddings=embeddings)
+                                            desc="unloaded", embeddings=embeddings, body_of=target.body_of,
+                                            timeout_s=opts.timeout_s, headers=target.headers)
         return results, serial_results
-    finally:
-        await asyncio.to_thread(cluster.stop)
 
 
 def _saturated(sysrep: dict[str, Any], summary: dict[str, Any], factor: float) -> bool:
@@ -161,7 +174,9 @@ def _saturated(sysrep: dict[str, Any], summary: dict[str, Any], factor: float) -
     return bool(summary["mean"] > factor * reference["mean"])
 
 
-async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions) -> dict[str, Any]:
+async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
+                    targets: dict[str, Target] | None = None) -> dict[str, Any]:
+    """Sweep ``opts.systems`` on fresh clusters of ``base`` (or the given running ``targets``)."""
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "workload": workload.name,
@@ -174,18 +189,20 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     split = int(len(workload.requests) * opts.warmup_frac)
-    embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
-    for system in opts.systems:
-        cfg = system_config(base, system)
+    embeddings = None
+    if targets is None:
+        embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
+        targets = {s: FreshCluster(system_config(base, s), workload, SYSTEMS[s], embeddings) for s in opts.systems}
+    for system, target in targets.items():
         rates = opts.rates_for(system)
-        sysrep: dict[str, Any] = {"config": SYSTEMS[system], "rates": rates, "runs": []}
+        sysrep: dict[str, Any] = {"config": target.description, "rates": rates, "runs": []}
         report["systems"][system] = sysrep
         if opts.unloaded_requests:
             # the sweep's warm-up requests (open loop at the middle rate: only the cache state
             # matters, not their latency), then measured requests one at a time
             _say(f"[{system}] unloaded reference: {opts.unloaded_requests} requests one at a time after warm-up")
             _, serial = await _run_once(
-                cfg, workload, opts, opts.out_dir / f"logs-{system}-unloaded",
+                target, opts, opts.out_dir / f"logs-{system}-unloaded",
                 load=workload.requests[:split], rate=rates[len(rates) // 2],
                 serial=workload.requests[split:split + opts.unloaded_requests], embeddings=embeddings)
             sysrep["unloaded"] = summarize(serial, 0.0, 0.0)
@@ -199,7 +216,7 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions)
                 continue
             _say(f"[{system}] rate {rate:g} req/s: {len(workload.requests)} requests "
                  f"(first {opts.warmup_frac:.0%} warm up)")
-            results, _ = await _run_once(cfg, workload, opts, opts.out_dir / f"logs-{system}-{rate:g}",
+            results, _ = await _run_once(target, opts, opts.out_dir / f"logs-{system}-{rate:g}",
                                          load=workload.requests, rate=rate, embeddings=embeddings)
             summary = summarize(results, opts.warmup_frac, rate)
             sysrep["runs"].append(summary)

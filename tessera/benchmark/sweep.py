@@ -2,7 +2,9 @@
 
 The sweep itself (fresh clusters, Poisson load, saturation cut-off) is
 :func:`tessera.benchmark.runner.run_bench`; this module turns the command-line options into
-its :class:`~tessera.benchmark.runner.BenchOptions` and a workload, and prints the report.
+its :class:`~tessera.benchmark.runner.BenchOptions` and a workload (or a traffic trace,
+``--trace``, replayed at its recorded times or at Poisson rates), picks the targets (fresh
+clusters, or running endpoints with ``--url``), and prints the report.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.benchmark import options
+from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S
 from tessera.benchmark.options import say
 from tessera.benchmark.report import format_demo, format_report
 from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench
-from tessera.benchmark.workloads import WorkloadName, select_workload, synthetic_workload
+from tessera.benchmark.targets import Target
+from tessera.benchmark.workloads import Workload, WorkloadName, select_workload, synthetic_workload
 from tessera.config import ClusterConfig
 from tessera.errors import ConfigError
 
@@ -46,6 +50,15 @@ class SweepOptions:
     drain_warmup: bool
     saturation: float
     fidelity: int
+    trace: Path | None = None  # a traffic trace replayed instead of the workload
+    arrivals: str = "auto"  # trace: recorded | poisson | auto (recorded when the trace has times)
+    time_scale: float = 1.0  # recorded arrival times are multiplied by this (0.5: twice as fast)
+    urls: tuple[str, ...] = ()  # [NAME=]URL of running endpoints instead of fresh clusters
+    allow_hosts: tuple[str, ...] = ()
+    api: str = "auto"
+    api_key: str = ""
+    max_concurrency: int = 0
+    timeout_s: float = BENCH_CLIENT_TIMEOUT_S
 
 
 def _system_rates(specs: tuple[str, ...], systems: list[str]) -> dict[str, list[float]]:
@@ -60,6 +73,41 @@ def _system_rates(specs: tuple[str, ...], systems: list[str]) -> dict[str, list[
     return out
 
 
+def _trace(config: ClusterConfig, opts: SweepOptions) -> tuple[Workload, list[float] | None]:
+    """``--trace``: the trace as a workload, and its recorded arrivals (scaled) unless Poisson is asked."""
+    from tessera.benchmark.traffic import UnitTexts, read_traffic, trace_workload
+    from tessera.engines.checkpoint import resolve
+    from tessera.engines.tokenizer import load_tokenizer
+
+    assert opts.trace is not None
+    if not opts.trace.is_file():
+        raise ConfigError(f"--trace {opts.trace} does not exist")
+    if opts.arrivals not in ("auto", "recorded", "poisson") or opts.time_scale <= 0:
+        raise ConfigError("--arrivals takes auto, recorded or poisson; --time-scale must be > 0")
+    requests = read_traffic(opts.trace)
+    wl = trace_workload(opts.trace.stem, requests, UnitTexts(load_tokenizer(resolve(config.model)).encode_plain))
+    recorded = [r.arrival_s for r in requests if r.arrival_s is not None]
+    if opts.arrivals == "recorded" and not recorded:
+        raise ConfigError(f"--arrivals recorded: {opts.trace} has no arrival_s; use --arrivals poisson --rates ...")
+    if opts.arrivals == "poisson" or not recorded:
+        return wl, None
+    return wl, [(t - recorded[0]) * opts.time_scale for t in recorded]
+
+
+def _endpoints(opts: SweepOptions, headers: dict[str, str]) -> dict[str, Target]:
+    """``--url``: the running endpoints to drive, each asked which API it speaks."""
+    from tessera.benchmark.endpoints import detect, parse_endpoint
+    from tessera.benchmark.targets import RunningEndpoint
+
+    given = [parse_endpoint(u, opts.allow_hosts, opts.api) for u in opts.urls]
+    if len({e.name for e in given}) < len(given):
+        raise ConfigError("two --url endpoints have the same name; name them: --url NAME=URL")
+    found = [asyncio.run(detect(e, headers)) for e in given]
+    for e in found:
+        say(f"[{e.name}] {e.url}: {e.api} API, model {e.model}", err=True)
+    return {e.name: RunningEndpoint(e, headers) for e in found}
+
+
 def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
     """Check the options, render traces (``trace_only``) or sweep systems × rates; print the report."""
     names = options.names(opts.systems)
@@ -68,8 +116,14 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
         raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
     if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.saturation < 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --saturation >= 0")
-    wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
-                         opts.placement, opts.seed, opts.conversations)
+    if opts.max_concurrency < 0 or opts.timeout_s <= 0:
+        raise ConfigError("--max-concurrency must be >= 0 (0: no bound) and --timeout > 0")
+    arrivals = None
+    if opts.trace is not None:
+        wl, arrivals = _trace(config, opts)
+    else:
+        wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
+                             opts.placement, opts.seed, opts.conversations)
     if opts.trace_only:
         from tessera.benchmark.render import write_traces
 
@@ -77,12 +131,15 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
         n = write_traces(config, wl, path)
         say(f"wrote {n} rendered prompts to {path}; classify them with: tessera analyze {path}")
         return
-    system_rates = _system_rates(opts.rates_for, names)
-    bench = BenchOptions(systems=names, rates=options.floats(opts.rates, "--rates"), max_tokens=opts.max_tokens,
-                         warmup_frac=opts.warmup, unloaded_requests=opts.unloaded, out_dir=opts.out,
-                         dump_trace=opts.dump_trace, seed=opts.seed, drain_warmup=opts.drain_warmup,
-                         saturation_factor=opts.saturation, system_rates=system_rates)
-    report = asyncio.run(run_bench(config, wl, bench))
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    targets = _endpoints(opts, headers) if opts.urls else None
+    system_rates = _system_rates(opts.rates_for, list(targets or names))
+    bench = BenchOptions(systems=list(targets or names), rates=options.floats(opts.rates, "--rates"),
+                         max_tokens=opts.max_tokens, warmup_frac=opts.warmup, unloaded_requests=opts.unloaded,
+                         out_dir=opts.out, dump_trace=opts.dump_trace, seed=opts.seed, drain_warmup=opts.drain_warmup,
+                         saturation_factor=opts.saturation, system_rates=system_rates, arrivals=arrivals,
+                         max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s)
+    report = asyncio.run(run_bench(config, wl, bench, targets))
     for line in format_report(report):
         say(line)
     if opts.fidelity > 0:

@@ -1,6 +1,7 @@
 """Token classification of a request trace (paper §3.1): ``tessera analyze TRACE``.
 
-A trace is JSONL, one rendered prompt per line::
+``tessera analyze`` reads either a traffic trace (:mod:`tessera.benchmark.traffic`: chat
+requests, rendered here through the server's prompt path) or a rendered trace, one prompt per line::
 
     {"stream": "locomo-conv-26", "tokens": [...token ids...], "units": [[start, end], ...]}
 
@@ -12,17 +13,26 @@ order, every unit token is classified as
 * non-prefix repeat: outside it, but the unit's token sequence appeared (as a unit) in an
   earlier prompt of the stream;
 * new: otherwise.
+
+The ceiling it prints: prefix caching computes every prompt token outside the matching
+prefix; composition at best computes those minus the non-prefix repeats (their states are
+reused), and with the configured policy minus the repeats less what the policy recomputes of
+each reused unit (a unit it inlines counts whole). Both savings are relative to prefix caching.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tessera.composition.policies import CompositionPolicy
+from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, ConfigError
+from tessera.messages import PromptLayout, Segment, SegmentKind
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
@@ -61,6 +71,8 @@ class Counts:
     repeat: int = 0
     new: int = 0
     prompt_tokens: int = 0
+    prompt_prefix: int = 0  # prompt tokens (text and units) inside the matching prefix
+    recomputed: int = 0  # non-prefix repeat tokens the policy recomputes anyway
     requests: int = 0
     requests_mostly_repeat: int = 0  # >= half of their unit tokens are non-prefix repeats
 
@@ -69,27 +81,55 @@ class Counts:
         return self.prefix + self.repeat + self.new
 
     def add(self, other: Counts) -> None:
-        for k in ("prefix", "repeat", "new", "prompt_tokens", "requests", "requests_mostly_repeat"):
+        for k in ("prefix", "repeat", "new", "prompt_tokens", "prompt_prefix", "recomputed", "requests",
+                  "requests_mostly_repeat"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     def summary(self) -> dict[str, float]:
-        u = max(self.unit_tokens, 1)
+        u, p = max(self.unit_tokens, 1), max(self.prompt_tokens, 1)
+        prefix_computes = self.prompt_tokens - self.prompt_prefix
         return {
             "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
             "unit_tokens": self.unit_tokens,
             "prefix_covered": self.prefix / u,
             "non_prefix_repeat": self.repeat / u,
             "new": self.new / u,
             "requests_mostly_repeat": self.requests_mostly_repeat / max(self.requests, 1),
-            "repeat_share_of_prompt_tokens": self.repeat / max(self.prompt_tokens, 1),
+            "prefix_share_of_prompt_tokens": self.prefix / p,
+            "repeat_share_of_prompt_tokens": self.repeat / p,
+            "new_share_of_prompt_tokens": self.new / p,
+            "prefix_caching_computes": prefix_computes,
+            "ceiling_computes": prefix_computes - self.repeat,
+            "policy_computes": prefix_computes - self.repeat + self.recomputed,
+            "best_case_saving": self.repeat / max(prefix_computes, 1),
+            "policy_saving": (self.repeat - self.recomputed) / max(prefix_computes, 1),
         }
 
 
-def classify(stream: StreamState, tokens: Sequence[int], units: Sequence[tuple[int, int]]) -> Counts:
-    """Classify one prompt's unit tokens against its stream's history, then add it to the history."""
+def reuse_cost(policy: CompositionPolicy) -> Callable[[int], int]:
+    """Tokens ``policy`` recomputes of a reused unit of n tokens (all n when it inlines the unit)."""
+
+    @cache
+    def cost(n: int) -> int:
+        layout = PromptLayout((Segment(SegmentKind.TEXT, (0,)), Segment(SegmentKind.UNIT, (0,) * n, "u"),
+                               Segment(SegmentKind.TEXT, (0,))))
+        if not policy.inline(layout).unit_offsets():
+            return n
+        return sum(max(0, min(b, 1 + n) - max(a, 1)) for a, b in policy.select(layout))
+
+    return cost
+
+
+def classify(stream: StreamState, tokens: Sequence[int], units: Sequence[tuple[int, int]],
+             recompute: Callable[[int], int] | None = None) -> Counts:
+    """Classify one prompt's unit tokens against its stream's history, then add it to the history.
+
+    ``recompute(n)``: tokens the policy recomputes of a reused unit of n tokens (``reuse_cost``).
+    """
     hashes = prefix_hashes(tokens)
     matched = stream.matching_prefix(hashes)
-    c = Counts(prompt_tokens=len(tokens), requests=1)
+    c = Counts(prompt_tokens=len(tokens), prompt_prefix=matched, requests=1)
     for start, end in units:
         if not 0 <= start <= end <= len(tokens):
             raise BadRequest(f"unit range [{start}, {end}) is outside a prompt of {len(tokens)} tokens")
@@ -98,6 +138,8 @@ def classify(stream: StreamState, tokens: Sequence[int], units: Sequence[tuple[i
         c.prefix += covered
         if tuple(tokens[start:end]) in stream.units:
             c.repeat += rest
+            if recompute is not None and rest:
+                c.recomputed += min(rest, recompute(end - start))
         else:
             c.new += rest
     if c.unit_tokens and 2 * c.repeat >= c.unit_tokens:
@@ -108,6 +150,7 @@ def classify(stream: StreamState, tokens: Sequence[int], units: Sequence[tuple[i
 
 
 def read_trace(path: Path) -> Iterator[dict[str, Any]]:
+    """A rendered trace's lines: {stream, tokens, units}."""
     with open(path) as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
@@ -116,17 +159,31 @@ def read_trace(path: Path) -> Iterator[dict[str, Any]]:
                 rec = json.loads(line)
                 tokens, units, stream = rec["tokens"], rec["units"], str(rec.get("stream", ""))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise BadRequest(f"{path}:{lineno}: expected {{stream, tokens, units}}: {exc}") from None
+                raise BadRequest(f"{path}:{lineno}: expected {{stream, tokens, units}} or a traffic trace line "
+                                 f"{{messages, units, ...}}: {exc}") from None
             yield {"stream": stream, "tokens": tokens, "units": [tuple(u) for u in units]}
 
 
-def analyze(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+def _is_traffic(path: Path) -> bool:
+    from tessera.benchmark.traffic import is_traffic_line
+
+    with open(path) as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    return is_traffic_line(json.loads(line))
+                except json.JSONDecodeError:
+                    return False
+    return False
+
+
+def analyze(records: Iterable[dict[str, Any]], recompute: Callable[[int], int] | None = None) -> dict[str, Any]:
     streams: dict[str, StreamState] = {}
     per_stream: dict[str, Counts] = {}
     total = Counts()
     for rec in records:
         state = streams.setdefault(rec["stream"], StreamState())
-        c = classify(state, rec["tokens"], rec["units"])
+        c = classify(state, rec["tokens"], rec["units"], recompute)
         per_stream.setdefault(rec["stream"], Counts()).add(c)
         total.add(c)
     return {
@@ -135,20 +192,50 @@ def analyze(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_analyze(trace: Path, per_stream: bool) -> None:
-    """``tessera analyze``: print the trace's classification (and each stream's, if asked)."""
-    from tessera.benchmark.options import say
+def analyze_file(trace: Path, config: ClusterConfig) -> dict[str, Any]:
+    """Classify a traffic or rendered trace; the policy's recompute is ``config``'s."""
+    from tessera.composition.policies import policy_from_config
 
     if not trace.is_file():
         raise ConfigError(f"{trace} does not exist")
-    result = analyze(read_trace(trace))
+    if _is_traffic(trace):
+        from tessera.benchmark.traffic import read_traffic
+        from tessera.benchmark.traffic_render import TraceRenderer
+
+        renderer = TraceRenderer(config)
+        records: Iterable[dict[str, Any]] = (renderer.record(r) for r in read_traffic(trace))
+    else:
+        records = read_trace(trace)
+    result = analyze(records, reuse_cost(policy_from_config(config.composition)))
+    result["policy"] = policy_label(config)
+    return result
+
+
+def policy_label(config: ClusterConfig) -> str:
+    c = config.composition
+    if c.policy != "epic":
+        return c.policy
+    return f"epic k={c.recompute_tokens} f={c.recompute_fraction:g} inline={c.inline_share:g}"
+
+
+def run_analyze(trace: Path, per_stream: bool, config: ClusterConfig) -> None:
+    """``tessera analyze``: print the trace's classification and ceiling (and each stream's, if asked)."""
+    from tessera.benchmark.options import say
+
+    result = analyze_file(trace, config)
     t = result["total"]
-    say(f"requests: {t['requests']}, injected unit tokens: {t['unit_tokens']}")
-    say(f"  non-prefix repeat: {t['non_prefix_repeat']:.1%}   prefix-covered: {t['prefix_covered']:.1%}   "
-        f"new: {t['new']:.1%}")
+    say(f"requests: {t['requests']}, prompt tokens: {t['prompt_tokens']}, injected unit tokens: {t['unit_tokens']}")
+    say(f"  of unit tokens:   non-prefix repeat {t['non_prefix_repeat']:.1%}   prefix-covered "
+        f"{t['prefix_covered']:.1%}   new {t['new']:.1%}")
+    say(f"  of prompt tokens: non-prefix repeat {t['repeat_share_of_prompt_tokens']:.1%}   prefix-covered units "
+        f"{t['prefix_share_of_prompt_tokens']:.1%}   new units {t['new_share_of_prompt_tokens']:.1%}")
     say(f"  requests with >= half their unit tokens non-prefix repeats: {t['requests_mostly_repeat']:.1%}")
-    say(f"  non-prefix repeats as a share of all prompt tokens: {t['repeat_share_of_prompt_tokens']:.1%}")
+    say(f"  prefill tokens: prefix caching {t['prefix_caching_computes']}, composition at best "
+        f"{t['ceiling_computes']}, with {result['policy']} {t['policy_computes']}")
+    say(f"  best-case prefill saving over prefix caching: {t['best_case_saving']:.1%} "
+        f"(with {result['policy']}: {t['policy_saving']:.1%})")
     if per_stream:
         for name, s in result["streams"].items():
-            say(f"  {name}: repeat {s['non_prefix_repeat']:.1%} prefix {s['prefix_covered']:.1%} "
-                f"new {s['new']:.1%} of prompt {s['repeat_share_of_prompt_tokens']:.1%} ({s['requests']} req)")
+            say(f"  {name or '(no stream)'}: repeat {s['non_prefix_repeat']:.1%} prefix {s['prefix_covered']:.1%} "
+                f"new {s['new']:.1%} of prompt {s['repeat_share_of_prompt_tokens']:.1%} "
+                f"saving {s['best_case_saving']:.1%} ({s['requests']} req)")

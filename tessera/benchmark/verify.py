@@ -14,9 +14,8 @@ answer. From the logits before each answer token:
 * ``top1``: the first answer token reproduced;
 * ``cost``: unit tokens recomputed per prompt (what the setting pays, the calibration's price).
 
-Each mean comes with a bootstrap 95% interval over prompts. Prompts are rendered exactly as
-the retrieval role renders them (chat template, placement, unit lead). This module never
-talks to a server.
+Each mean comes with a bootstrap 95% interval over prompts; each setting's label names every
+knob that shaped it (policy, k, fraction, inline share, lead). This module never talks to a server.
 """
 
 from __future__ import annotations
@@ -37,16 +36,16 @@ import torch
 
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.composition.layout import text_ranges
-from tessera.composition.policies import policy_from_config
+from tessera.composition.policies import CompositionPolicy, policy_from_config
 from tessera.config import ClusterConfig, CompositionConfig
 from tessera.engines.base import EngineAdapter, UnitState
 from tessera.engines.offline import compose, prefill_units
-from tessera.engines.tokenizer import Tokenizer
+from tessera.engines.tokenizer import Tokenizer, unit_factory
 from tessera.errors import BadRequest, ConfigError
-from tessera.messages import PromptLayout
 from tessera.retrieval.chat_request import parse_chat_request
 from tessera.retrieval.prompt import PromptBuilder
-from tessera.units import ContextUnit, TokenCache, UnitFactory
+from tessera.retrieval.prompt_path import Built, PromptPath
+from tessera.units import TokenCache
 
 LEAD = "<|endoftext|>"  # the sink token the default config leads units with
 
@@ -59,37 +58,40 @@ class Setting:
     recompute_tokens: int = 0
     recompute_fraction: float = 1.0
     unit_lead: str = ""
+    inline_share: float = 1.0  # epic only: other policies inline nothing
 
     @property
     def label(self) -> str:
+        """Every knob that shapes what this setting serves, named (the config's unit_bos aside)."""
         name = self.policy
         if self.policy == "epic":
-            name += f" k={self.recompute_tokens}"
-            if self.recompute_fraction < 1.0:
-                name += f" f={self.recompute_fraction:g}"
-        return name + (" +lead" if self.unit_lead else "")
+            name += f" k={self.recompute_tokens} f={self.recompute_fraction:g} inline={self.inline_share:g}"
+        return name + (f" lead={self.unit_lead}" if self.unit_lead else " lead=none")
 
     def composition(self, base: CompositionConfig) -> CompositionConfig:
         return dataclasses.replace(base, policy=self.policy, recompute_tokens=self.recompute_tokens,
-                                   recompute_fraction=self.recompute_fraction, unit_lead=self.unit_lead)
+                                   recompute_fraction=self.recompute_fraction, unit_lead=self.unit_lead,
+                                   inline_share=self.inline_share)
 
     @classmethod
     def of(cls, config: CompositionConfig) -> Setting:
         if config.policy != "epic":
             return cls(config.policy, unit_lead=config.unit_lead)
-        return cls("epic", config.recompute_tokens, config.recompute_fraction, config.unit_lead)
+        return cls("epic", config.recompute_tokens, config.recompute_fraction, config.unit_lead, config.inline_share)
 
 
 def settings_grid(policies: Iterable[str], ks: Iterable[int], fractions: Iterable[float],
-                  leads: Iterable[str]) -> list[Setting]:
-    """Every policy × lead; ``epic`` also × k × fraction. Duplicates dropped, order kept."""
+                  leads: Iterable[str], inline_shares: Iterable[float] = (1.0,)) -> list[Setting]:
+    """Every policy × lead; ``epic`` also × k × fraction × inline share. Duplicates dropped, order kept."""
     out: dict[Setting, None] = {}
+    shares = list(inline_shares)
     for lead in leads:
         for policy in policies:
             if policy == "epic":
                 for k in ks:
                     for f in fractions:
-                        out[Setting("epic", k, f, lead)] = None
+                        for share in shares:
+                            out[Setting("epic", k, f, lead, share)] = None
             else:
                 out[Setting(policy, unit_lead=lead)] = None
     return list(out)
@@ -156,22 +158,32 @@ def sample(prompts: Sequence[Prompt], n: int, seed: int = 0) -> list[Prompt]:
 
 
 class Layouts:
-    """Renders a prompt as the serving path does, for any unit lead."""
+    """Builds a prompt through the server's own prompt path (:class:`PromptPath`), for any unit lead:
+    unit and message text encoded as plain text, the API's unit checks, the policy's inlining and
+    the context limit, exactly as the retrieval role builds what it serves."""
 
-    def __init__(self, engine: EngineAdapter, tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: EngineAdapter, tokenizer: Tokenizer, config: ClusterConfig) -> None:
+        self.config = config
         self.tokenizer = tokenizer
-        self.tokens = TokenCache(tokenizer.encode)
-        self.builder = PromptBuilder(tokenizer, self.tokens)
         self.fingerprint = engine.fingerprint
-        self._factories: dict[str, UnitFactory] = {}
+        self.max_context = engine.geometry.max_context
+        self.tokens = TokenCache(tokenizer.encode_plain)
+        self._paths: dict[str, PromptPath] = {}
 
-    def build(self, prompt: Prompt, lead: str) -> PromptLayout:
-        factory = self._factories.get(lead)
-        if factory is None:
-            ids = tuple(self.tokenizer.encode(lead)) if lead else ()
-            factory = self._factories[lead] = UnitFactory(self.fingerprint, self.tokens, ids)
-        units: list[ContextUnit] = [factory.make(scope, text) for scope, text in prompt.units]
-        return self.builder.build(list(prompt.messages), units, prompt.placement)
+    def path(self, lead: str) -> PromptPath:
+        found = self._paths.get(lead)
+        if found is None:
+            c = self.config
+            led = dataclasses.replace(c, composition=dataclasses.replace(c.composition, unit_lead=lead))
+            factory = unit_factory(led, self.fingerprint, self.tokenizer, self.tokens)
+            found = self._paths[lead] = PromptPath(PromptBuilder(self.tokenizer, self.tokens), factory,
+                                                   c.retrieval.max_unit_tokens, self.max_context)
+        return found
+
+    def build(self, prompt: Prompt, lead: str, policy: CompositionPolicy | None = None,
+              max_tokens: int = 1) -> Built:
+        path = self.path(lead)
+        return path.build(list(prompt.messages), path.units(prompt.units), prompt.placement, policy, max_tokens)
 
 
 @dataclass
@@ -219,39 +231,50 @@ def verify(engine: EngineAdapter, tokenizer: Tokenizer, config: ClusterConfig, p
     states ready: the warm serving path without transfers), for the speed–fidelity frontier.
     """
     assert answer_tokens > 0 and kl_positions > 0, (answer_tokens, kl_positions)
-    layouts = Layouts(engine, tokenizer)
+    layouts = Layouts(engine, tokenizer, config)
     policies = {s: policy_from_config(s.composition(config.composition)) for s in settings}
     full = policy_from_config(Setting("full").composition(config.composition))
     stops = tokenizer.eos_token_ids
     out = {s: Scores() for s in settings}
     for i, prompt in enumerate(prompts):
-        plain = layouts.build(prompt, "")
-        greedy = compose(engine, plain, full, {}, max_new_tokens=answer_tokens, stop_ids=stops, use_prefix_cache=False)
-        answer = greedy.generated
-        ref = compose(engine, plain, full, {}, forced=answer, use_prefix_cache=False).forced_logits
-        text_tokens = sum(b - a for a, b in text_ranges(plain))
-        states: dict[str, dict[str, UnitState]] = {}
-        for s, policy in policies.items():
-            layout = policy.inline(layouts.build(prompt, s.unit_lead))
-            if s.unit_lead not in states:
-                states[s.unit_lead] = prefill_units(engine, layouts.build(prompt, s.unit_lead))
-            comp = compose(engine, layout, policy, states[s.unit_lead], forced=answer, use_prefix_cache=False)
-            kl, prefix, exact, top1 = score(ref, answer, comp.forced_logits, kl_positions)
-            sc = out[s]
-            sc.kl.append(kl)
-            sc.prefix.append(prefix)
-            sc.exact.append(exact)
-            sc.top1.append(top1)
-            sc.cost.append(_cost(comp.computed, text_tokens))
-            if timed:
-                t0 = time.perf_counter()
-                compose(engine, layout, policy, states[s.unit_lead], use_prefix_cache=False)
-                sc.seconds.append(time.perf_counter() - t0)
+        try:
+            _score_prompt(engine, layouts, prompt, policies, full, out, answer_tokens, kl_positions, stops, timed)
+        except BadRequest as exc:  # what the API would refuse, verify refuses: it never scores it
+            raise BadRequest(f"prompt {i + 1}: the API refuses it: {exc}") from None
         if progress:
             print(f"\r[verify] {i + 1}/{len(prompts)} prompts", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     return out
+
+
+def _score_prompt(engine: EngineAdapter, layouts: Layouts, prompt: Prompt, policies: dict[Setting, CompositionPolicy],
+                  full: CompositionPolicy, out: dict[Setting, Scores], answer_tokens: int, kl_positions: int,
+                  stops: Sequence[int], timed: bool) -> None:
+    """Score every setting on one prompt, each built as the server builds it."""
+    plain = layouts.build(prompt, "", full, answer_tokens).served
+    greedy = compose(engine, plain, full, {}, max_new_tokens=answer_tokens, stop_ids=stops, use_prefix_cache=False)
+    answer = greedy.generated
+    ref = compose(engine, plain, full, {}, forced=answer, use_prefix_cache=False).forced_logits
+    text_tokens = sum(b - a for a, b in text_ranges(plain))
+    states: dict[str, dict[str, UnitState]] = {}
+    for s, policy in policies.items():
+        built = layouts.build(prompt, s.unit_lead, policy, answer_tokens)
+        layout = built.served
+        if s.unit_lead not in states:
+            states[s.unit_lead] = prefill_units(engine, built.rendered)
+        comp = compose(engine, layout, policy, states[s.unit_lead], forced=answer, use_prefix_cache=False)
+        kl, prefix, exact, top1 = score(ref, answer, comp.forced_logits, kl_positions)
+        sc = out[s]
+        sc.kl.append(kl)
+        sc.prefix.append(prefix)
+        sc.exact.append(exact)
+        sc.top1.append(top1)
+        sc.cost.append(_cost(comp.computed, text_tokens))
+        if timed:
+            t0 = time.perf_counter()
+            compose(engine, layout, policy, states[s.unit_lead], use_prefix_cache=False)
+            sc.seconds.append(time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -349,6 +372,7 @@ def overlay_toml(setting: Setting, base: str = "default") -> str:
     lines = [f"base = {json.dumps(base)}", "", "[composition]", f"policy = {json.dumps(setting.policy)}"]
     if setting.policy == "epic":
         lines += [f"recompute_tokens = {setting.recompute_tokens}",
-                  f"recompute_fraction = {float(setting.recompute_fraction)!r}"]
+                  f"recompute_fraction = {float(setting.recompute_fraction)!r}",
+                  f"inline_share = {float(setting.inline_share)!r}"]
     lines.append(f"unit_lead = {json.dumps(setting.unit_lead)}")
     return "\n".join(lines) + "\n"

@@ -2,12 +2,14 @@
 
 Scoring itself is :mod:`tessera.benchmark.verify`; this module picks the prompts and the
 settings from the command-line options, checks the configured setting against ``--max-kl`` /
-``--min-agreement``, calibrates (the cheapest setting meeting a target, written as a config
-overlay), optionally plots the speed-fidelity frontier, and writes the JSON report.
+``--min-agreement``, calibrates (a calibration record per scored setting for the fidelity gate,
+and the cheapest setting meeting a target, written as a config overlay), optionally plots the
+speed-fidelity frontier, and writes the JSON report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from tessera.benchmark import options
 from tessera.benchmark import verify as vf
 from tessera.benchmark.options import say
 from tessera.benchmark.workloads import WorkloadName, select_workload
+from tessera.composition.calibration import Fingerprint, records_dir, write_record
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.errors import ConfigError
@@ -31,6 +34,7 @@ class VerifyOptions:
     policies: str  # comma-separated composition policies
     ks: str  # comma-separated epic k
     fractions: str  # comma-separated epic recompute fractions
+    inline_shares: str  # comma-separated epic inline shares ("": the config's)
     leads: str  # comma-separated: none, lead
     answer_tokens: int
     kl_positions: int
@@ -61,13 +65,26 @@ def _settings(config: ClusterConfig, opts: VerifyOptions) -> tuple[vf.Setting, l
         fracs = [float(x) for x in opts.fractions.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--fractions must be comma-separated numbers, got {opts.fractions!r}") from None
+    try:
+        shares = [float(x) for x in opts.inline_shares.split(",") if x.strip()] or [config.composition.inline_share]
+    except ValueError:
+        raise ConfigError(f"--inline-shares must be comma-separated numbers, got {opts.inline_shares!r}") from None
     grid = vf.settings_grid(options.names(opts.policies), options.ints(opts.ks, "--ks"), fracs,
-                            [lead_of[x] for x in lead_names])
+                            [lead_of[x] for x in lead_names], shares)
     configured = vf.Setting.of(config.composition)
     settings = list(dict.fromkeys([configured, *grid]))
     for s in settings:
         policy_from_config(s.composition(config.composition))  # a known policy, valid k and fraction
     return configured, settings
+
+
+def _records(config: ClusterConfig, model: str, rows: list[vf.Row], source: str, prompts: int) -> Path:
+    """A calibration record per scored setting, for this serving fingerprint (the fidelity gate reads them)."""
+    directory = records_dir(config.composition)
+    for r in rows:
+        fp = Fingerprint.of(r.setting.composition(config.composition), model, config.model.dtype, config.kv_dtype)
+        write_record(directory, fp, dataclasses.asdict(r.kl), dataclasses.asdict(r.prefix), prompts, source)
+    return directory
 
 
 def _calibrate(rows: list[vf.Row], mine: vf.Row, opts: VerifyOptions, report: dict[str, object]) -> int:
@@ -121,6 +138,9 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
             f"{mine.prefix.mean:.3f} (limits: max KL {opts.max_kl}, min agreement {opts.min_agreement})", err=True)
         code = 1
     if opts.calibrate:
+        directory = _records(config, engine.fingerprint.model, rows, source, len(chosen_prompts))
+        report["records"] = str(directory)
+        say(f"calibration records of {len(rows)} settings written to {directory}")
         code = _calibrate(rows, mine, opts, report) or code
     if opts.frontier:
         from tessera.benchmark.frontier import plot_frontier

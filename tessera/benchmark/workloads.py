@@ -49,13 +49,14 @@ class BenchRequest:
     placement: str = "system"
     answers: tuple[str, ...] = ()
     category: int = 0
+    max_tokens: int | None = None  # this request's own reply length (a trace's); None: the bench's
 
     def body(self, max_tokens: int) -> dict[str, Any]:
         """The /v1/chat/completions body (Tessera extension fields included)."""
         body: dict[str, Any] = {
             "model": "tessera",
             "messages": list(self.messages),
-            "max_tokens": max_tokens,
+            "max_tokens": self.max_tokens or max_tokens,
             "temperature": 0.0,
             "unit_placement": self.placement,
             "scope": self.scope,

@@ -191,10 +191,12 @@ class Executor:
                 if plan.preparation is Preparation.LOCAL:
                     stats.local_tokens += n
                     stats.local_units += 1
+                    stats.unit_sources[plan.unit_id] = "local"
                 else:
                     stats.remote_tokens += n
                     stats.remote_units += 1
                     stats.bytes_fetched += state.nbytes()
+                    stats.unit_sources[plan.unit_id] = "remote"
                 # retention happens off the critical path; a local hit is already retained locally
                 self.retainer.retain(plan.unit_id, state,
                                      plan.retention.local and plan.preparation is not Preparation.LOCAL,
@@ -207,12 +209,14 @@ class Executor:
             # was made (the plane learns of local inserts only afterwards): reuse it
             stats.local_tokens += n
             stats.local_units += 1
+            stats.unit_sources[plan.unit_id] = "local"
             local = False
         else:
             state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)
+            stats.unit_sources[plan.unit_id] = "computed"
         # retained before it is placed, in the same step as the prefill's return: a request
         # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
         self.retainer.retain(plan.unit_id, state, local, plan.grant, run.req.plan.local_evict, run.received_at)

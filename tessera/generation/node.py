@@ -29,6 +29,7 @@ import torch
 from aiohttp import web
 
 from tessera.auth import ClusterAuth
+from tessera.composition.calibration import Decision, decide
 from tessera.composition.policies import policy_from_config
 from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
@@ -111,7 +112,7 @@ class GenerationNode:
         )
         self.executor = Executor(
             self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
-            self.control.release_later, policy_from_config(self.config.composition), self.config.control.mode,
+            self.control.release_later, policy_from_config(self._gate().served), self.config.control.mode,
         )
         self.background.spawn(self._heartbeat(), name="heartbeat")
         self.ready = True
@@ -125,6 +126,14 @@ class GenerationNode:
             if self.pool is not None:
                 await self.pool.close()
             await self.control.close()
+
+    def _gate(self) -> Decision:
+        """The fidelity gate for this node's engine (the retrieval role decides alike): what it serves."""
+        c = self.config
+        decision = decide(c.composition, c.control.mode, self.engine.fingerprint.model, c.model.dtype, c.kv_dtype)
+        if decision.warning:
+            log.warning("%s: %s", self.name, decision.warning)
+        return decision
 
     async def _heartbeat(self) -> None:
         while True:

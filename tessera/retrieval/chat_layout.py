@@ -2,7 +2,8 @@
 
 :func:`chat_layout` retrieves the request's units (or identifies the caller's), renders the
 chat template around them on the retrieval worker thread and refuses, with a 400 that says
-what to send instead, a prompt that cannot fit. Work is bounded before it is done: the
+what to send instead, a prompt that cannot fit (the steps of :mod:`~tessera.retrieval.prompt_path`,
+which the offline tools share). Work is bounded before it is done: the
 prompt's characters are checked before anything is tokenized (:mod:`tessera.retrieval.limits`).
 
 This module knows nothing about routing, generation nodes or the reply: it ends at the layout.
@@ -10,11 +11,10 @@ This module knows nothing about routing, generation nodes or the reply: it ends 
 
 from __future__ import annotations
 
-from tessera.errors import BadRequest
-from tessera.messages import PromptLayout
 from tessera.retrieval.chat_request import ChatRequest
 from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.prompt_path import Built, served_layout
 from tessera.retrieval.serving import Serving
 from tessera.tenants import OPEN, Tenant
 from tessera.units import ContextUnit
@@ -44,8 +44,8 @@ async def request_units(node: RetrievalNode, chat: ChatRequest, tenant: Tenant =
     return []
 
 
-async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> PromptLayout:
-    """The request's layout: its units placed in the rendered chat template."""
+async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, tenant: Tenant = OPEN) -> Built:
+    """The request's layout: its units placed in the rendered chat template, as rendered and as served."""
     builder, limit = serving.builder, serving.max_context
     assert builder is not None, "Serving.start() runs before the first chat request"
     texts = [m["content"] for m in chat.messages]
@@ -54,12 +54,6 @@ async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, 
     units = await request_units(node, chat, tenant)
     check_prompt_chars([*texts, *(u.text for u in units)], limit)
     # tokenizing runs on the retrieval worker thread, never on the event loop
-    layout = await node.in_worker(builder.build, chat.messages, units, chat.placement)
-    if node.config.control.mode == "compose":
-        # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
-        layout = serving.policy.inline(layout)
-    if layout.n_tokens + chat.max_tokens > limit:
-        raise BadRequest(
-            f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {chat.max_tokens}, "
-            f"more than the model's context of {limit}; send fewer or shorter units, or lower max_tokens")
-    return layout
+    rendered = await node.in_worker(builder.build, chat.messages, units, chat.placement)
+    policy = serving.policy if node.config.control.mode == "compose" else None
+    return Built(rendered, served_layout(rendered, policy, chat.max_tokens, limit))

@@ -10,6 +10,8 @@ This module knows nothing about HTTP or the request path; it only names and coun
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from tessera.control.plane import ControlPlane
@@ -34,6 +36,16 @@ class ChatMetrics:
         self._bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
         self._completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
         self._pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
+        # the reuse receipts, summed (tessera.retrieval.receipt): per unit source, and the fidelity gate
+        self._receipt_units = m.counter("tessera_receipt_units_total", "Context units by where their state came "
+                                        "from (prefix, local, remote, computed, inlined)", ["source"])
+        self._receipt_tokens = m.counter("tessera_receipt_unit_tokens_total", "Unit tokens by source", ["source"])
+        self._receipt_recomputed = m.counter("tessera_receipt_recomputed_tokens_total",
+                                             "Unit tokens recomputed in the final extend, by the unit's source",
+                                             ["source"])
+        self._composed = m.counter("tessera_composition_requests_total", "Replies by served composition policy "
+                                   "and calibration status (exact, calibrated, uncalibrated, below-target, "
+                                   "fallback-full)", ["policy", "calibration"])
         m.read_at_scrape(plane.metrics)
 
     def request(self, status: str) -> None:
@@ -46,8 +58,14 @@ class ChatMetrics:
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
-    def finished(self, stats: RequestStats) -> None:
-        """A reply ran to its end (done, or cut by a stop string): its prompt's figures."""
+    def finished(self, stats: RequestStats, receipt: dict[str, Any]) -> None:
+        """A reply ran to its end (done, or cut by a stop string): its prompt's figures and its receipt."""
+        for source, n in receipt["units"].items():
+            self._receipt_units.labels(source=source).inc(n)
+            self._receipt_tokens.labels(source=source).inc(receipt["unit_tokens"][source])
+            self._receipt_recomputed.labels(source=source).inc(receipt["recomputed_tokens"][source])
+        policy = receipt.get("policy", {}).get("policy", "prefix")
+        self._composed.labels(policy=policy, calibration=receipt.get("calibration", "exact")).inc()
         for source, n in stats.tokens_by_source():
             self._tokens.labels(source=source).inc(n)
         for preparation, n in stats.units_by_preparation():

@@ -99,6 +99,19 @@ class PromptBuilder:
         raise BadRequest('unit_placement "user" needs at least one user message')
 
 
+def text_placement(messages: Sequence[dict[str, Any]], unit_texts: Sequence[str],
+                   placement: str) -> list[dict[str, Any]]:
+    """The messages with the units as plain text where :meth:`PromptBuilder.build` places them (each
+    followed by its separator): the prompt a server without Tessera is sent for the same request."""
+    if not unit_texts:
+        return [dict(m) for m in messages]
+    block = "".join(t + UNIT_SEPARATOR for t in unit_texts)
+    out = PromptBuilder._with_sentinel(messages, placement)
+    for m in out:
+        m["content"] = str(m.get("content", "")).replace(SENTINEL, block)
+    return out
+
+
 def trace_record(layout: PromptLayout, stream: str) -> dict[str, Any]:
     """A layout as one trace line for ``tessera analyze``: its tokens and its unit ranges."""
     units, offset = [], 0

@@ -5,6 +5,7 @@ through the cluster (:class:`~tessera.retrieval.driver.ChatDriver`) and replies 
 completion or a stream of server-sent events. :meth:`Reply.relay` turns the node's events
 into text deltas (applying stop strings) and logprob entries, observes the first token and,
 once the reply ran to its end, counts where its prompt's state came from: each metric once.
+Every usage carries the reply's reuse receipt (:mod:`tessera.retrieval.receipt`).
 
 A stream's headers go out with its first token, so an error before it reaches the handler
 as a clean 4xx/5xx JSON reply; an error after it ends the stream with an error event (request
@@ -26,7 +27,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.messages import DoneEvent, PromptLayout, RequestStats, TokenEvent, check_version
+from tessera.messages import DoneEvent, RequestStats, TokenEvent, check_version
 from tessera.retrieval.access_log import note_outcome
 from tessera.retrieval.chat_layout import chat_layout
 from tessera.retrieval.chat_metrics import ChatMetrics
@@ -43,6 +44,8 @@ from tessera.retrieval.chat_response import (
 from tessera.retrieval.driver import ChatDriver
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt import trace_record
+from tessera.retrieval.prompt_path import Built
+from tessera.retrieval.receipt import Composition, receipt
 from tessera.retrieval.serving import Serving
 from tessera.tenants import Tenant
 from tessera.wire import to_wire
@@ -69,9 +72,9 @@ async def answer(request: web.Request, serving: Serving, node: RetrievalNode, ch
     """Reply to an admitted request: the response and its request status (``200``, ``stream-error``)."""
     started = time.perf_counter()
     driver = ChatDriver(node, serving.nodes, chat.sampling, tenant.name)
-    layout = await chat_layout(serving, node, chat, tenant)
-    trace = trace_record(layout, chat.retrieval.scope if chat.retrieval else "") if chat.return_layout else None
-    reply = Reply(serving.metrics, node.tokenizer, chat, driver, layout, started)
+    built = await chat_layout(serving, node, chat, tenant)
+    trace = trace_record(built.served, chat.retrieval.scope if chat.retrieval else "") if chat.return_layout else None
+    reply = Reply(serving.metrics, node.tokenizer, chat, driver, built, serving.composition, started)
     if chat.stream:
         return await reply.stream(request, trace)
     return await reply.complete(trace), "200"
@@ -81,12 +84,14 @@ class Reply:
     """One request's reply, built from its driver's events."""
 
     def __init__(self, metrics: ChatMetrics, tokenizer: Any, chat: ChatRequest, driver: ChatDriver,
-                 layout: PromptLayout, started: float) -> None:
+                 built: Built, composition: Composition, started: float) -> None:
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.chat = chat
         self.driver = driver
-        self.layout = layout
+        self.built = built
+        self.layout = built.served
+        self.composition = composition
         self.started = started
         self.outcome = Outcome()
         self.done = False
@@ -114,7 +119,7 @@ class Reply:
                 if send is not None:
                     self.sent = True
                     await send(delta)
-        self.metrics.finished(self.outcome.stats)
+        self.metrics.finished(self.outcome.stats, self.receipt())
         note_outcome(self.outcome.stats, self.outcome.first_token_at)
         if self.cut is not None and send is not None:
             await send(self.cut)
@@ -147,13 +152,20 @@ class Reply:
         out.text += delta
         return delta
 
+    def receipt(self) -> dict[str, Any]:
+        """Where each unit's state came from and the composition that served it (per unit with return_layout)."""
+        return receipt(self.built.rendered, self.built.served, self.composition, self.outcome.stats,
+                       per_unit=self.chat.return_layout)
+
     def usage(self, ttft_ms: int | None = None) -> Usage:
         stats, node, n_prompt = self.outcome.stats, self.driver.target, self.layout.n_tokens
         extra: dict[str, Any] = {"node": node} if ttft_ms is None else {"node": node, "ttft_ms": ttft_ms}
+        flat = to_wire(stats)
+        del flat["unit_sources"]  # the receipt says it per unit
         return Usage(prompt_tokens=n_prompt, completion_tokens=stats.completion_tokens,
                      total_tokens=n_prompt + stats.completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
-                     tessera={**to_wire(stats), **extra})
+                     tessera={**flat, **extra, "receipt": self.receipt()})
 
     async def complete(self, trace: dict[str, Any] | None) -> web.Response:
         """The whole completion as one JSON body."""

@@ -1,5 +1,8 @@
 """Per-process state of the chat API: node clients, composition policy, prompt builder, admission, metrics.
 
+The composition policy is the one the fidelity gate lets this process serve
+(:func:`tessera.composition.calibration.decide`, decided in :meth:`Serving.start`).
+
 One :class:`Serving` lives on the aiohttp app (``chat.SERVING``). It is built with the app
 and started by an explicit step, :meth:`Serving.start`, once the retrieval node has loaded
 the tokenizer: that builds the prompt builder and reads the model's context limit from the
@@ -15,6 +18,9 @@ driver and the reply layer read this state; it never calls them.
 
 from __future__ import annotations
 
+import logging
+
+from tessera.composition.calibration import decide
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
@@ -24,7 +30,10 @@ from tessera.retrieval.chat_metrics import ChatMetrics
 from tessera.retrieval.generation_client import NodeClients
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt import PromptBuilder
+from tessera.retrieval.receipt import Composition
 from tessera.units import TokenCache
+
+log = logging.getLogger(__name__)
 
 
 class Serving:
@@ -33,7 +42,8 @@ class Serving:
     def __init__(self, config: ClusterConfig, plane: ControlPlane) -> None:
         self.config = config
         self.nodes = NodeClients(config)
-        self.policy = policy_from_config(config.composition)
+        self.policy = policy_from_config(config.composition)  # until start(): the fidelity gate may replace it
+        self.composition = Composition(None)  # what receipts say; set by start()
         self.metrics = ChatMetrics(plane)
         self.capacity = sum(n.max_inflight for n in config.generation)
         self.pending = 0
@@ -45,11 +55,21 @@ class Serving:
         return self.builder is not None
 
     def start(self, node: RetrievalNode) -> None:
-        """Build the prompt builder on ``node``'s tokenizer and read the model's context limit."""
-        assert node.ready and node.tokenizer is not None, "start the retrieval node before serving chat"
-        geometry = geometry_from_checkpoint(resolve(self.config.model), self.config.kv_dtype,
-                                            self.config.model.max_context)
-        self.max_context = geometry.max_context
+        """Build the prompt builder on ``node``'s tokenizer, read the model's context limit and pass
+        the fidelity gate (the generation nodes decide alike from the same config and records)."""
+        assert node.ready and node.tokenizer is not None and node.fingerprint is not None, \
+            "start the retrieval node before serving chat"
+        c = self.config
+        checkpoint = resolve(c.model)
+        self.max_context = geometry_from_checkpoint(checkpoint, c.kv_dtype, c.model.max_context).max_context
+        decision = decide(c.composition, c.control.mode, node.fingerprint.model, c.model.dtype, c.kv_dtype)
+        if decision.warning:
+            log.warning("retrieval: %s", decision.warning)
+        self.policy = policy_from_config(decision.served)
+        if c.control.mode == "compose":
+            self.composition = Composition(self.policy, decision.describe())
+        else:  # exact prefix caching: no policy shapes the prompt
+            self.composition = Composition(None, {"policy": {"policy": "prefix-caching"}, "calibration": "exact"})
         self.builder = PromptBuilder(node.tokenizer, TokenCache(node.tokenizer.encode_plain))
 
     async def close(self) -> None:

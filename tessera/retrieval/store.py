@@ -43,7 +43,7 @@ from tessera.errors import BadRequest
 from tessera.private_files import private_dir
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.index import IndexCorrupt, UnitIndex, check_scope, index_path
-from tessera.retrieval.limits import check_unit_chars
+from tessera.retrieval.prompt_path import identify_unit
 from tessera.retrieval.records import Existing, NewRecord, Record, UnitRecords
 from tessera.units import ContextUnit, UnitFactory
 
@@ -224,19 +224,7 @@ class UnitStore:
 
     def identify(self, scope: str, text: str, field: str = "unit", tenant: str = "") -> ContextUnit:
         """Tokenize and identify one unit of ``tenant``; validates scope, emptiness and length."""
-        check_scope(scope, f"{field}.scope")
-        if not isinstance(text, str) or not text.strip():
-            raise BadRequest(f"{field}.text is empty; a unit needs some text")
-        check_unit_chars(field, text, self.config.max_unit_tokens)  # before tokenizing a 20 MB text
-        unit = self.factory.make(scope, text, tenant)
-        if unit.n_tokens == 0:
-            raise BadRequest(f"{field}.text has no tokens")
-        if unit.n_tokens > self.config.max_unit_tokens:
-            raise BadRequest(
-                f"{field}.text is {unit.n_tokens} tokens, more than retrieval.max_unit_tokens = "
-                f"{self.config.max_unit_tokens}; split it into smaller units", 413
-            )
-        return unit
+        return identify_unit(self.factory, self.config.max_unit_tokens, scope, text, field, tenant)
 
     def ingest(self, items: Sequence[tuple[str, str, Mapping[str, Any]]],
                embeddings: Sequence[Sequence[float] | None] | None = None,
