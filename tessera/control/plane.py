@@ -227,12 +227,13 @@ class ControlPlane:
         """Load figures and the generation node's heartbeat."""
         check_version(msg.version)
         node = self.generation_node(msg.node)
-        first = node.last_seen is None
+        resync, node.resync = node.resync, False
         self.liveness.heard(node, self.clock())
         node.reported_inflight = msg.inflight
         node.queued_tokens = msg.queued_tokens
-        # first report to this plane (a new incarnation): ask for the whole local cache
-        return Ack(WIRE_VERSION, True, "resync" if first else "")
+        # first report to this plane (a new incarnation), or back from dead (its view was
+        # cleared; snapshots alone re-learn only the units requested again): the whole cache
+        return Ack(WIRE_VERSION, True, "resync" if resync else "")
 
     def generation_node(self, name: str) -> GenerationNode:
         node = self.nodes.get(name)
@@ -354,6 +355,7 @@ class ControlPlane:
         report = self.directory.forget_holder(node.name)
         self.shared.forget(u for u, _ in report.reservations)
         node.local.clear()
+        node.resync = True
 
     def report(self) -> dict[str, object]:
         """Plan counters, shared-tier and per-node occupancy (``GET /control/stats``)."""
