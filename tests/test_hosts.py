@@ -266,7 +266,8 @@ def test_a_node_back_from_dead_is_asked_for_its_whole_cache() -> None:
 def _chaos(tmp_path: Path, options: ChaosOptions, faults: tuple[str, ...]) -> None:
     model = write_tiny_checkpoint(tmp_path / "llama", "llama", seed=7)
     # a local cache of a few units: most requests fetch some units from the memory node
-    cfg = cluster_config(str(model), nodes=2, kv_blocks=256, local_blocks=12, connect_timeout_s=1.0, first_token_timeout_s=3.0,
+    cfg = cluster_config(str(model), nodes=2, kv_blocks=256, local_blocks=12, connect_timeout_s=1.0,
+                         first_token_timeout_s=3.0,
                          idle_timeout_s=3.0, heartbeat_timeout_s=4.0, lease_ttl_s=5.0, write_timeout_s=5.0)
     run = HostChaosRun(cfg, options, tmp_path / "logs", faults=faults)
     report = run.run()

@@ -240,3 +240,22 @@ class HostChaosRun(ChaosRun):
             lines.append(f"  {kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
         lines.append(f"invariants over {len(self.samples)} samples:")
         return "\n".join(lines) + "\n" + self.verdict.render()
+
+
+def run_on_hosts(config: ClusterConfig, options: ChaosOptions, log_dir: Path | None, hosts: int) -> ChaosReport:
+    """``tessera chaos --hosts N``: the run on N hosts; prints the network faults' table and the checker's verdict."""
+    from tessera.errors import ConfigError
+    from tessera.hosts.cluster import resize
+    from tessera.hosts.netns import unavailable
+
+    why = unavailable()
+    if why is not None:
+        raise ConfigError(f"--hosts: {why}")
+    try:
+        sized = resize(config, hosts)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    run = HostChaosRun(sized, options, log_dir)
+    report = run.run()
+    print(run.render(), flush=True)
+    return report

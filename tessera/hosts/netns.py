@@ -195,7 +195,7 @@ class Network:
         return net
 
     def _add_host(self, name: str, address: str, port: str) -> None:
-        ns = f"{self.tag}-{name}"
+        ns = f"{self.tag}-{name}"  # == namespace_name(name)
         _ip("netns", "add", ns)
         self.hosts[name] = Host(name, ns, address, port)
         _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -301,3 +301,8 @@ class Network:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.setns(back, CLONE_NEWNET)
             os.close(back)
+
+
+def namespace_name(host: str, pid: int | None = None) -> str:
+    """The namespace :meth:`Network.create` gives ``host`` in process ``pid`` (default: this one)."""
+    return f"{PREFIX}{os.getpid() if pid is None else pid}-{host}"

@@ -35,7 +35,7 @@ class SlowLink:
     """Start with :meth:`start` (returns the local port); :meth:`stop` closes every connection."""
 
     def __init__(self, namespace: str | None, target: tuple[str, int], delay_s: float = 0.0,
-                 rate_bytes_s: float = 0.0, connect_namespace: str | None = None) -> None:
+                 rate_bytes_s: float = 0.0, connect_namespace: str | None = None, listen_port: int = 0) -> None:
         # listen inside ``namespace`` (None: where the caller is); connect from inside
         # ``connect_namespace`` (None: the listening one)
         self.namespace = namespace
@@ -43,6 +43,7 @@ class SlowLink:
         self.target = target
         self.delay_s = delay_s
         self.rate_bytes_s = rate_bytes_s
+        self.listen_port = listen_port
         self.port = 0
         self.connections = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -63,16 +64,18 @@ class SlowLink:
     def stop(self) -> None:
         loop = self._loop
         if loop is not None and loop.is_running():
-            loop.call_soon_threadsafe(self._shutdown)
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(10.0)
+            loop.call_soon_threadsafe(loop.stop)
             self._thread.join(10.0)
 
-    def _shutdown(self) -> None:
+    async def _shutdown(self) -> None:
+        """Stop accepting, then cancel every connection and wait until each has closed its sockets."""
         if self._server is not None:
             self._server.close()
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        assert self._loop is not None
-        self._loop.call_later(0.05, self._loop.stop)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _main(self) -> None:
         try:
@@ -80,7 +83,7 @@ class SlowLink:
                 enter(self.namespace)
             self._loop = asyncio.new_event_loop()
             self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._accept, "127.0.0.1", 0))
+                asyncio.start_server(self._accept, "127.0.0.1", self.listen_port))
             self.port = int(self._server.sockets[0].getsockname()[1])
         except BaseException as exc:  # the caller of start() raises it
             self._error = exc
@@ -90,6 +93,7 @@ class SlowLink:
         try:
             self._loop.run_forever()
         finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -107,10 +111,17 @@ class SlowLink:
                 writer.close()
                 return
             up_reader, up_writer = await asyncio.open_connection(sock=out)
-            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
-                                 return_exceptions=True)
+            try:
+                await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+                                     return_exceptions=True)
+            finally:
+                up_writer.close()
+                with contextlib.suppress(OSError, asyncio.CancelledError):
+                    await up_writer.wait_closed()
         finally:
             writer.close()
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                await writer.wait_closed()
             self._tasks.discard(task)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
