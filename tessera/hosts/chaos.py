@@ -13,7 +13,8 @@ oneway_heartbeat           a generation node cannot reach the control plane's in
                            the control plane can still reach it (it must stop routing there)
 cut_retrieval_generation   the retrieval role cut from every generation node (clean 503s)
 slow_generation_memory     every byte between a generation node and the memory node's data
-                           port held 0.3 s each way at 2 MB/s (needs nftables; else skipped)
+                           port held 3/4 of transport.timeout_s each way, at 2 MB/s (fetches
+                           outlast their deadline: compute instead; needs nftables)
 =========================  =================================================================
 
 While it runs, a sampler records the control plane's state, the memory nodes' verified
@@ -162,7 +163,9 @@ class HostChaosRun(ChaosRun):
     async def _slow_generation_memory(self) -> None:
         gen, kv = self._host("generation"), self.config.kvpools[0]
         net = self.hosts.net
-        link = SlowLink(net.namespace(gen), (kv.host, kv.data_port), delay_s=0.3, rate_bytes_s=2e6)
+        # each way 3/4 of the transport timeout: a fetch's round trip outlasts its deadline
+        delay = 0.75 * self.config.transport.timeout_s
+        link = SlowLink(net.namespace(gen), (kv.host, kv.data_port), delay_s=delay, rate_bytes_s=2e6)
         port = await asyncio.to_thread(link.start)
         net.redirect(gen, kv.name, kv.data_port, port)
         net.drop_connections(gen, kv.name, kv.data_port)
