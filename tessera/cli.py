@@ -382,20 +382,55 @@ def chaos(
     max_tokens: Annotated[int, typer.Option(help="Greedy output tokens per request.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of arrivals, requests and faults.")] = 0,
     log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Where each role's log goes.")] = None,
+    hosts: Annotated[int, typer.Option(help="Run on N hosts (network namespaces; needs root): the retrieval role, "
+                                       "one memory node, N-2 generation nodes, network faults mixed in. "
+                                       "0: every role on this host.")] = 0,
 ) -> None:
     """Faults under load, as real processes: kill -9 / SIGSTOP nodes, corrupt a block, restart retrieval.
 
-    Every reply is verified against the offline composition.
+    Every reply is verified against the offline composition. With --hosts, also partitions, a
+    one-way heartbeat block and a slow link, and a checker of invariants over the run's history.
     """
     from tessera.benchmark.chaos import ChaosOptions, ChaosRun
 
     cfg = _load(config)
     opts = ChaosOptions(duration_s=duration, rate=rate, fault_every_s=fault_every, max_tokens=max_tokens, seed=seed)
     typer.echo(f"tessera chaos: {duration:.0f}s at {rate} req/s, a fault every {fault_every:.0f}s", err=True)
-    report = ChaosRun(cfg, opts, log_dir).run()
+    if hosts:
+        from tessera.hosts.chaos import run_on_hosts
+
+        with _usage("chaos"):
+            report = run_on_hosts(cfg, opts, log_dir, hosts)
+    else:
+        report = ChaosRun(cfg, opts, log_dir).run()
     typer.echo(report.render())
     if not report.ok:
         raise typer.Exit(1)
+
+
+hosts_app = typer.Typer(name="hosts", help="Every role on a host of its own (network namespaces; needs root).",
+                        no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+app.add_typer(hosts_app)
+
+
+@hosts_app.command(name="up")
+def hosts_up(
+    config: ConfigOpt = None,
+    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Where each role's log goes.")] = None,
+    api_port: Annotated[int, typer.Option(help="Loopback port the API is forwarded to (0: a free one).")] = 0,
+) -> None:
+    """Bring up one host per role of the config, print how to reach the API; Ctrl-C deletes the hosts."""
+    from tessera.hosts.up import serve_hosts
+
+    raise typer.Exit(serve_hosts(_load(config), log_dir, api_port))
+
+
+@hosts_app.command(name="clean")
+def hosts_clean() -> None:
+    """Delete the hosts a crashed `tessera hosts up` or chaos run left behind."""
+    from tessera.hosts.up import clean
+
+    raise typer.Exit(clean())
 
 
 def main() -> None:

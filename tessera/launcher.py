@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -96,13 +96,14 @@ def role_env(**extra: str) -> dict[str, str]:
 
 def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, url: str,
                env: dict[str, str] | None = None, *, append: bool = False,
-               die_with_parent: bool = False, log_level: str = "info") -> Child:
+               die_with_parent: bool = False, log_level: str = "info", prefix: Sequence[str] = ()) -> Child:
     """Start ``tessera run --role ROLE [--node NODE]`` with its output in ``log_path``.
 
     ``die_with_parent``: the child gets SIGTERM when this process exits (call from the main
-    thread: see :func:`_die_with_parent`).
+    thread: see :func:`_die_with_parent`). ``prefix`` runs the command through another one
+    that execs it (``ip netns exec NS``: tessera/hosts).
     """
-    cmd = [sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path),
+    cmd = [*prefix, sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path),
            "--log-level", log_level]
     if node is not None:
         cmd += ["--node", node]
@@ -173,9 +174,18 @@ class LocalCluster:
         # the child dies with the launcher
         child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
                            self.log_dir / f"{role}-{node}.log", f"{self.config.scheme}://{host}:{port}",
-                           append=append, die_with_parent=True, log_level=self.log_level)
+                           append=append, die_with_parent=True, log_level=self.log_level,
+                           prefix=self._prefix(role, node))
         self.children.append(child)
         return child
+
+    def _prefix(self, role: str, node: str) -> Sequence[str]:
+        """The command a role's process is started through (none here; a host's namespace in tessera/hosts)."""
+        return ()
+
+    def _check_ports(self) -> None:
+        """PortInUse for a listener's port another process of this machine holds."""
+        check_free(self.config)
 
     def _wait(self, children: list[Child], timeout: float) -> None:
         try:
@@ -205,7 +215,7 @@ class LocalCluster:
         cfg = self.config
         try:
             # a busy port fails here, in a second, rather than as a role that never reports in
-            check_free(cfg)
+            self._check_ports()
             # convert the checkpoint once here, not concurrently in every child
             resolve(cfg.model)
         except TesseraError as exc:

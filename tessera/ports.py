@@ -25,11 +25,12 @@ class PortInUse(TesseraError):
     """A listener's port is held by another process; the message names the port and the holder."""
 
 
-def _listen_inodes(port: int) -> set[str] | None:
-    """Socket inodes listening on ``port`` (any address), or None where /proc/net is unreadable."""
+def _listen_inodes(port: int, net: str = "/proc/net") -> set[str] | None:
+    """Socket inodes listening on ``port`` (any address) in the network namespace whose tables
+    are under ``net``, or None where they are unreadable."""
     found: set[str] = set()
     readable = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"{net}/tcp", f"{net}/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -84,7 +85,8 @@ def holder(port: int) -> str:
 
 def holds_port(pid: int, port: int) -> bool | None:
     """Whether process ``pid`` holds the listening socket of ``port``; None when /proc cannot tell."""
-    inodes = _listen_inodes(port)
+    # the tables of pid's own network namespace: a role may run in another one (tessera/hosts)
+    inodes = _listen_inodes(port, f"/proc/{pid}/net")
     if inodes is None:
         return None
     return bool(inodes & _pid_sockets(pid))

@@ -3,8 +3,8 @@
 Layers, lowest first (a module may import its own layer's modules and any lower layer):
 the base modules at ``tessera/`` top level, ``composition``, ``kernels`` and ``engines``,
 ``transport``, ``control``, the roles (``kvpool``, ``generation``, ``retrieval``, which never
-import each other), ``launcher`` (role processes on one machine) and ``benchmark``, and the
-entry points (``roles``, ``cli``).
+import each other), ``launcher`` (role processes on one machine) and ``benchmark``, ``hosts``
+(the same across network namespaces: it builds on both), and the entry points (``roles``, ``cli``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tessera"
 ENTRY = {"roles", "cli", "__main__"}
 LAYERS = {"composition": 1, "kernels": 2, "engines": 2, "transport": 3, "control": 4,
-          "kvpool": 5, "generation": 5, "retrieval": 5, "launcher": 6, "benchmark": 6}
+          "kvpool": 5, "generation": 5, "retrieval": 5, "launcher": 6, "benchmark": 6,
+          "hosts": 7}
 
 
 def _part(module: str) -> str:
@@ -28,7 +29,7 @@ def _part(module: str) -> str:
 
 def _layer(part: str) -> int:
     if part in ENTRY:
-        return 7
+        return 8
     return LAYERS.get(part, 0)
 
 

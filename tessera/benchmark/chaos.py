@@ -140,6 +140,9 @@ class ChaosRun:
         self.rng = random.Random(options.seed)
         self.report = ChaosReport()
         self.retrieval_down: list[tuple[float, float]] = []  # (from, to) in run time
+        self.fault_kinds: tuple[str, ...] = FAULTS  # a subclass adds kinds of its own (tessera/hosts)
+        self.headers: dict[str, str] = {}  # sent with every API request (an API key)
+        self.corrupted: list[tuple[str, int]] = []  # (memory node, slot) a fault flipped a byte in
         self.t0 = 0.0
         self.answered = 0  # replies received (progress lines)
         control = config.control
@@ -191,7 +194,7 @@ class ChaosRun:
         sent = time.monotonic() - self.t0
         start = time.perf_counter()
         try:
-            async with session.post(self.config.retrieval_url + "/v1/chat/completions", json=body,
+            async with session.post(self.config.retrieval_url + "/v1/chat/completions", json=body, headers=self.headers,
                                     timeout=aiohttp.ClientTimeout(total=self.deadline_s)) as resp:
                 try:
                     payload = await resp.json(content_type=None)
@@ -237,7 +240,7 @@ class ChaosRun:
         while at < self.options.duration_s - self.options.fault_every_s / 2:
             await asyncio.sleep(max(0.0, at - (time.monotonic() - self.t0)))
             if not cycle:
-                cycle = list(FAULTS)
+                cycle = list(self.fault_kinds)
                 self.rng.shuffle(cycle)
             kind = cycle.pop()
             self._say(f"[{time.monotonic() - self.t0:5.0f}s] {kind.replace('_', ' ')} ({self.answered} replies so far)")
@@ -278,8 +281,10 @@ class ChaosRun:
             return
         arena = Arena.attach(segments[-1].name)
         try:
-            slot = arena.slot(self.rng.randrange(min(8, arena.capacity)))
+            index = self.rng.randrange(min(8, arena.capacity))
+            slot = arena.slot(index)
             slot[self.rng.randrange(64, len(slot))] ^= 0x40
+            self.corrupted.append((node, index))
         finally:
             arena.close()
 

@@ -39,6 +39,9 @@ class GenerationNode:
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
     alive: bool = False  # routable: heard from, and not silent or unreachable since
     last_seen: float | None = None  # None: never heard from
+    # the plane's view of its cache is incomplete (never heard from, or cleared when it was
+    # declared dead): the next heartbeat's ack asks the node to report its whole cache
+    resync: bool = True
     queued_tokens: int = 0  # the node's own figures from its last LoadReport (metrics)
     prefill_tokens_per_s: float = 0.0  # the node's measured prefill rate (0: not measured yet)
     # queueing as the plane itself sees it: requests routed here that have no first token yet

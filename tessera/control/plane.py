@@ -221,12 +221,13 @@ class ControlPlane:
     def load(self, msg: LoadReport) -> Ack:
         """Load figures and the generation node's heartbeat."""
         node = self.generation_node(msg.node)
-        first = node.last_seen is None
+        resync, node.resync = node.resync, False
         self.liveness.heard(node, self.clock())
         node.queued_tokens = msg.queued_tokens
         node.prefill_tokens_per_s = msg.prefill_tokens_per_s
-        # first report to this plane (a new incarnation): ask for the whole local cache
-        return Ack(WIRE_VERSION, True, "resync" if first else "")
+        # first report to this plane (a new incarnation), or back from dead (its view was
+        # cleared; snapshots alone re-learn only the units requested again): the whole cache
+        return Ack(WIRE_VERSION, True, "resync" if resync else "")
 
     def generation_node(self, name: str) -> GenerationNode:
         node = self.nodes.get(name)
@@ -344,6 +345,7 @@ class ControlPlane:
         self.liveness.down(node)
         self.shared.forget(self.directory.forget_holder(node.name))
         node.local.clear()
+        node.resync = True
 
     def report(self) -> dict[str, object]:
         """Plan counters, shared-tier and per-node occupancy (``GET /control/stats``)."""

@@ -235,6 +235,10 @@ class GenerationNode:
         check_version(msg.version)
         return web.json_response({"dropped": self.cache.revoke(msg.unit_ids)})
 
+    async def cache_units(self, request: web.Request) -> web.Response:
+        """The units in the local cache (what the control plane's local view of this node should say)."""
+        return web.json_response({"node": self.name, "units": sorted(self.cache.unit_ids())})
+
     async def health(self, request: web.Request) -> web.Response:
         if not self.ready:
             return web.json_response({"node": self.name, "ready": False}, status=503)
@@ -284,6 +288,7 @@ def build_app(config: ClusterConfig, name: str) -> web.Application:
     app.router.add_post("/v1/abort", node.abort)
     app.router.add_post("/v1/revoke", node.revoke)
     app.router.add_get("/metrics", node.metrics_text)
+    app.router.add_get("/v1/cache", node.cache_units)  # for checkers (tessera/hosts)
     return app
 
 

@@ -173,10 +173,17 @@ class MemoryNode:
         app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
+        app.router.add_get("/inventory", self._inventory_now)  # for checkers (tessera/hosts)
         return app
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"ok": True, "node": self.node.name, "boot_id": self.boot_id})
+
+    async def _inventory_now(self, _: web.Request) -> web.Response:
+        """The verified blocks of the arena right now (what an inventory after a restart would report)."""
+        blocks = await asyncio.to_thread(scan, self.arena, self.layout)
+        return web.json_response({"node": self.node.name, "boot_id": self.boot_id,
+                                  "blocks": [to_wire(b) for b in blocks]})
 
     async def _info(self, _: web.Request) -> web.Response:
         body: dict[str, Any] = to_wire(self.endpoint())

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from tessera.auth import ClusterAuth
 from tessera.config import LOOPBACK_HOSTS, ClusterConfig
+from tessera.control.observe import add_observe_routes
 from tessera.control.routes import STATS_EXTRA, add_control_routes
 from tessera.errors import ConfigError
 from tessera.http import application
@@ -67,6 +68,7 @@ def build_control_app(node: RetrievalNode, auth: ClusterAuth) -> web.Application
     app.router.add_get("/health", _internal_health)
     app.add_routes(internal_routes)
     add_control_routes(app, node.plane)
+    add_observe_routes(app)  # GET /control/state, for checkers
     return app
 
 
