@@ -60,7 +60,9 @@ class Link:
 
     ``parameters`` and the values of ``body`` are runtime expressions such as
     ``$response.body#/units/0/unit_id``; ``body`` is merged into the follow-up's request body.
-    Stateful fuzzers follow links (ingest, then get, delete or retrieve what was ingested).
+    Stateful fuzzers follow links (ingest, then get, delete or retrieve what was ingested). No
+    link leads to ``POST /v1/units/delete``: a fuzzer cannot tell that it deletes the units a
+    later GET of the same ingest asks for, and would report their 404 as a lost unit.
     """
 
     method: str
@@ -111,7 +113,6 @@ PUBLIC_OPERATIONS: tuple[Operation, ...] = (
               links={"GetUnit": Link("get", "/v1/units/{unit_id}", INGESTED_ID),
                      "DeleteUnit": Link("delete", "/v1/units/{unit_id}", INGESTED_ID),
                      "Retrieve": Link("post", "/v1/retrieve", body=INGESTED_SCOPE),
-                     "DeleteWhere": Link("post", "/v1/units/delete", body=INGESTED_SCOPE),
                      "Chat": Link("post", "/v1/chat/completions", body={
                          "retrieval": {"query": "what do the records say?", **INGESTED_SCOPE}})}),
     Operation("get", "/v1/units/{unit_id}", "one stored unit", {JSON: api.StoredUnitBody},
