@@ -52,7 +52,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error(exc.status, exc.reason or exc.text or "error")
+        refused = error(exc.status, exc.reason or exc.text or "error")
+        if "Allow" in exc.headers:  # a 405 names the methods the path serves (RFC 9110)
+            refused.headers["Allow"] = exc.headers["Allow"]
+        return refused
     except Exception as exc:
         log.exception("%s %s failed", request.method, request.path)
         return error(500, f"internal error: {type(exc).__name__}")

@@ -46,6 +46,9 @@ class ServingFingerprint:
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
+UNIT_ID_PATTERN = "[0-9a-f]{32}"  # what unit_id_for returns: a unit id in a URL path matches this
+
+
 def unit_id_for(scope: str, token_ids: Sequence[int], fingerprint: ServingFingerprint, tenant: str = "") -> str:
     """Stable identity of a unit: blake2b-128 over (tenant, scope, token ids, fingerprint), hex.
 

@@ -40,6 +40,14 @@ def test_tiny_top_p_keeps_only_the_most_likely_token() -> None:
     assert draw(params) == [int(flat_logits(i).argmax()) for i in range(20)]
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])
+def test_a_top_p_below_float32s_range_still_keeps_the_head_token(top_p: float) -> None:
+    """Regression (found by tests/test_api_fuzz.py): top_p = 5e-324 rounded to 0 against the
+    float32 probabilities, kept no token, and the generation node's multinomial raised (a 503)."""
+    assert draw(SamplingParams(temperature=1.0, top_p=top_p, seed=1)) == [int(flat_logits(i).argmax())
+                                                                          for i in range(20)]
+
+
 def test_sampling_does_not_modify_logits() -> None:
     """Logits are read only (the engine may hand out views of a batch tensor)."""
     logits = flat_logits()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,19 @@ def test_units_go_into_a_plain_prompt_where_the_prompt_builder_places_them(rende
     assert system[0]["content"] == f"{SYSTEM['content']}\n\n{A}\n{B}\n"
     user = inline_messages(parse_line(_line([A], placement="user"), "x"), texts)
     assert user[1]["content"].startswith(f"<relevant-memories>\n{A}\n</relevant-memories>\n\n")
+
+
+def test_tessera_trace_from_workload_writes_a_trace_that_analyze_reads(tmp_path: Path) -> None:
+    """The README's `tessera trace from-workload` command, run as written (tiny workload), then analyzed."""
+    out = tmp_path / "synthetic.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "tessera", "trace", "from-workload", "--workload", "synthetic",
+                           "--rate", "2", "--out", str(out)], env=env, capture_output=True, text=True, check=False,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = out.read_text().splitlines()
+    assert lines and f"wrote {len(lines)} requests" in done.stdout
+    analyzed = subprocess.run([sys.executable, "-m", "tessera", "analyze", str(out)], env=env, capture_output=True,
+                              text=True, check=False, timeout=120)
+    assert analyzed.returncode == 0, analyzed.stderr
+    assert "prefix" in analyzed.stdout

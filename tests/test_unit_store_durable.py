@@ -133,6 +133,24 @@ def test_new_text_under_an_external_id_replaces_and_revokes_the_old_unit(parts, 
     store.close()
 
 
+def test_a_unit_the_batch_ingests_again_survives_losing_its_external_id(parts, tmp_path: Path) -> None:
+    """Regression (found by tests/test_api_fuzz.py): a batch that re-ingested unit X and moved X's
+    external id to a new text revoked X, so the reply's own units[0] answered GET with 404; and a
+    batch swapping two units' external ids revoked both."""
+    store = open_store(parts, tmp_path)
+    [(x, _)] = store.ingest([DOCS[0]], external_ids=["doc-1"]).units
+    done = store.ingest([DOCS[0], DOCS[1]], external_ids=[None, "doc-1"])
+    assert done.revoked == () and store.get(x.unit_id) is not None
+    y = done.units[1][0]
+    assert store.get(x.unit_id).external_id is None and store.get(y.unit_id).external_id == "doc-1"
+    store.ingest([DOCS[2]], external_ids=["doc-2"])
+    swapped = store.ingest([DOCS[1], DOCS[2]], external_ids=["doc-2", "doc-1"])
+    assert swapped.revoked == ()
+    assert [store.get(u.unit_id).external_id for u, _ in swapped.units] == ["doc-2", "doc-1"]
+    assert len(store) == 3
+    store.close()
+
+
 def test_deletes_are_idempotent_and_unknown_ids_are_reported(parts, tmp_path: Path) -> None:
     """A deleted unit leaves retrieval; deleting it again is 'already'; a never-seen id is 'unknown'."""
     store = open_store(parts, tmp_path)

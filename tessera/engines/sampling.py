@@ -47,7 +47,9 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest head whose mass reaches top_p (the first token always stays)
             keep = (sorted_probs.cumsum(0) - sorted_probs) < self.params.top_p
-            keep[0] = True  # also when top_p rounds to 0 in float32 (1e-300): never an empty nucleus
+            # a valid top_p below half float32's smallest subnormal (1e-46, 5e-324) rounds to 0 in
+            # the comparison and would keep nothing: multinomial then raised on an all-zero row
+            keep[0] = True
             sorted_probs = sorted_probs * keep
             choice = torch.multinomial(sorted_probs, 1, generator=self._generator)
             return int(order[choice])

@@ -5,31 +5,48 @@ this module holds the bodies only the retrieval API speaks.
 Every body carries ``version`` (see :func:`tessera.messages.check_version`); on the three
 request bodies a client sends by hand (ingest, delete, retrieve) it may be left out and means
 the current version, as OpenAI-style APIs carry no version field.
+
+The ``Annotated`` constraints (pydantic ``Field``) describe what the handlers accept, for
+the served OpenAPI document (:mod:`tessera.retrieval.openapi`); the wire decoder reads the
+plain types only and the handlers check the rest, so the two must be kept in step
+(``tests/test_api_fuzz.py`` fuzzes the served document against the running role).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import ConfigDict, Field
+
+from tessera.retrieval.index import SCOPE_PATTERN
+from tessera.retrieval.store import MAX_EXTERNAL_ID, MAX_TOP_K
 from tessera.wire import WIRE_VERSION
+
+Version = Annotated[int, Field(ge=WIRE_VERSION, le=WIRE_VERSION, description="wire version of the body")]
+Scope = Annotated[str, Field(pattern=f"^{SCOPE_PATTERN.pattern}$", description="the sharing scope (tenant-owned)")]
+# a text with something besides whitespace in it (a blank unit is refused)
+Text = Annotated[str, Field(pattern=r"\S")]
+ExternalId = Annotated[str, Field(min_length=1, max_length=MAX_EXTERNAL_ID)]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K, description="units to return; 0 = retrieval.top_k")]
+Embedding = Annotated[tuple[float, ...], Field(description="a vector of the embedder's dimension, finite, non-zero")]
 
 
 @dataclass(frozen=True, slots=True)
 class IngestUnit:
-    scope: str
-    text: str
+    scope: Scope
+    text: Text
     metadata: dict[str, Any] = field(default_factory=dict)
     # a precomputed embedding (the embedder's dimension); computed here when absent
-    embedding: tuple[float, ...] | None = None
+    embedding: Embedding | None = None
     # caller's key, unique per scope: new text under a known key replaces (revokes) its old unit
-    external_id: str | None = None
+    external_id: ExternalId | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class IngestRequest:
-    version: int = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
-    units: tuple[IngestUnit, ...]
+    version: Version = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
+    units: Annotated[tuple[IngestUnit, ...], Field(min_length=1)]  # at most routes.MAX_INGEST
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +81,8 @@ class StoredUnitBody:
 class DeleteRequest:
     """``POST /v1/units/delete``: every unit of ``scope`` whose metadata has all of ``filter``."""
 
-    version: int = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
-    scope: str
+    version: Version = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
+    scope: Scope
     filter: dict[str, Any] = field(default_factory=dict)  # {} deletes the whole scope
 
 
@@ -78,11 +95,15 @@ class DeleteResponse:
 
 @dataclass(frozen=True, slots=True)
 class RetrieveRequest:
-    version: int = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
-    scope: str
-    query: str | None = None  # exactly one of query and embedding
-    embedding: tuple[float, ...] | None = None
-    top_k: int = 0  # 0: retrieval.top_k
+    # exactly one of query and embedding, for the OpenAPI document (the store checks it)
+    __pydantic_config__ = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["query"], "properties": {"query": {"type": "string"}, "embedding": {"type": "null"}}},
+        {"required": ["embedding"], "properties": {"embedding": {"type": "array"}, "query": {"type": "null"}}}]})
+    version: Version = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
+    scope: Scope
+    query: Text | None = None  # exactly one of query and embedding
+    embedding: Embedding | None = None
+    top_k: TopK = 0  # 0: retrieval.top_k
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible response bodies as pydantic models, and the API's OpenAPI document.
+"""The OpenAI-compatible response bodies as pydantic models, and the chat endpoint's OpenAPI operation.
 
 A completion, a streamed chunk and an error each have one model; handlers build them with
 the functions below and send ``to_json(body)``. Fields that are absent (no logprobs asked,
@@ -12,9 +12,10 @@ import time
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
-from pydantic.json_schema import models_json_schema
 
+from tessera.retrieval import openapi
 from tessera.retrieval.chat_request import ChatCompletionRequest
+from tessera.retrieval.openapi import EventStream, Operation
 
 
 class _Body(BaseModel):
@@ -142,28 +143,18 @@ def error_body(message: str, status: int) -> ErrorResponse:
     return ErrorResponse(error=ErrorDetail(message=message, type=kind, code=status))
 
 
+CHAT_OPERATION = Operation(
+    "post", "/v1/chat/completions",
+    "OpenAI-compatible chat completion, with Tessera's retrieval / context_units extensions",
+    # with stream: true, chunks, then [DONE]; an error after the first chunk is an error event
+    {"application/json": ChatCompletion, "text/event-stream": EventStream((ChatCompletionChunk, ErrorResponse))},
+    {400: "a body that does not fit (the message names every field to fix)", 401: "missing or unknown API key",
+     403: "the API key's tenant does not own the scope", 404: "retrieval from a scope nothing was ingested into",
+     413: "a body, prompt or unit too large", 429: "a generation node refuses more work; retry later",
+     503: "the cluster is starting, at capacity, or no generation node is alive"},
+    body=ChatCompletionRequest, error_body=ErrorResponse)
+
+
 def openapi_document(title: str) -> dict[str, Any]:
-    """OpenAPI 3.1 description of ``POST /v1/chat/completions``, from the pydantic models."""
-    _, schemas = models_json_schema(
-        [(m, "validation") for m in (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, ErrorResponse)],
-        ref_template="#/components/schemas/{model}")
-
-    def ref(model: type[BaseModel]) -> dict[str, Any]:
-        return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
-
-    error = {"description": "OpenAI-shaped error", "content": {"application/json": ref(ErrorResponse)}}
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": "1"},
-        "paths": {"/v1/chat/completions": {"post": {
-            "summary": "OpenAI-compatible chat completion, with Tessera's retrieval / context_units extensions",
-            "requestBody": {"required": True, "content": {"application/json": ref(ChatCompletionRequest)}},
-            "responses": {
-                "200": {"description": "a completion, or with stream: true server-sent chunks",
-                        "content": {"application/json": ref(ChatCompletion),
-                                    "text/event-stream": ref(ChatCompletionChunk)}},
-                "400": error, "404": error, "429": error, "503": error,
-            },
-        }}},
-        "components": {"schemas": schemas["$defs"]},
-    }
+    """OpenAPI 3.1 description of the public API, the chat endpoint included (see tessera.retrieval.openapi)."""
+    return openapi.document(title, [CHAT_OPERATION])

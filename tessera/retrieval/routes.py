@@ -41,9 +41,12 @@ from tessera.retrieval.limits import (
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.store import StoredUnit
 from tessera.tenants import tenant_of
+from tessera.units import UNIT_ID_PATTERN
 from tessera.wire import WIRE_VERSION, from_wire, loads
 
 RETRIEVAL_NODE = web.AppKey("retrieval_node", RetrievalNode)
+# only a unit id matches, so /v1/units/delete is not a unit path (GET on it is a 405, not "no such unit")
+UNIT_PATH = f"/v1/units/{{unit_id:{UNIT_ID_PATTERN}}}"
 MAX_INGEST = 4096  # units per ingest call
 T = TypeVar("T")
 
@@ -131,7 +134,7 @@ async def _owned(request: web.Request, unit_id: str) -> StoredUnit | None:
     return found
 
 
-@routes.get("/v1/units/{unit_id}")
+@routes.get(UNIT_PATH)
 async def get_unit(request: web.Request) -> web.Response:
     unit_id = request.match_info["unit_id"]
     found = await _owned(request, unit_id)
@@ -142,7 +145,7 @@ async def get_unit(request: web.Request) -> web.Response:
                                     found.external_id))
 
 
-@routes.delete("/v1/units/{unit_id}")
+@routes.delete(UNIT_PATH)
 async def delete_unit(request: web.Request) -> web.Response:
     unit_id = request.match_info["unit_id"]
     tenant = tenant_of(request)
