@@ -127,7 +127,7 @@ class Node:
         path.write_text(dump_toml(config))
         self.log = open(workdir / "kvpool.log", "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen([sys.executable, "-m", "tessera", "run", "--role", "kvpool", "--config",
-                                      str(path), "--log-level", "WARNING"], stdout=self.log, stderr=subprocess.STDOUT)
+                                      str(path), "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{node.port}/info"
         for _ in range(600):
             try:

@@ -1,7 +1,7 @@
 """Every shell command of the README is run by a named test, so none can silently break (issue 21).
 
-``COVERED`` maps a README command's key (the program and its subcommand or script) to the test
-that runs it, a smoke run with tiny parameters where the real one is long. ``NOT_YET`` lists
+``COVERED`` maps a README command's key (the program and its subcommand or script) to the test(s)
+that run it, a smoke run with tiny parameters where the real one is long. ``NOT_YET`` lists
 the keys no test runs yet and why; a README command in neither table fails this file.
 """
 
@@ -14,15 +14,30 @@ from helpers.cluster import REPO
 README = REPO / "README.md"
 
 SHORT_CHAOS = "tests/test_chaos.py::test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly"
-COVERED = {
+SMOKE = "tests/test_readme_smoke.py::"
+DEMO = SMOKE + "test_tessera_demo_compares_prefix_caching_and_tessera_on_a_tiny_run"
+THIS = "tests/test_readme_commands.py::"
+# a key's tests together run its command: `make demo` is the Makefile's `$(BIN)/tessera demo`
+COVERED: dict[str, str | tuple[str, ...]] = {
+    "make demo": (THIS + "test_make_demo_runs_exactly_tessera_demo", DEMO),
+    "make test": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_the_suite",
     "tessera trace": "tests/test_traffic_trace.py::test_tessera_trace_from_workload_writes_a_trace_that_analyze_reads",
     "pytest tests/test_hosts.py": "tests/test_hosts.py::test_a_short_multi_host_chaos_run_keeps_every_invariant",
+    "tessera up": SMOKE + "test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c",
     "tessera run": "tests/test_security.py::test_control_rpcs_do_not_exist_on_the_public_port",
+    "python bench/control_plane.py": SMOKE + "test_bench_control_plane_plans_requests_and_prints_its_rates",
+    "tessera bench": SMOKE + "test_tessera_bench_sweeps_a_tiny_synthetic_workload_and_reports_ttft",
     "tessera analyze": "tests/test_benchmark.py::test_analyze_cli_prints_the_classification",
+    "tessera eval": SMOKE + "test_tessera_eval_scores_each_policy_against_gold_answers_and_full",
     "tessera verify": "tests/test_verify.py::test_a_missed_threshold_exits_non_zero",
     "tessera chaos": SHORT_CHAOS,
     "pytest tests/test_chaos.py": SHORT_CHAOS,
+    "python bench/overload.py": SMOKE + "test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99",
+    "python bench/engine.py": SMOKE + "test_bench_engine_times_full_and_composed_prefill_on_smollm2",
     "python bench/fidelity.py": "tests/test_first_hour.py::test_bench_fidelity_runs_with_float16_states",
+    "python bench/store_startup.py":
+        SMOKE + "test_bench_store_startup_reopens_a_saved_a_crashed_and_an_index_less_store",
+    "python bench/transport.py": SMOKE + "test_bench_transport_measures_every_transport_next_to_its_ceilings",
     "bench/gpu.sh smoke": "tests/test_first_hour.py::test_gpu_sh_smoke_runs_on_a_fresh_clone",
 }
 
@@ -32,16 +47,6 @@ SETUP = {"source .venv/bin/activate"}  # shell set-up, not a command with output
 NOT_YET = {
     "tessera hosts": "tests/test_hosts.py runs HostCluster (what `hosts up` runs) and the leftover cleanup, "
                      "not the CLI command itself",
-    "make demo": "runs the whole demo (~5 min)",
-    "make test": "runs the whole suite",
-    "tessera up": "only its failure paths are run (tests/test_first_hour.py)",
-    "tessera bench": "runner-level tests only (tests/test_benchmark.py); no CLI smoke run",
-    "tessera eval": "only its missing-data error is run",
-    "python bench/overload.py": "no smoke test",
-    "python bench/engine.py": "no smoke test",
-    "python bench/control_plane.py": "owned by the control-plane work (issue 21 left it to them)",
-    "python bench/store_startup.py": "no smoke test",
-    "python bench/transport.py": "no smoke test",
     "bench/gpu.sh prepare": "needs the network",
     "bench/gpu.sh run": "needs a GPU",
 }
@@ -76,6 +81,19 @@ def _defined(test_id: str) -> bool:
     return re.search(rf"^(async )?def {name}\(", (REPO / path).read_text(), re.M) is not None
 
 
+def _test_ids(tests: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (tests,) if isinstance(tests, str) else tests
+
+
+def _recipe(target: str) -> tuple[list[str], list[str]]:
+    """The Makefile target's prerequisites and its recipe lines (comments dropped)."""
+    text = (REPO / "Makefile").read_text()
+    block = re.search(rf"^{re.escape(target)}:(.*)\n((?:\t.*\n)*)", text, re.M)
+    assert block, f"no `{target}:` target in the Makefile"
+    recipe = [line.strip() for line in block[2].splitlines() if not line.strip().startswith("#")]
+    return block[1].split(), recipe
+
+
 def test_every_readme_command_is_run_by_a_named_test_or_listed_as_a_gap() -> None:
     keys = {key(c) for c in readme_commands()}
     unlisted = sorted(keys - COVERED.keys() - NOT_YET.keys() - SETUP)
@@ -85,7 +103,7 @@ def test_every_readme_command_is_run_by_a_named_test_or_listed_as_a_gap() -> Non
 
 
 def test_each_named_smoke_test_exists() -> None:
-    missing = [t for t in COVERED.values() if not _defined(t)]
+    missing = [t for tests in COVERED.values() for t in _test_ids(tests) if not _defined(t)]
     assert not missing, missing
 
 
@@ -99,3 +117,20 @@ def test_the_readme_documents_the_data_sets_and_the_optional_version() -> None:
     text = README.read_text()
     assert "### Data sets" in text and "../shared/data" in text.split("### Data sets", 1)[1][:2000]
     assert '`"version"` is optional' in text
+
+
+def test_make_demo_runs_exactly_tessera_demo() -> None:
+    """`make demo` is `tessera demo` after the install, so the demo's smoke run also runs `make demo`."""
+    prerequisites, recipe = _recipe("demo")
+    assert prerequisites == ["$(STAMP)"] and recipe == ["$(BIN)/tessera demo"], (prerequisites, recipe)
+
+
+def test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_the_suite() -> None:
+    """CI (.ci/run) runs the README's `make test`: ruff, mypy and pytest, so every CI run runs it."""
+    commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert commands[-1] == "make test", commands
+    assert _recipe("test") == (["lint", "typecheck", "unit"], [])
+    assert _recipe("lint")[1] == ["$(BIN)/ruff check tessera tests bench"]
+    assert _recipe("typecheck")[1] == ["$(BIN)/mypy"]
+    assert _recipe("unit")[1] == ["$(BIN)/pytest -q"]
