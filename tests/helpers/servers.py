@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,11 +98,12 @@ class PostgresServer:
                 return f"running as root and there is no {PG_USER!r} user to start PostgreSQL as"
         return None
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.data = directory / "pgdata"
+    def __init__(self) -> None:
+        # not under pytest's tmp_path: that is root-only (0700), and PostgreSQL may run as another user
+        self.directory = Path(tempfile.mkdtemp(prefix="tessera-pg-"))
+        self.data = self.directory / "pgdata"
         self.port = free_port()
-        self.log = directory / "postgres.log"
+        self.log = self.directory / "postgres.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.dsn = f"host=127.0.0.1 port={self.port} user={PG_USER} dbname=tessera"
 
@@ -142,3 +144,7 @@ class PostgresServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
