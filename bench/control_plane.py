@@ -1,10 +1,12 @@
 """Control-plane throughput and plan latency, in process, on one core.
 
-Each request retrieves 10 distinct units drawn from a Zipf popularity over a unit universe;
-8 generation nodes each keep a simulated local cache that follows the plans exactly
-(drop ``local_evict``, insert what is retained locally, send the ResidencyReport), writers
-publish their grants and readers release their leases at once, and a fixed number of
-requests stay in flight. The first 10% of requests (cold start) are not counted.
+Each request retrieves 10 distinct units drawn from a Zipf popularity over a unit universe.
+The cluster is :class:`tessera.control.simulated.SimulatedCluster`, the one the plane tests
+drive: the real control plane on a simulated clock, generation nodes that reported in (a
+node is routable only once heard) and follow their plans exactly (drop ``local_evict``,
+insert what is retained locally as far as their capacity allows, publish their grants,
+release their leases, send the ResidencyReport). A fixed number of requests stay in flight.
+The first 10% of requests (cold start) are not counted.
 
 Measured per request: route + finalize + complete, in process (the plan latency);
 "plans/s" is requests / sum of plan latencies. The whole-loop rate also counts the
@@ -12,7 +14,7 @@ simulated node traffic (snapshot, publish, release, residency report). The laten
 includes any cyclic-GC collection that lands in a measured step: a full collection scans
 every per-unit record of every tier (one per unit a tier's stream has seen).
 
-    PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--units U] [--zipf S]
+    PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--nodes N] [--units U]
 
 Prints numbers; asserts nothing.
 """
@@ -28,20 +30,15 @@ from collections import deque
 import numpy as np
 
 from tessera.config import ClusterConfig, ControlConfig, GenerationNodeConfig, KVPoolNodeConfig
-from tessera.control.plane import ControlPlane
-from tessera.messages import MemoryNodeHello, PublishRequest, ReleaseRequest, ResidencyReport
-from tessera.wire import WIRE_VERSION
+from tessera.control.simulated import SimulatedCluster
 
 
-def build(args: argparse.Namespace) -> ControlPlane:
+def build(args: argparse.Namespace) -> SimulatedCluster:
     gens = tuple(GenerationNodeConfig(f"gen{i}", port=9600 + i, local_capacity_blocks=args.local_blocks)
                  for i in range(args.nodes))
     pools = (KVPoolNodeConfig("kv0", port=9500, data_port=9501, capacity_blocks=args.shared_blocks),)
     control = ControlConfig(admission=args.admission, routing=args.routing)
-    config = ClusterConfig(block_tokens=16, control=control, kvpools=pools, generation=gens)
-    plane = ControlPlane(config)
-    plane.hello(MemoryNodeHello(WIRE_VERSION, "kv0", "boot", args.shared_blocks, 4096, "", "127.0.0.1", 9501))
-    return plane
+    return SimulatedCluster(ClusterConfig(block_tokens=16, control=control, kvpools=pools, generation=gens))
 
 
 def workload(args: argparse.Namespace) -> tuple[list[list[tuple[str, int]]], list[str]]:
@@ -63,9 +60,9 @@ def workload(args: argparse.Namespace) -> tuple[list[list[tuple[str, int]]], lis
 
 
 def run(args: argparse.Namespace) -> None:
-    plane = build(args)
+    cluster = build(args)
+    plane = cluster.plane
     requests, rids = workload(args)
-    caches: dict[str, set[str]] = {n: set() for n in plane.nodes}
     inflight: deque[str] = deque()
     lat = np.empty(len(requests), dtype=np.int64)
     pc = time.perf_counter_ns
@@ -76,28 +73,11 @@ def run(args: argparse.Namespace) -> None:
         t0 = pc()
         node = plane.route(rid, units)
         t1 = pc()
-        cache = caches[node]
-        held = [u for u, _ in units if u in cache]  # the node's snapshot
+        held = cluster.snapshot(node, units)
         t2 = pc()
         plan = plane.finalize(rid, node, held)
         t3 = pc()
-        # the node follows the plan: drop victims, insert retained units, write back, release
-        cache.difference_update(plan.local_evict)
-        leases = []
-        inserted = []
-        for up in plan.units:
-            if up.retention.local:
-                cache.add(up.unit_id)
-                inserted.append(up.unit_id)
-            if up.grant is not None:
-                g = up.grant
-                plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
-            if up.lease is not None:
-                leases.append(up.lease.lease_id)
-        if leases:
-            plane.release(ReleaseRequest(WIRE_VERSION, tuple(leases)))
-        if inserted or plan.local_evict:
-            plane.residency(ResidencyReport(WIRE_VERSION, node, tuple(inserted), plan.local_evict))
+        cluster.execute(plan, complete=False)
         inflight.append(rid)
         t4 = pc()
         if len(inflight) > args.inflight:
@@ -120,8 +100,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"  preparations: local {s.local / s.units:.1%}, remote {s.remote / s.units:.1%}, "
           f"compute {s.compute / s.units:.1%}; retained local {s.keep_local}, shared {s.keep_shared}, "
           f"local evictions {s.local_evictions}, shared evictions {plane.shared.evictions}")
-    loads = [len(c) for c in caches.values()]
-    print(f"  local cache units per node: {loads}; shared entries {len(plane.directory)}")
+    loads = [len(c) for c in cluster.caches.values()]
+    shown = loads if len(loads) <= 16 else f"min {min(loads)}, median {int(np.median(loads))}, max {max(loads)}"
+    print(f"  local cache units per node: {shown}; shared entries {len(plane.directory)}")
 
 
 def main() -> None:

@@ -1,7 +1,11 @@
-"""Clients of the control plane: the KV-pool verbs and a generation node's own reports.
+"""Clients of the control plane: the KV-pool verbs, a generation node's own reports, and the
+request path (route, plan, complete) for a process that does not host the plane.
 
 Other roles call the control plane only through these classes (JSON over aiohttp, typed messages).
 
+    POST /control/route          RouteRequest    -> RouteResponse  (step 2: the chosen node)
+    POST /control/plan           PlanRequest     -> RequestPlan    (step 4: finalize)
+    POST /control/complete       CompleteRequest -> Ack            (ok: it was outstanding)
     POST /control/publish        PublishRequest  -> Ack   (409 + reason: PublishRejected)
     POST /control/cancel         CancelRequest   -> Ack
     POST /control/release        ReleaseRequest  -> Ack
@@ -11,32 +15,43 @@ Other roles call the control plane only through these classes (JSON over aiohttp
 
 Control messages are small and rare (one per unit, not per block), so aiohttp is fine here;
 block payloads never go through this client.
+
+:class:`RequestControl` raises what the in-process :class:`~tessera.control.plane.ControlPlane`
+raises for the same call (``Overloaded`` for 429, ``Unavailable`` for 503, ``BadRequest`` with
+the status for 400/404/409), so a caller treats a remote plane and a local one alike; anything
+else (unreachable, 401, 500, a reply that does not decode) is a ``ControlPlaneError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Collection, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 import orjson
 
 from tessera.auth import ClusterAuth
-from tessera.errors import ControlPlaneError, PublishRejected
+from tessera.errors import BadRequest, ControlPlaneError, DecodeError, Overloaded, PublishRejected, Unavailable
 from tessera.http import LazySession
 from tessera.messages import (
     Ack,
     CancelRequest,
+    CompleteRequest,
     InvalidateRequest,
     InventoryResult,
     LoadReport,
     MemoryNodeHello,
     MemoryNodeInventory,
+    PlanRequest,
     PublishRequest,
     ReleaseRequest,
+    RequestPlan,
     ResidencyReport,
+    RouteRequest,
+    RouteResponse,
+    RouteUnit,
     WriteGrant,
 )
 from tessera.wire import WIRE_VERSION, encode, from_wire
@@ -189,3 +204,52 @@ class NodeControl(ControlClient):
         if self._flush is not None and not self._flush.done():
             await self._flush
         await super().close()
+
+
+class RequestControl(ControlClient):
+    """The request path of a remote control plane: ``route / finalize / complete``.
+
+    The same verbs, arguments and errors as :class:`~tessera.control.plane.ControlPlane`'s
+    (see the module docstring), over ``/control/route``, ``/control/plan`` and
+    ``/control/complete``, signed with the cluster secret.
+    """
+
+    async def route(self, request_id: str, units: Sequence[tuple[str, int]]) -> str:
+        """Step 2: the generation node chosen for a request's (unit_id, n_tokens) list."""
+        msg = RouteRequest(WIRE_VERSION, request_id, tuple(RouteUnit(u, n) for u, n in units))
+        return (await self._request("/control/route", msg, RouteResponse)).node
+
+    async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        """Step 4: the per-unit plan against ``node``'s snapshot ``held``."""
+        return await self._request("/control/plan", PlanRequest(WIRE_VERSION, request_id, node, tuple(held)),
+                                   RequestPlan)
+
+    async def complete(self, request_id: str) -> bool:
+        """The request finished (or was abandoned); False if it was not outstanding."""
+        return (await self._request("/control/complete", CompleteRequest(WIRE_VERSION, request_id), Ack)).ok
+
+    async def _request(self, path: str, msg: Any, reply: type[T]) -> T:
+        status, payload = await self._call("POST", path, msg)
+        if status != 200:
+            self._refused(path, status, payload)
+        try:
+            out = from_wire(reply, payload)
+        except DecodeError as exc:
+            raise ControlPlaneError(f"POST {path}: the reply does not decode: {exc}") from None
+        version = getattr(out, "version", WIRE_VERSION)
+        if version != WIRE_VERSION:
+            raise ControlPlaneError(f"POST {path}: reply of protocol version {version}; this process speaks "
+                                    f"version {WIRE_VERSION}")
+        return out
+
+    @classmethod
+    def _refused(cls, path: str, status: int, payload: Any) -> NoReturn:
+        """Raise what the in-process plane raises for this refusal."""
+        reason = cls._reason(payload)
+        if status == Overloaded.status:
+            raise Overloaded(reason)
+        if status == Unavailable.status:
+            raise Unavailable(reason)
+        if status in (400, 404, 409):
+            raise BadRequest(reason, status)
+        raise ControlPlaneError(f"POST {path}: HTTP {status}: {reason}")

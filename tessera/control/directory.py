@@ -68,13 +68,6 @@ class Entry:
     revoked: bool = False  # READY, its unit was deleted: no new leases, dropped once the last drains
 
 
-@dataclass
-class ExpiryReport:
-    leases: list[str] = field(default_factory=list)
-    reservations: list[tuple[str, int]] = field(default_factory=list)  # (unit_id, epoch)
-    reclaimed_blocks: int = 0
-
-
 class Directory:
     """Shared-tier metadata. Verbs: reserve/publish/cancel, lease/release, evict, expire."""
 
@@ -253,34 +246,38 @@ class Directory:
         self.allocator.free(entry.blocks)
         return entry.blocks
 
-    def expire(self) -> ExpiryReport:
-        """Drop expired leases and overdue reservations; return quarantined blocks that are due."""
+    def expire(self) -> list[str]:
+        """Drop expired leases and overdue reservations, free quarantined blocks that are due.
+
+        Returns the units whose reservation was dropped (their entries are gone).
+        """
         now = self.clock()
-        report = ExpiryReport()
         for lease_id, lease in list(self._leases.items()):
             if lease.expires_at <= now:
                 self.release(lease_id)
-                report.leases.append(lease_id)
+        dropped = []
         for entry in list(self._entries.values()):
             if entry.state is EntryState.PENDING and entry.deadline < now:
                 self._drop_pending(entry, now)
-                report.reservations.append((entry.unit_id, entry.epoch))
-        report.reclaimed_blocks = self._reclaim_due(now)
-        return report
+                dropped.append(entry.unit_id)
+        self._reclaim_due(now)
+        return dropped
 
-    def forget_holder(self, holder: str) -> ExpiryReport:
-        """A generation node died: release its leases, cancel its reservations (with grace)."""
-        report = ExpiryReport()
+    def forget_holder(self, holder: str) -> list[str]:
+        """A generation node died: release its leases, cancel its reservations (with grace).
+
+        Returns the units whose reservation was dropped.
+        """
         now = self.clock()
         for lease_id, lease in list(self._leases.items()):
             if lease.holder == holder:
                 self.release(lease_id)
-                report.leases.append(lease_id)
+        dropped = []
         for entry in list(self._entries.values()):
             if entry.state is EntryState.PENDING and entry.writer == holder:
                 self._drop_pending(entry, now)
-                report.reservations.append((entry.unit_id, entry.epoch))
-        return report
+                dropped.append(entry.unit_id)
+        return dropped
 
     def begin_epochs(self, base: int) -> None:
         """Epochs from now on are > ``base`` (a new incarnation never repeats an old epoch)."""
@@ -371,13 +368,10 @@ class Directory:
         if blocks:
             heapq.heappush(self._quarantine, (free_at, next(self._qseq), blocks))
 
-    def _reclaim_due(self, now: float) -> int:
-        n = 0
+    def _reclaim_due(self, now: float) -> None:
         while self._quarantine and self._quarantine[0][0] <= now:
             _, _, blocks = heapq.heappop(self._quarantine)
             self.allocator.free(blocks)
-            n += len(blocks)
-        return n
 
     def check_invariants(self) -> None:
         """Assert the directory's structural invariants (used by the property tests)."""

@@ -18,34 +18,36 @@ Two kinds of in-flight change are tracked so the corrections are not misread:
   the drop yet. A snapshot may still show them; that does not make them resident again,
   and the node's later eviction report is an acknowledgement, not news.
 
-This module knows nothing about the shared tier or about routing policies.
+This module knows nothing about the shared tier or about routing policies; each view keeps
+its own bit of the routing index (:class:`~tessera.control.locality.Locality`) up to date.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 
 from tessera.control.admission import AdmissionPolicy
+from tessera.control.locality import Locality
 from tessera.control.record import NO_RECORD
 
 
 class LocalTier:
     """One generation node's local cache as admission and routing see it."""
 
-    __slots__ = ("bit", "capacity", "evicting", "holders", "name", "planned", "policy", "victim_blocks")
+    __slots__ = ("bit", "capacity", "evicting", "locality", "name", "planned", "policy", "victim_blocks")
 
     def __init__(self, name: str, capacity_blocks: int, policy: AdmissionPolicy, *,
-                 bit: int = 1, holders: dict[str, int] | None = None) -> None:
+                 bit: int = 1, locality: Locality | None = None) -> None:
         self.name = name
         self.capacity = capacity_blocks
         self.policy = policy
         self.planned: dict[str, str] = {}  # unit -> request whose plan admitted it (uninserted)
         self.evicting: dict[str, int] = {}  # unit -> evictions asked of the node, not yet reported
         self.victim_blocks: dict[str, int] = {}  # blocks of each evicting unit: a kept victim comes back
-        # routing index shared by every node's view: unit -> bitmask of nodes holding it, so
-        # one lookup per unit ranks all nodes
+        # the routing index shared by every node's view (one lookup per unit ranks all nodes);
+        # this view sets and clears only its own bit
         self.bit = bit
-        self.holders: dict[str, int] = {} if holders is None else holders
+        self.locality = Locality(1) if locality is None else locality
 
     @property
     def used_blocks(self) -> int:
@@ -56,6 +58,10 @@ class LocalTier:
         return unit_id in self.policy
 
     # --- decisions -----------------------------------------------------------------------
+
+    def observe(self, unit_ids: tuple[str, ...]) -> None:
+        """One request routed to this node (distinct ids), before any admission for it."""
+        self.policy.observe(unit_ids)
 
     def admit(self, unit_id: str, n_blocks: int, request_id: str, pinned: Container[str]) -> list[str] | None:
         """Local admission for a unit the node will have after this request.
@@ -175,23 +181,56 @@ class LocalTier:
 
     def _add(self, unit_id: str, n_blocks: int) -> None:
         self.policy.add(unit_id, n_blocks)
-        holders = self.holders
-        holders[unit_id] = holders.get(unit_id, 0) | self.bit
+        self.locality.add(unit_id, self.bit)
 
     def _discard(self, unit_id: str) -> None:
         if self.policy.discard(unit_id):
-            holders = self.holders
-            mask = holders[unit_id] & ~self.bit
-            if mask:
-                holders[unit_id] = mask
-            else:
-                del holders[unit_id]
+            self.locality.discard(unit_id, self.bit)
 
     def check_invariants(self) -> None:
         resident = self.policy.resident
         assert set(self.planned) <= set(resident), "planned unit missing from the resident set"
         for u in resident:
-            assert self.holders.get(u, 0) & self.bit, f"routing index lost {u} on {self.name}"
+            assert self.locality.holds(u, self.bit), f"routing index lost {u} on {self.name}"
         assert all(n > 0 for n in self.evicting.values()), self.evicting
         assert set(self.victim_blocks) <= set(self.evicting), "victim blocks kept for a settled eviction"
         self.policy.check_invariants()
+
+
+class AdmittedBlocks(Mapping[str, int]):
+    """Block counts of the units local admission retained, on any node (one table for all views).
+
+    A node's ResidencyReport may confirm a unit its view had already dropped (the report was
+    late); the view re-adds it with the count its admission used. Verbs: ``admitted`` (a plan
+    retained the unit locally), ``reported`` (a node re-reported its cache with counts after
+    this plane restarted; a count from an admission wins), ``forget`` (revoked units).
+    Read as a mapping unit -> blocks by :meth:`LocalTier.confirm`.
+    """
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, int] = {}
+
+    def admitted(self, unit_id: str, n_blocks: int) -> None:
+        self._blocks[unit_id] = n_blocks
+
+    def reported(self, counts: Iterable[tuple[str, int]]) -> None:
+        for u, b in counts:
+            self._blocks.setdefault(u, b)
+
+    def forget(self, unit_ids: Iterable[str]) -> None:
+        for u in unit_ids:
+            self._blocks.pop(u, None)
+
+    def __getitem__(self, unit_id: str) -> int:
+        return self._blocks[unit_id]
+
+    def __contains__(self, unit_id: object) -> bool:
+        return unit_id in self._blocks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)

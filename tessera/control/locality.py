@@ -1,7 +1,8 @@
 """The routing index: which generation nodes' local views hold each unit, as one bitmask per unit.
 
 Each node's :class:`~tessera.control.local.LocalTier` sets and clears its own bit (node ``i``
-owns bit ``1 << i``) as its view admits and drops units; a cache-aware router asks how many
+owns bit ``1 << i``) through ``add`` and ``discard`` as its view admits and drops units; a
+cache-aware router asks how many
 blocks of a request's units each node holds. Popular units share holder sets, so the count
 is added once per distinct mask, not once per unit.
 
@@ -20,15 +21,34 @@ def _bits(mask: int) -> tuple[int, ...]:
 
 
 class Locality:
-    """Unit -> bitmask of the nodes whose local view holds it (``holders``, shared with the local tiers)."""
+    """Unit -> bitmask of the nodes whose local view holds it. Verbs: ``add / discard / holds``."""
+
+    __slots__ = ("_holders", "n_nodes")
 
     def __init__(self, n_nodes: int) -> None:
         self.n_nodes = n_nodes
-        self.holders: dict[str, int] = {}  # written by the LocalTiers, read here
+        self._holders: dict[str, int] = {}
+
+    def add(self, unit_id: str, bit: int) -> None:
+        """The view owning ``bit`` holds the unit now."""
+        holders = self._holders
+        holders[unit_id] = holders.get(unit_id, 0) | bit
+
+    def discard(self, unit_id: str, bit: int) -> None:
+        """The view owning ``bit`` no longer holds the unit (it held it)."""
+        holders = self._holders
+        mask = holders[unit_id] & ~bit
+        if mask:
+            holders[unit_id] = mask
+        else:
+            del holders[unit_id]
+
+    def holds(self, unit_id: str, bit: int) -> bool:
+        return bool(self._holders.get(unit_id, 0) & bit)
 
     def blocks_per_node(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
         """Blocks of these (unit, blocks) pairs each node's local view holds, indexed by node index."""
-        holders = self.holders
+        holders = self._holders
         by_mask: dict[int, int] = {}  # popular units share holder sets: add per set, not per unit
         for u, b in pairs:
             mask = holders.get(u)

@@ -37,12 +37,22 @@ class GenerationNode:
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
     alive: bool = False  # routable: heard from, and not silent or unreachable since
     last_seen: float | None = None  # None: never heard from
-    queued_tokens: int = 0
+    queued_tokens: int = 0  # the node's own figure from its last LoadReport (metrics)
     # queueing as the plane itself sees it: requests routed here that have no first token yet
     # (request id -> when routed), and how long each one held the head of that queue
     waiting: dict[str, float] = field(default_factory=dict)
     service_s: float = 0.0  # moving average; 0 until a first request started
     last_start: float = float("-inf")
+
+    def routed(self, request_id: str, now: float) -> None:
+        """A request was routed here: in flight, and queued until its first event."""
+        self.inflight += 1
+        self.waiting[request_id] = now
+
+    def left(self, request_id: str) -> None:
+        """A request routed here completed or expired."""
+        self.inflight -= 1
+        self.waiting.pop(request_id, None)
 
     def expected_wait_s(self) -> float:
         """Queueing a new request would see here: the requests ahead of it times the measured

@@ -20,7 +20,8 @@ missed the drop order cannot get it used); its shared entry takes no new lease a
 once its leases drain; a pending reservation of it is dropped, so its publish is refused.
 
 The plane never touches payload bytes or tensors, and never waits on the network: every
-method is synchronous and cheap enough to run on the event loop.
+method is synchronous and cheap enough to run on the event loop. It takes messages already
+decoded (and their version checked) where the bytes arrived: :func:`tessera.http.body`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
-from tessera.control.local import LocalTier
+from tessera.control.local import AdmittedBlocks, LocalTier
 from tessera.control.locality import Locality
 from tessera.control.membership import GenerationNode, HelloOutcome, Liveness, MemoryNodes
 from tessera.control.overload import QueueBound
@@ -56,8 +57,8 @@ from tessera.messages import (
     ReleaseRequest,
     RequestPlan,
     ResidencyReport,
-    check_version,
 )
+from tessera.metrics import Metric, gauge
 from tessera.wire import WIRE_VERSION
 
 
@@ -93,7 +94,7 @@ class ControlPlane:
         self.nodes: dict[str, GenerationNode] = {
             g.name: GenerationNode(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
-                                                        bit=1 << i, holders=self.locality.holders))
+                                                        bit=1 << i, locality=self.locality))
             for i, g in enumerate(config.generation)
         }
         self.liveness = Liveness(self.nodes)
@@ -104,7 +105,8 @@ class ControlPlane:
         self.queue_bound = QueueBound(control.max_queue_wait_s)
         self.requests = RequestTable(control.request_ttl_s)
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
-        self.planner = Planner(self.directory, self.shared, self.stats, self.revoked)
+        self.admitted = AdmittedBlocks()  # block counts of local admissions, for the views' reports
+        self.planner = Planner(self.directory, self.shared, self.requests, self.admitted, self.stats, self.revoked)
         self._reassembly = Reassembly(self.block_tokens)  # recovery: reported blocks, not complete yet
         self._draining: set[str] = set()  # revoked units whose shared entry waits for its leases
 
@@ -157,8 +159,7 @@ class ControlPlane:
 
     def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
         """Step 4: the per-unit plan against the node's snapshot ``held`` (see :class:`Planner`)."""
-        r = self.requests.claim_plan(request_id, node)
-        return self.planner.plan(request_id, r, held, self.requests.ids())
+        return self.planner.plan(request_id, node, held)
 
     def complete(self, request_id: str) -> bool:
         """The request finished (or was abandoned); False if it was not outstanding."""
@@ -178,7 +179,6 @@ class ControlPlane:
 
     def publish(self, msg: PublishRequest) -> Ack:
         """Writer finished all blocks: PENDING -> READY. Raises PublishRejected with the reason."""
-        check_version(msg.version)
         try:
             self.directory.publish(msg.unit_id, msg.epoch, msg.writer, msg.blocks)
         finally:
@@ -186,7 +186,6 @@ class ControlPlane:
         return Ack(WIRE_VERSION, True)
 
     def cancel(self, msg: CancelRequest) -> Ack:
-        check_version(msg.version)
         if self.directory.cancel(msg.unit_id, msg.epoch, msg.writer, msg.settle_s):
             self.shared.forget((msg.unit_id,))
             return Ack(WIRE_VERSION, True)
@@ -194,7 +193,6 @@ class ControlPlane:
                    f"for writer {msg.writer!r} (already published, expired or cancelled)")
 
     def release(self, msg: ReleaseRequest) -> Ack:
-        check_version(msg.version)
         unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
         if self._draining:
             self._forget_drained()
@@ -202,7 +200,6 @@ class ControlPlane:
 
     def invalidate(self, msg: InvalidateRequest) -> Ack:
         """A reader's checksum failed on a shared entry: never lease it again, quarantine its blocks."""
-        check_version(msg.version)
         if self.directory.invalidate(msg.unit_id, msg.epoch):
             self.shared.forget((msg.unit_id,))
             self.invalidated += 1
@@ -211,21 +208,18 @@ class ControlPlane:
                    "(already dropped or rewritten)")
 
     def residency(self, msg: ResidencyReport) -> Ack:
-        check_version(msg.version)
         node = self.generation_node(msg.node)
         self.liveness.heard(node, self.clock())
-        for u, b in zip(msg.inserted, msg.blocks, strict=False):
-            self.planner.admitted_blocks.setdefault(u, b)  # a re-report after this plane restarted
+        self.admitted.reported(zip(msg.inserted, msg.blocks, strict=False))  # a resync after this plane restarted
         node.local.drop(msg.evicted)
         node.local.keep(msg.kept)
         revoked = self.revoked
         node.local.confirm([u for u in msg.inserted if u not in revoked] if revoked else msg.inserted,
-                           self.planner.admitted_blocks)
+                           self.admitted)
         return Ack(WIRE_VERSION, True)
 
     def load(self, msg: LoadReport) -> Ack:
         """Load figures and the generation node's heartbeat."""
-        check_version(msg.version)
         node = self.generation_node(msg.node)
         first = node.last_seen is None
         self.liveness.heard(node, self.clock())
@@ -256,6 +250,7 @@ class ControlPlane:
                 dropped.append(u)
             elif u in directory:
                 self._draining.add(u)
+        self.admitted.forget(fresh)
         self.planner.forget(fresh)
         self.shared.forget(dropped)
         for gen in self.nodes.values():
@@ -289,7 +284,6 @@ class ControlPlane:
 
     def hello(self, msg: MemoryNodeHello) -> Ack:
         """Register a memory node's arena; a new boot id means it restarted empty."""
-        check_version(msg.version)
         outcome = self.memory.hello(msg, self.clock())
         if outcome is HelloOutcome.RESTARTED:
             self.shared.forget(self.directory.drop_node(msg.name))
@@ -306,7 +300,6 @@ class ControlPlane:
         units that are gone, revoked or incomplete are simply left free (reclaimed). A unit
         whose blocks span several memory nodes is adopted once the last of them reported.
         """
-        check_version(msg.version)
         if self.memory.boot_id(msg.name) != msg.boot_id:
             raise BadRequest(f"memory node {msg.name!r} (boot {msg.boot_id}) must say hello before its inventory", 409)
         wait = self.directory.fenced_for(msg.name)
@@ -318,8 +311,7 @@ class ControlPlane:
                                         if u is not None and u[0] not in revoked and u[0] not in directory))
         adopted: list[str] = []
         for unit_id, epoch, blocks, n in self._reassembly.complete():
-            if unit_id not in revoked and directory.adopt(unit_id, epoch, blocks, n):
-                self.shared.policy.add(unit_id, len(blocks))
+            if unit_id not in revoked and self.shared.adopt(unit_id, epoch, blocks, n):
                 adopted.append(unit_id)
         return InventoryResult(WIRE_VERSION, tuple(adopted))
 
@@ -331,8 +323,7 @@ class ControlPlane:
     def tick(self) -> None:
         """Periodic: expire leases and reservations, declare silent nodes dead."""
         now = self.clock()
-        expired = self.directory.expire()
-        self.shared.forget(u for u, _ in expired.reservations)
+        self.shared.forget(self.directory.expire())
         for name in self.memory.silent(now, self.heartbeat_timeout_s):
             self.shared.forget(self.directory.drop_node(name))
         for node in self.liveness.silent(now, self.heartbeat_timeout_s):
@@ -350,8 +341,7 @@ class ControlPlane:
 
     def _declare_dead(self, node: GenerationNode) -> None:
         self.liveness.down(node)
-        report = self.directory.forget_holder(node.name)
-        self.shared.forget(u for u, _ in report.reservations)
+        self.shared.forget(self.directory.forget_holder(node.name))
         node.local.clear()
 
     def report(self) -> dict[str, object]:
@@ -371,6 +361,18 @@ class ControlPlane:
                 for n in self.nodes.values()
             },
         }
+
+    def metrics(self) -> list[Metric]:
+        """The plane's occupancy gauges, read when ``/metrics`` is scraped."""
+        nodes = self.nodes.values()
+        return [
+            gauge("tessera_shared_entries", "Units in the shared KV pool directory", len(self.directory)),
+            gauge("tessera_shared_free_blocks", "Free blocks in the shared KV pool", self.allocator.free_blocks),
+            gauge("tessera_node_inflight", "In-flight requests per generation node (control plane view)",
+                  {n.name: n.inflight for n in nodes}, label="node"),
+            gauge("tessera_node_queued_tokens", "Tokens queued on each generation node (from its heartbeat)",
+                  {n.name: n.queued_tokens for n in nodes}, label="node"),
+        ]
 
     def check_invariants(self) -> None:
         """Every structural invariant of the plane (used by the property tests)."""

@@ -6,13 +6,14 @@ For every distinct unit of a routed request, in prompt order:
   on a READY shared entry's epoch; else COMPUTE;
 * **retention**, decided independently of preparation: local admission (the node's view of
   its cache; victims the node must evict ride in ``local_evict``) and shared admission (a
-  write grant on a new epoch).
+  write grant on a new epoch) for a unit not read from the shared tier.
 
 Leases are taken for every remote unit before any retention decision of the same plan, so
-no eviction decided later in the plan can reclaim a block the plan reads.
+no eviction decided later in the plan can reclaim a block the plan reads. A revoked unit is
+computed and retained nowhere, whatever the node's snapshot says.
 
-The planner only reads and updates control-plane bookkeeping; it never waits on the network
-and never touches tensors.
+The planner only reads and updates control-plane bookkeeping through its collaborators'
+verbs; it never waits on the network and never touches tensors.
 """
 
 from __future__ import annotations
@@ -20,104 +21,118 @@ from __future__ import annotations
 from collections.abc import Collection, Container
 
 from tessera.control.directory import Directory
-from tessera.control.requests import RoutedRequest
+from tessera.control.local import AdmittedBlocks, LocalTier
+from tessera.control.requests import RequestTable
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.messages import Preparation, ReadLease, RequestPlan, Retention, UnitPlan
+from tessera.messages import Preparation, ReadLease, RequestPlan, Retention, UnitPlan, WriteGrant
 from tessera.wire import WIRE_VERSION
 
 LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
-# UnitPlans without a lease or grant are equal across requests for the same unit; they are
-# immutable, so the planner interns them instead of building ten dataclasses per plan.
-_INTERNED_MAX = 1 << 16  # per kind of plan
+
+
+class InternedPlans:
+    """UnitPlans without a lease or grant, one per unit and kind, reused across requests.
+
+    Such a plan is equal for every request of the same unit (and token count), and immutable,
+    so a plan reuses it instead of building (and validating) ten dataclasses per request.
+    Kinds: held (LOCAL, NEITHER), computed and kept (COMPUTE, LOCAL), computed (COMPUTE,
+    NEITHER). Each kind holds at most ``max_units`` plans; past that it starts over.
+    """
+
+    def __init__(self, max_units: int = 1 << 16) -> None:
+        self.max_units = max_units
+        self._held: dict[str, UnitPlan] = {}
+        self._kept: dict[str, UnitPlan] = {}
+        self._computed: dict[str, UnitPlan] = {}
+
+    def get(self, unit_id: str, n_tokens: int, prep: Preparation, keep_local: bool) -> UnitPlan:
+        assert prep is not REMOTE and not (prep is LOCAL and keep_local), (unit_id, prep, keep_local)
+        kind = self._held if prep is LOCAL else self._kept if keep_local else self._computed
+        plan = kind.get(unit_id)
+        if plan is None or plan.n_tokens != n_tokens:
+            if len(kind) >= self.max_units:
+                kind.clear()
+            retention = Retention.LOCAL if keep_local else Retention.NEITHER
+            plan = kind[unit_id] = UnitPlan(unit_id, n_tokens, prep, retention)
+        return plan
+
+    def forget(self, unit_ids: Collection[str]) -> None:
+        for kind in (self._held, self._kept, self._computed):
+            for u in unit_ids:
+                kind.pop(u, None)
 
 
 class Planner:
-    """Finalizes plans; owns the interned plans and the block counts of local admissions."""
+    """Finalizes the plans of routed requests (verbs ``plan``, ``forget``)."""
 
-    def __init__(self, directory: Directory, shared: SharedTier, stats: PlaneStats,
-                 revoked: Container[str] = frozenset()) -> None:
+    def __init__(self, directory: Directory, shared: SharedTier, requests: RequestTable, admitted: AdmittedBlocks,
+                 stats: PlaneStats, revoked: Container[str] = frozenset()) -> None:
         self.directory = directory
+        self.shared = shared
+        self.requests = requests
+        self.admitted = admitted  # block counts of local admissions (a late report re-adds one)
+        self.stats = stats
         # deleted or replaced units (owned by the plane): always COMPUTE, retained nowhere
         self.revoked = revoked
-        self.shared = shared
-        self.stats = stats
-        # block counts of units admitted locally: a late ResidencyReport may re-add one the
-        # view had already dropped
-        self.admitted_blocks: dict[str, int] = {}
-        # interned UnitPlans by kind: held (LOCAL, NEITHER), computed and kept (COMPUTE, LOCAL),
-        # computed (COMPUTE, NEITHER); keyed by unit
-        self._interned: tuple[dict[str, UnitPlan], ...] = ({}, {}, {})
+        self.interned = InternedPlans()
 
     def forget(self, unit_ids: Collection[str]) -> None:
-        """Drop what the planner remembers of these units (revoked: their plans must change)."""
-        for u in unit_ids:
-            self.admitted_blocks.pop(u, None)
-            for interned in self._interned:
-                interned.pop(u, None)
+        """These units were revoked: their plans must change."""
+        self.interned.forget(unit_ids)
 
-    def plan(self, request_id: str, r: RoutedRequest, held: Collection[str], live: Container[str]) -> RequestPlan:
-        """Step 4 for a routed request; ``live``: ids of requests still outstanding."""
-        node = r.node.name
-        gen = r.node
-        local = gen.local
-        tokens = r.tokens
-        pairs = r.pairs
-        ids = tuple(tokens)
-        held_set = held if isinstance(held, (set, frozenset)) else set(held)
-        revoked = self.revoked
-        if revoked and not all(u not in revoked for u in held_set):
-            held_set = {u for u in held_set if u not in revoked}  # a node that missed the drop order may hold it
-        local.reconcile(pairs, held_set, live)
-        local.policy.observe(ids)
-        shared = self.shared
-        shared.observe(ids)
-        directory = self.directory
+    def plan(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        """Step 4 for the request routed to ``node``; ``held``: the node's snapshot of its units."""
+        r = self.requests.claim_plan(request_id, node)
+        local = r.node.local
+        held = self._usable(held)
+        local.reconcile(r.pairs, held, self.requests)
+        ids = tuple(r.tokens)
+        local.observe(ids)
+        self.shared.observe(ids)
         # preparation first: every lease exists before any eviction of this plan is decided
-        leases: list[ReadLease | None] = [None if u in held_set else directory.lease(u, node) for u, _ in pairs]
-        # (directory.lease refuses revoked units: their entries are gone or draining)
-        plans: list[UnitPlan] = []
+        # (the directory refuses revoked units: their entries are gone or draining)
+        leases = [None if u in held else self.directory.lease(u, node) for u, _ in r.pairs]
+        units: list[UnitPlan] = []
         evict: list[str] = []
-        held_plans, kept_plans, computed_plans = self._interned
-        hits = kept_local = kept_shared = 0
-        for (u, b), lease in zip(pairs, leases, strict=True):
-            n = tokens[u]
-            if u in revoked:
-                plans.append(UnitPlan(u, n, COMPUTE, Retention.NEITHER))
-                continue
-            if u in held_set:
-                prep = LOCAL
-                keep_local = False
-                hits += 1
-            else:
-                prep = COMPUTE if lease is None else REMOTE
-                # None also for a unit the view already holds (planned by another request)
-                victims = local.admit(u, b, request_id, tokens)
-                keep_local = victims is not None
-                if keep_local:
-                    kept_local += 1
-                    self.admitted_blocks[u] = b
-                    if victims:
-                        evict += victims
-            if lease is None:
-                # the shared policy's residents mirror the directory's entries (pending or ready)
-                grant = None if shared.resident(u) else shared.admit(u, n, b, node)
-                if grant is None:
-                    interned = held_plans if prep is LOCAL else kept_plans if keep_local else computed_plans
-                    plan = interned.get(u)
-                    if plan is None or plan.n_tokens != n:
-                        plan = interned[u] = UnitPlan(
-                            u, n, prep, Retention.LOCAL if keep_local else Retention.NEITHER)
-                    plans.append(plan)
-                    continue
-                kept_shared += 1
-            else:
-                grant = None
-            plans.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
-        for interned in self._interned:
-            if len(interned) > _INTERNED_MAX:
-                interned.clear()
-        self.stats.count_plan(len(plans), hits, len(leases) - leases.count(None), kept_local,
-                              kept_shared, len(evict))
-        return RequestPlan(WIRE_VERSION, request_id, node, tuple(plans), tuple(evict))
+        for (u, b), lease in zip(r.pairs, leases, strict=True):
+            n = r.tokens[u]
+            prep = LOCAL if u in held else COMPUTE if lease is None else REMOTE
+            retain = u not in self.revoked
+            keep_local = retain and prep is not LOCAL and self._admit_local(local, u, b, request_id, r.tokens, evict)
+            grant = self._admit_shared(u, n, b, node) if retain and lease is None else None
+            units.append(self._unit_plan(u, n, prep, keep_local, lease, grant))
+        plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict))
+        self.stats.count(plan)
+        return plan
 
+    def _usable(self, held: Collection[str]) -> Collection[str]:
+        """The snapshot as a set, without revoked units (a node that missed the drop order may hold one)."""
+        revoked = self.revoked
+        if revoked and any(u in revoked for u in held):
+            return {u for u in held if u not in revoked}
+        return held if isinstance(held, (set, frozenset)) else set(held)
+
+    def _admit_local(self, local: LocalTier, unit_id: str, n_blocks: int, request_id: str,
+                     pinned: Container[str], evict: list[str]) -> bool:
+        """Local admission for a unit the node will have after this request; its victims join ``evict``."""
+        # None also for a unit the view already holds (planned by another request)
+        victims = local.admit(unit_id, n_blocks, request_id, pinned)
+        if victims is None:
+            return False
+        self.admitted.admitted(unit_id, n_blocks)
+        evict += victims
+        return True
+
+    def _admit_shared(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
+        """Shared admission (a write grant) for a unit the shared tier has no entry of."""
+        # the shared policy's residents mirror the directory's entries (pending or ready)
+        if self.shared.resident(unit_id):
+            return None
+        return self.shared.admit(unit_id, n_tokens, n_blocks, writer)
+
+    def _unit_plan(self, unit_id: str, n_tokens: int, prep: Preparation, keep_local: bool,
+                   lease: ReadLease | None, grant: WriteGrant | None) -> UnitPlan:
+        if lease is None and grant is None:
+            return self.interned.get(unit_id, n_tokens, prep, keep_local)
+        return UnitPlan(unit_id, n_tokens, prep, Retention.of(keep_local, grant is not None), lease, grant)

@@ -14,8 +14,6 @@ knows nothing of the nodes' caches: the plane tells the local views which reques
 
 from __future__ import annotations
 
-from collections.abc import KeysView
-
 from tessera.control.membership import GenerationNode
 from tessera.errors import BadRequest
 
@@ -42,9 +40,9 @@ class RequestTable:
         self._requests: dict[str, RoutedRequest] = {}
         self.expired = 0  # routed, never completed, forgotten after ttl_s
 
-    def ids(self) -> KeysView[str]:
-        """Ids of the outstanding requests (a live view)."""
-        return self._requests.keys()
+    def __contains__(self, request_id: object) -> bool:
+        """The request is outstanding: routed, and neither completed nor expired."""
+        return request_id in self._requests
 
     def check_new(self, request_id: str) -> None:
         """Raise 409 if ``request_id`` is already routed (checked before any routing work)."""
@@ -54,8 +52,7 @@ class RequestTable:
     def add(self, request_id: str, r: RoutedRequest) -> None:
         """The request was routed to ``r.node``: it counts as in flight there until completed or expired."""
         assert request_id not in self._requests, request_id
-        r.node.inflight += 1
-        r.node.waiting[request_id] = r.routed_at
+        r.node.routed(request_id, r.routed_at)
         self._requests[request_id] = r
 
     def started(self, request_id: str, now: float) -> None:
@@ -81,8 +78,7 @@ class RequestTable:
         r = self._requests.pop(request_id, None)
         if r is None:
             return False
-        r.node.inflight -= 1
-        r.node.waiting.pop(request_id, None)
+        r.node.left(request_id)
         return True
 
     def expire(self, now: float) -> set[str]:

@@ -20,6 +20,11 @@ GET  /control/stats    counters of the control plane
 These routes live on the retrieval role's *internal* listener only, behind the cluster-secret
 middleware of :mod:`tessera.auth` (401 before any handler for an unsigned request).
 
+The request path (route, plan, complete) is a supported remote API: the role that hosts the
+plane calls it in process, any other process through
+:class:`~tessera.control.client.RequestControl`, and gets the same plans
+(``tests/test_control_rpc.py``).
+
 The routes see only the :class:`ControlPlane` (``app[CONTROL_PLANE]``); the role that hosts
 them may add figures of its own to ``/control/stats`` through ``app[STATS_EXTRA]``.
 """

@@ -17,11 +17,11 @@ from collections.abc import Iterable
 from tessera.control.admission import AdmissionPolicy
 from tessera.control.directory import Directory
 from tessera.control.record import NO_RECORD
-from tessera.messages import WriteGrant
+from tessera.messages import BlockRef, WriteGrant
 
 
 class SharedTier:
-    """Shared-tier admission: ``observe``, ``admit`` (reserve with evictions), ``forget``."""
+    """Shared-tier admission: ``observe``, ``admit`` (reserve with evictions), ``adopt``, ``forget``."""
 
     __slots__ = ("directory", "evictions", "policy")
 
@@ -64,6 +64,13 @@ class SharedTier:
         if grant is not None:
             policy.add(unit_id, n_blocks)
         return grant
+
+    def adopt(self, unit_id: str, epoch: int, blocks: tuple[BlockRef, ...], n_tokens: int) -> bool:
+        """Recovery: a READY entry for blocks a memory node verified; False if a block is not free."""
+        if not self.directory.adopt(unit_id, epoch, blocks, n_tokens):
+            return False
+        self.policy.add(unit_id, len(blocks))
+        return True
 
     def forget(self, unit_ids: Iterable[str]) -> None:
         """The directory dropped these entries (cancelled, expired, memory node lost)."""

@@ -1,17 +1,15 @@
-"""Counters of the control plane's decisions (exported by ``/metrics`` and the benchmarks)."""
+"""Counters of the control plane's decisions (exported by ``/control/stats`` and the benchmarks)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from tessera.messages import Preparation, RequestPlan, Retention
 
-from tessera.metrics import Metric, gauge
-
-if TYPE_CHECKING:
-    from tessera.control.plane import ControlPlane
+LOCAL, REMOTE = Preparation.LOCAL, Preparation.REMOTE
+KEPT_LOCAL, KEPT_BOTH = Retention.LOCAL, Retention.BOTH
 
 
 class PlaneStats:
-    """Monotonic counters; ``snapshot()`` returns them as a plain dict."""
+    """Monotonic counters of the plans issued; ``snapshot()`` returns them as a plain dict."""
 
     __slots__ = ("compute", "keep_local", "keep_shared", "local", "local_evictions", "plans", "remote", "units")
 
@@ -25,8 +23,21 @@ class PlaneStats:
         self.keep_shared = 0
         self.local_evictions = 0
 
-    def count_plan(self, units: int, local: int, remote: int, keep_local: int, keep_shared: int,
-                   local_evictions: int) -> None:
+    def count(self, plan: RequestPlan) -> None:
+        """One plan issued: its preparations, retentions and local evictions."""
+        local = remote = keep_local = keep_shared = 0
+        for up in plan.units:
+            prep = up.preparation
+            if prep is LOCAL:
+                local += 1
+            elif prep is REMOTE:
+                remote += 1
+            retention = up.retention
+            if retention is KEPT_LOCAL or retention is KEPT_BOTH:  # (Retention.local, without a property call)
+                keep_local += 1
+            if up.grant is not None:
+                keep_shared += 1
+        units = len(plan.units)
         self.plans += 1
         self.units += units
         self.local += local
@@ -34,20 +45,7 @@ class PlaneStats:
         self.compute += units - local - remote
         self.keep_local += keep_local
         self.keep_shared += keep_shared
-        self.local_evictions += local_evictions
+        self.local_evictions += len(plan.local_evict)
 
     def snapshot(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
-
-
-def plane_metrics(plane: ControlPlane) -> list[Metric]:
-    """The plane's occupancy gauges, read when ``/metrics`` is scraped."""
-    nodes = plane.nodes.values()
-    return [
-        gauge("tessera_shared_entries", "Units in the shared KV pool directory", len(plane.directory)),
-        gauge("tessera_shared_free_blocks", "Free blocks in the shared KV pool", plane.allocator.free_blocks),
-        gauge("tessera_node_inflight", "In-flight requests per generation node (control plane view)",
-              {n.name: n.inflight for n in nodes}, label="node"),
-        gauge("tessera_node_queued_tokens", "Tokens queued on each generation node (from its heartbeat)",
-              {n.name: n.queued_tokens for n in nodes}, label="node"),
-    ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from tessera.control.plane import ControlPlane
-from tessera.control.stats import plane_metrics
 from tessera.messages import RequestStats
 from tessera.metrics import Metrics
 
@@ -35,7 +34,7 @@ class ChatMetrics:
         self._bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
         self._completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
         self._pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
-        m.read_at_scrape(lambda: plane_metrics(plane))
+        m.read_at_scrape(plane.metrics)
 
     def request(self, status: str) -> None:
         """One admitted request ended with this status: an HTTP code, ``stream-error`` or ``cancelled``."""

@@ -1,16 +1,7 @@
-"""The one fake clock of the tests."""
+"""The one fake clock of the tests: the simulated cluster's clock, moved only by the test."""
 
 from __future__ import annotations
 
+from tessera.control.simulated import SimulatedClock as Clock
 
-class Clock:
-    """The one fake clock of the tests: time moves only when a test advances it."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+__all__ = ["Clock"]

@@ -1,0 +1,141 @@
+"""A simulated cluster: the real control plane, on a simulated clock, with generation nodes that
+do exactly what their plans say.
+
+One process, one thread, no network: the plane's verbs are called directly with the messages
+the roles would send. The simulated nodes keep a set of units each (their local caches):
+they drop a plan's ``local_evict``, insert what the plan retains locally as far as their
+capacity allows (declining the rest, as a real node does), write back and publish their
+grants, release their leases and send their ResidencyReport. Memory nodes only say hello;
+no block is ever written. Time moves only when the caller advances the clock.
+
+The tests' plane scenarios and ``bench/control_plane.py`` drive the plane through this class,
+so both see the same cluster (node heartbeats and capacity checks included).
+
+This module knows nothing of HTTP, tensors or payload bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tessera.config import ClusterConfig
+from tessera.control.plane import ControlPlane
+from tessera.messages import (
+    LoadReport,
+    MemoryNodeHello,
+    PublishRequest,
+    ReleaseRequest,
+    RequestPlan,
+    ResidencyReport,
+)
+from tessera.units import blocks_for
+from tessera.wire import WIRE_VERSION
+
+
+class SimulatedClock:
+    """A clock that moves only when advanced (``clock()`` reads it, like ``time.monotonic``)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def memory_node_hello(name: str = "kv0", capacity: int = 16, boot: str = "boot-1") -> MemoryNodeHello:
+    """The hello of a simulated memory node (1 KiB slots; its data address is never used)."""
+    return MemoryNodeHello(WIRE_VERSION, name, boot, capacity, 1024, f"tessera-{name}", "127.0.0.1", 7501)
+
+
+class SimulatedCluster:
+    """A control plane plus generation nodes that do exactly what their plans say.
+
+    ``caches``: each generation node's local cache (unit ids); ``blocks``: unit -> blocks, as
+    the nodes learned it from the requests they were asked about. Both may be edited to
+    simulate a node that lost its cache without telling anyone.
+    """
+
+    def __init__(self, config: ClusterConfig, *, join_memory: bool = True, join_generation: bool = True) -> None:
+        self.config = config
+        self.block_tokens = config.block_tokens
+        self.clock = SimulatedClock()
+        self.plane = ControlPlane(config, clock=self.clock)
+        self.caches: dict[str, set[str]] = {n.name: set() for n in config.generation}
+        self.blocks: dict[str, int] = {}
+        self._capacity = {n.name: n.local_capacity_blocks for n in config.generation}
+        self._ids = 0
+        if join_memory:
+            for pool in config.kvpools:
+                self.plane.hello(memory_node_hello(pool.name, pool.capacity_blocks))
+        if join_generation:
+            self.heartbeat()
+
+    def heartbeat(self, *names: str) -> None:
+        """Generation nodes report in (all by default): only a node heard from is routable."""
+        for name in names or list(self.caches):
+            self.plane.load(LoadReport(WIRE_VERSION, name, 0))
+
+    def rid(self) -> str:
+        """A new request id."""
+        self._ids += 1
+        return f"r{self._ids}"
+
+    def snapshot(self, node: str, units: Sequence[tuple[str, int]]) -> list[str]:
+        """Step 3: the units of a request (unit_id, n_tokens) that ``node`` holds (and pins)."""
+        b = self.block_tokens
+        for u, n in units:
+            self.blocks[u] = blocks_for(n, b)
+        cache = self.caches[node]
+        return [u for u, _ in units if u in cache]
+
+    def plan(self, units: Sequence[tuple[str, int]], request_id: str | None = None) -> RequestPlan:
+        """Route, snapshot from the chosen node's real cache, finalize. The request stays in flight."""
+        rid = request_id or self.rid()
+        node = self.plane.route(rid, units)
+        return self.plane.finalize(rid, node, self.snapshot(node, units))
+
+    def execute(self, plan: RequestPlan, *, publish: bool = True, release: bool = True,
+                complete: bool = True, decline: bool = False) -> None:
+        """The node follows the plan: drop victims, insert what fits, write back + publish, release, report.
+
+        Like a real node it enforces its own capacity and reports what it declined; ``decline``
+        makes it decline its first insertion regardless.
+        """
+        plane, blocks, b = self.plane, self.blocks, self.block_tokens
+        cache = self.caches[plan.node]
+        cache.difference_update(plan.local_evict)
+        used = sum(blocks[u] for u in cache)
+        capacity = self._capacity[plan.node]
+        inserted: list[str] = []
+        declined: list[str] = []
+        leases: list[str] = []
+        for up in plan.units:
+            u = up.unit_id
+            if up.retention.local:
+                fits = u in cache or used + blocks_for(up.n_tokens, b) <= capacity
+                if fits and not (decline and not declined):
+                    if u not in cache:
+                        cache.add(u)
+                        used += blocks[u]
+                    inserted.append(u)
+                else:
+                    declined.append(u)
+            if publish and up.grant is not None:
+                g = up.grant
+                plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
+            if up.lease is not None:
+                leases.append(up.lease.lease_id)
+        if release and leases:
+            plane.release(ReleaseRequest(WIRE_VERSION, tuple(leases)))
+        plane.residency(ResidencyReport(WIRE_VERSION, plan.node, tuple(inserted), (*plan.local_evict, *declined)))
+        if complete:
+            plane.complete(plan.request_id)
+
+    def serve(self, units: Sequence[tuple[str, int]]) -> RequestPlan:
+        """One request from route to complete."""
+        plan = self.plan(units)
+        self.execute(plan)
+        return plan

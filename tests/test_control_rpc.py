@@ -1,0 +1,146 @@
+"""The request path as a remote API: ``/control/route|plan|complete`` over a real, signed listener.
+
+A replica that does not host the control plane routes, plans and completes its requests
+through :class:`RequestControl`; the plans it gets must be the ones the in-process plane
+would have made, and the listener refuses anyone without the cluster secret.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from helpers.cluster import free_port, with_secret_file
+from helpers.plane import Cluster, plane_config
+
+from tessera.auth import ClusterAuth
+from tessera.config import ClusterConfig
+from tessera.control.client import RequestControl
+from tessera.control.routes import add_control_routes
+from tessera.errors import BadRequest, ControlPlaneError, Unavailable
+from tessera.http import application
+from tessera.messages import Preparation, RequestPlan, UnitPlan
+
+# requests sharing units, so the plans hold every preparation (LOCAL, REMOTE, COMPUTE) and
+# local and shared retentions; one node per request at most holds a unit (two nodes)
+WORKLOAD = [
+    [("a", 8), ("b", 4)],
+    [("a", 8), ("c", 12)],
+    [("b", 4), ("c", 12), ("d", 4)],
+    [("a", 8), ("b", 4), ("c", 12), ("d", 4)],
+    [("e", 16), ("a", 8)],
+    [("d", 4), ("e", 16)],
+]
+
+
+@pytest.fixture
+def config(cluster_secret: Path) -> ClusterConfig:
+    """A two-node test cluster with the cluster secret (its plane signs capabilities too)."""
+    return with_secret_file(plane_config(nodes=2, local_blocks=8, shared_blocks=16), cluster_secret)
+
+
+@pytest.fixture
+async def listener(config: ClusterConfig) -> AsyncIterator[tuple[str, Cluster]]:
+    """The control routes of a simulated cluster's plane on a real aiohttp listener, behind the
+    cluster-secret middleware (as on the retrieval role's internal plane); yields (url, cluster)."""
+    cluster = Cluster(config)
+    # a port of its own: other clusters may hold the configured one on this machine
+    host, port = config.retrieval.internal_host, free_port()
+    auth = ClusterAuth.from_config(config)
+    app = application([auth.middleware(host, port, body_timeout_s=config.listener.body_timeout_s)])
+    add_control_routes(app, cluster.plane)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    try:
+        yield f"http://{host}:{port}", cluster
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def remote(listener: tuple[str, Cluster], config: ClusterConfig) -> AsyncIterator[RequestControl]:
+    """A client of the listener that signs with the cluster secret."""
+    client = RequestControl(listener[0], auth=ClusterAuth.from_config(config))
+    yield client
+    await client.close()
+
+
+def without_tokens(plan: RequestPlan) -> RequestPlan:
+    """The plan with its capability tokens blanked: they carry a wall-clock expiry (unix seconds)."""
+    def unit(up: UnitPlan) -> UnitPlan:
+        lease = None if up.lease is None else dataclasses.replace(up.lease, tokens=())
+        grant = None if up.grant is None else dataclasses.replace(up.grant, tokens=())
+        return dataclasses.replace(up, lease=lease, grant=grant)
+    return dataclasses.replace(plan, units=tuple(unit(up) for up in plan.units))
+
+
+async def test_a_request_routed_planned_and_completed_remotely_gets_the_in_process_plans(
+        listener: tuple[str, Cluster], remote: RequestControl, config: ClusterConfig) -> None:
+    """Every remote route, plan and complete equals what an in-process plane of the same config answers."""
+    _, served = listener
+    local = Cluster(config)
+    seen: set[Preparation] = set()
+    for i, units in enumerate(WORKLOAD):
+        rid = f"r{i}"
+        expected = local.plan(units, rid)
+        local.execute(expected, complete=False)
+        node = await remote.route(rid, units)
+        assert node == expected.node
+        plan = await remote.finalize(rid, node, served.snapshot(node, units))
+        served.execute(plan, complete=False)  # the node's own traffic goes to the plane directly
+        assert without_tokens(plan) == without_tokens(expected)
+        assert await remote.complete(rid) is local.plane.complete(rid) is True
+        seen |= {up.preparation for up in plan.units}
+    assert seen == set(Preparation)
+    assert served.plane.report() == local.plane.report()
+    served.plane.check_invariants()
+
+
+async def test_capabilities_travel_with_a_remote_plan(remote: RequestControl) -> None:
+    """A grant planned remotely carries the plane's signed tokens (the secret signs them, not the HTTP layer)."""
+    node = await remote.route("r1", [("a", 8)])
+    plan = await remote.finalize("r1", node, ())
+    (up,) = plan.units
+    assert up.grant is not None and up.grant.tokens and all(t.mac for t in up.grant.tokens)
+
+
+async def test_an_unsigned_request_is_refused_with_401_before_the_plane_sees_it(
+        listener: tuple[str, Cluster]) -> None:
+    """No cluster secret: 401 on route, plan and complete, and nothing is routed."""
+    url, served = listener
+    async with aiohttp.ClientSession() as session:
+        for path in ("/control/route", "/control/plan", "/control/complete"):
+            async with session.post(url + path, json={"version": 1, "request_id": "r1", "node": "gen0",
+                                                      "units": [{"unit_id": "a", "n_tokens": 8}]}) as resp:
+                assert resp.status == 401, (path, await resp.text())
+    unsigned = RequestControl(url)
+    try:
+        with pytest.raises(ControlPlaneError, match="HTTP 401"):
+            await unsigned.route("r1", [("a", 8)])
+    finally:
+        await unsigned.close()
+    assert all(n.inflight == 0 for n in served.plane.nodes.values())
+
+
+async def test_remote_refusals_raise_what_the_in_process_plane_raises(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """A routed id again: BadRequest 409; a plan before route: 404; no node alive: Unavailable (503)."""
+    _, served = listener
+    node = await remote.route("r1", [("a", 8)])
+    with pytest.raises(BadRequest, match="already routed") as again:
+        await remote.route("r1", [("a", 8)])
+    assert again.value.status == 409
+    with pytest.raises(BadRequest, match="not routed") as unrouted:
+        await remote.finalize("r2", node, ())
+    assert unrouted.value.status == 404
+    assert await remote.complete("r1") is True
+    assert await remote.complete("r1") is False  # not outstanding any more
+    for n in list(served.plane.nodes):
+        served.plane.suspect(n)
+    with pytest.raises(Unavailable, match="no generation node is alive"):
+        await remote.route("r3", [("a", 8)])
