@@ -22,6 +22,8 @@ COVERED = {
     "pytest tests/test_chaos.py": SHORT_CHAOS,
     "python bench/fidelity.py": "tests/test_first_hour.py::test_bench_fidelity_runs_with_float16_states",
     "bench/gpu.sh smoke": "tests/test_first_hour.py::test_gpu_sh_smoke_runs_on_a_fresh_clone",
+    "pytest tests/test_ha_election.py":
+        "tests/test_ha_election.py::test_a_leader_that_cannot_renew_stops_before_its_successor_starts",
 }
 
 SETUP = {"source .venv/bin/activate"}  # shell set-up, not a command with output of its own
