@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 	# without it the mooncake tests skip and say why
 	-dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1
 	-$(BIN)/python -m pip install -q -e '.[rdma]'
+	# high availability (README "High availability"): etcd for the election, the PostgreSQL
+	# unit store's client; the HA tests start their own etcd and PostgreSQL (initdb/pg_ctl on
+	# PATH) and skip, saying why, without them
+	-command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server) >/dev/null 2>&1
+	$(BIN)/python -m pip install -q -e '.[ha]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -38,6 +38,7 @@ MODES = ("compose", "prefix")
 UNIT_PLACEMENTS = ("system", "user")
 ACCESS_LOG_LEVELS = ("debug", "info", "warning", "off")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+STORES = ("sqlite", "postgres")
 
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
@@ -245,9 +246,19 @@ class RetrievalConfig:
     # level of the access log, one line per public request (status, duration; chat: TTFT and
     # prompt tokens per tier): debug | info | warning | off
     access_log: str = "info"
+    # where unit records live: "sqlite" (embedded, in data_dir) or "postgres" (one database that
+    # every retrieval replica reads; see [ha] and README "High availability")
+    store: str = "sqlite"
+    # libpq connection string of the "postgres" store, without the password
+    postgres_dsn: str = ""
+    # file holding the PostgreSQL password ("" = $TESSERA_PG_PASSWORD, or none)
+    postgres_password_file: str = ""
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _choice("retrieval.store", self.store, STORES)
+        _check(self.store != "postgres" or bool(self.postgres_dsn), "retrieval.postgres_dsn", self.postgres_dsn,
+               'retrieval.store = "postgres" needs a DSN such as "host=127.0.0.1 port=5432 dbname=tessera"')
         _choice("retrieval.access_log", self.access_log, ACCESS_LOG_LEVELS)
         _check(isinstance(self.data_dir, str), "retrieval.data_dir", self.data_dir, "expected a path or \"\"")
         _check(isinstance(self.index_save_s, (int, float)) and self.index_save_s > 0, "retrieval.index_save_s",
@@ -392,6 +403,40 @@ class ListenerConfig:
 
 
 @dataclass(frozen=True)
+class HAConfig:
+    """Replicated retrieval role (README "High availability"); off while ``etcd`` is empty."""
+
+    # etcd client endpoint host:port; "" = one retrieval process, no election (the default)
+    etcd: str = ""
+    # the election's key prefix in etcd
+    election: str = "/tessera/retrieval/leader"
+    # the leader's etcd lease; a leader that could not renew stops issuing renew_margin_s before
+    # its lease could have run out
+    lease_ttl_s: int = 5
+    renew_margin_s: float = 1.5
+    # how many retrieval processes `tessera up` starts; replica i serves on retrieval.port + i *
+    # replica_port_stride and retrieval.internal_port + i * replica_port_stride
+    replicas: int = 1
+    replica_port_stride: int = 10
+    # Retry-After (seconds) of the 503 a replica answers while no leader is known
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("ha.lease_ttl_s", self.lease_ttl_s)
+        _check(isinstance(self.renew_margin_s, (int, float)) and 0 < self.renew_margin_s < self.lease_ttl_s,
+               "ha.renew_margin_s", self.renew_margin_s, "expected seconds > 0 and < ha.lease_ttl_s")
+        _positive("ha.replicas", self.replicas)
+        _positive("ha.replica_port_stride", self.replica_port_stride)
+        _positive("ha.retry_after_s", self.retry_after_s)
+        _check(self.replicas == 1 or bool(self.etcd), "ha.replicas", self.replicas,
+               "more than one retrieval replica needs ha.etcd (the election)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     # B: tokens per storage block in both cache tiers
     block_tokens: int = 16
@@ -404,6 +449,7 @@ class ClusterConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     listener: ListenerConfig = field(default_factory=ListenerConfig)
+    ha: HAConfig = field(default_factory=HAConfig)
     kvpools: tuple[KVPoolNodeConfig, ...] = ()
     generation: tuple[GenerationNodeConfig, ...] = ()
 
@@ -418,6 +464,11 @@ class ClusterConfig:
             _check(not dupes, kind, dupes, "node names must be unique")
         endpoints = [(self.retrieval.host, self.retrieval.port, "retrieval")]
         endpoints += [(self.retrieval.internal_host, self.retrieval.internal_port, "retrieval.internal_port")]
+        stride = self.ha.replica_port_stride
+        for i in range(1, self.ha.replicas):
+            endpoints += [(self.retrieval.host, self.retrieval.port + i * stride, f"ha replica {i} port"),
+                          (self.retrieval.internal_host, self.retrieval.internal_port + i * stride,
+                           f"ha replica {i} internal port")]
         endpoints += [(n.host, n.port, f"kvpool.{n.name}.port") for n in self.kvpools]
         endpoints += [(n.host, n.data_port, f"kvpool.{n.name}.data_port") for n in self.kvpools]
         endpoints += [(n.host, n.port, f"generation.{n.name}.port") for n in self.generation]

@@ -18,6 +18,7 @@ from tessera.config import (
     CompositionConfig,
     ControlConfig,
     GenerationNodeConfig,
+    HAConfig,
     KVPoolNodeConfig,
     ListenerConfig,
     ModelConfig,
@@ -37,6 +38,7 @@ _SECTIONS: dict[str, type] = {
     "transport": TransportConfig,
     "security": SecurityConfig,
     "listener": ListenerConfig,
+    "ha": HAConfig,
 }
 
 

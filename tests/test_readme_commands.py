@@ -39,6 +39,8 @@ COVERED: dict[str, str | tuple[str, ...]] = {
         SMOKE + "test_bench_store_startup_reopens_a_saved_a_crashed_and_an_index_less_store",
     "python bench/transport.py": SMOKE + "test_bench_transport_measures_every_transport_next_to_its_ceilings",
     "bench/gpu.sh smoke": "tests/test_first_hour.py::test_gpu_sh_smoke_runs_on_a_fresh_clone",
+    "pytest tests/test_ha_election.py":
+        "tests/test_ha_election.py::test_a_leader_that_cannot_renew_stops_before_its_successor_starts",
 }
 
 SETUP = {"source .venv/bin/activate"}  # shell set-up, not a command with output of its own

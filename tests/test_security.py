@@ -34,6 +34,7 @@ from tessera.generation.pool_client import capabilities
 from tessera.messages import BlockRef, RequestPlan, WriteGrant
 from tessera.transport.base import NodeEndpoint, SlotIO, create_transport
 from tessera.transport.frames import Capability
+from tessera.transport.terms import TERM_SHIFT
 from tessera.wire import WIRE_VERSION, from_wire
 
 V = WIRE_VERSION
@@ -270,11 +271,16 @@ async def test_a_cancelled_write_grant_cannot_write_again(plane: Plane) -> None:
 
 
 async def test_an_older_grant_cannot_write_over_a_newer_one(plane: Plane, issuer: CapabilityIssuer) -> None:
-    """A slot written under epoch 101 refuses a still-valid token of epoch 100 (a cancelled grant's)."""
+    """A slot written under epoch 101 refuses a still-valid token of epoch 100 (a cancelled grant's).
+
+    Both epochs are of the plane's term (1: its data directory's first start); an epoch of an
+    older term would be refused by the term fence before the ledger looks (test_ha_term_fence).
+    """
     blocks = (BlockRef("kv0", 15),)
-    old, new = (capabilities(blocks, e, issuer.issue("write", blocks, e, 30.0))["kv0"] for e in (100, 101))
+    e100, e101 = 1 << TERM_SHIFT | 100, 1 << TERM_SHIFT | 101
+    old, new = (capabilities(blocks, e, issuer.issue("write", blocks, e, 30.0))["kv0"] for e in (e100, e101))
     await _write(plane, [15], new)
-    with pytest.raises(TransferError, match="older epoch 100 is stale"):
+    with pytest.raises(TransferError, match=f"older epoch {e100} is stale"):
         await _write(plane, [15], old)
 
 

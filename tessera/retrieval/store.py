@@ -41,10 +41,11 @@ import numpy as np
 from tessera.config import RetrievalConfig
 from tessera.errors import BadRequest
 from tessera.private_files import private_dir
+from tessera.retrieval.backends import open_records
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.index import IndexCorrupt, UnitIndex, check_scope, index_path
 from tessera.retrieval.prompt_path import identify_unit
-from tessera.retrieval.records import Existing, NewRecord, Record, UnitRecords
+from tessera.retrieval.records import Existing, NewRecord, Record
 from tessera.units import ContextUnit, UnitFactory
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,8 @@ class UnitStore:
         # a temporary store is removed when closed, or when dropped unclosed (renderers, tests)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True) if self._temporary else None
         fp = factory.fingerprint
-        self.records = UnitRecords(self.directory, fp.digest.hex(),
-                                   label=f"model {fp.model}, tokenizer {fp.tokenizer}, kv {fp.kv_dtype}")
+        self.records = open_records(config, self.directory, fp.digest.hex(),
+                                    f"model {fp.model}, tokenizer {fp.tokenizer}, kv {fp.kv_dtype}")
         self.index = UnitIndex(embedder.dim, config.hnsw_connectivity, config.hnsw_expansion_search)
         self._index_dir = private_dir(self.directory / "index")
         self._dirty: set[str] = set()  # scopes whose index changed since it was saved
@@ -193,6 +194,10 @@ class UnitStore:
         keys, vectors = self.records.embeddings_of(missing.tolist(), self.embedder.dim)
         index.add(keys.tolist(), vectors)
         return len(extra) + len(keys)
+
+    def changed(self, scope: str) -> None:
+        """The scope's index was changed from outside (a replica following the change sequence)."""
+        self._dirty.add(scope)
 
     def save_indexes(self) -> int:
         """Write the changed scopes' indexes (atomically); returns how many were written."""

@@ -38,6 +38,7 @@ from tessera.transport.frames import (
     Status,
     unpack_blocks,
 )
+from tessera.transport.terms import TermFence
 from tessera.transport.writes import WriteLedger
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,10 @@ class _Connection(asyncio.BufferedProtocol):
             outside = [slot for slot, _ in self._blocks if slot not in allowed]
             if outside:
                 return self._refuse(f"slot {outside[0]} is not covered by the {op} capability")
+            stale = self.server.terms.refusal(epoch)
+            if stale is not None:
+                return self._refuse(stale)
+            self.server.terms.observe(epoch)
             if self._op is Op.WRITE:
                 written = [slot for slot, _ in self._blocks]
                 reason = self.server.writes.refusal(written, epoch, mac)
@@ -224,6 +229,7 @@ class BlockServer:
         self.secret = secret  # None: no capabilities required (a cluster without a secret)
         self.node = node  # the name capabilities are bound to
         self.writes = WriteLedger()  # makes write grants single-use (with a secret)
+        self.terms = TermFence()  # refuses capabilities of a deposed leader's term (with a secret)
         self.connections: set[_Connection] = set()
         self.requests = 0
         self.bytes_read = 0

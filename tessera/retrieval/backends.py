@@ -1,0 +1,22 @@
+"""Which unit-record store a retrieval process opens: embedded SQLite (default) or PostgreSQL.
+
+Both expose the verbs of :class:`~tessera.retrieval.records.UnitRecords`; only the PostgreSQL
+one has a change sequence that other replicas follow (:mod:`tessera.retrieval.follow`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.config import RetrievalConfig
+from tessera.retrieval.records import UnitRecords
+from tessera.retrieval.records_pg import PgUnitRecords, dsn_with_secret
+
+Records = UnitRecords | PgUnitRecords
+
+
+def open_records(config: RetrievalConfig, directory: Path, fingerprint: str, label: str) -> Records:
+    """The records of ``retrieval.store``; ``directory`` holds the SQLite file or the replica's index state."""
+    if config.store == "postgres":
+        return PgUnitRecords(dsn_with_secret(config), directory, fingerprint, label=label)
+    return UnitRecords(directory, fingerprint, label=label)
