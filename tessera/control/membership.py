@@ -30,7 +30,7 @@ SERVICE_WINDOW = 32  # service-time samples averaged: more than the requests one
 
 
 @dataclass(slots=True, eq=False)
-class GenerationNode:
+class GenerationMember:
     """Routing and liveness state of one generation node."""
 
     name: str
@@ -98,21 +98,21 @@ class Liveness:
     decides what a departure means for the directory and the node's local view.
     """
 
-    def __init__(self, nodes: Mapping[str, GenerationNode]) -> None:
+    def __init__(self, nodes: Mapping[str, GenerationMember]) -> None:
         self._nodes = nodes
-        self.live: list[GenerationNode] = []  # alive nodes in config order, rebuilt on each change
+        self.live: list[GenerationMember] = []  # alive nodes in config order, rebuilt on each change
 
-    def heard(self, node: GenerationNode, now: float) -> None:
+    def heard(self, node: GenerationMember, now: float) -> None:
         node.last_seen = now
         if not node.alive:
             node.alive = True
             self.live = [n for n in self._nodes.values() if n.alive]
 
-    def down(self, node: GenerationNode) -> None:
+    def down(self, node: GenerationMember) -> None:
         node.alive = False
         self.live = [n for n in self._nodes.values() if n.alive]
 
-    def silent(self, now: float, timeout_s: float) -> list[GenerationNode]:
+    def silent(self, now: float, timeout_s: float) -> list[GenerationMember]:
         """The alive nodes last heard more than ``timeout_s`` before ``now``."""
         return [n for n in self._nodes.values()
                 if n.alive and n.last_seen is not None and now - n.last_seen > timeout_s]
@@ -125,7 +125,7 @@ class HelloOutcome(enum.Enum):
 
 
 @dataclass(slots=True)
-class MemoryNode:
+class MemoryMember:
     hello: MemoryNodeHello
     last_seen: float
 
@@ -137,7 +137,7 @@ class MemoryNodes:
         # name -> capacity_blocks from the config (a bare set: capacities are not checked)
         self.capacities = configured if isinstance(configured, dict) else dict.fromkeys(configured, 0)
         self.configured = set(self.capacities)
-        self._nodes: dict[str, MemoryNode] = {}
+        self._nodes: dict[str, MemoryMember] = {}
 
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
@@ -167,10 +167,10 @@ class MemoryNodes:
                              f"{MAX_SLOT_BYTES} are plausible")
         known_node = self._nodes.get(msg.name)
         if known_node is None:
-            self._nodes[msg.name] = MemoryNode(msg, now)
+            self._nodes[msg.name] = MemoryMember(msg, now)
             return HelloOutcome.JOINED
         if known_node.hello.boot_id != msg.boot_id:
-            self._nodes[msg.name] = MemoryNode(msg, now)
+            self._nodes[msg.name] = MemoryMember(msg, now)
             return HelloOutcome.RESTARTED
         if known_node.hello != msg:
             raise BadRequest(

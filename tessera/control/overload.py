@@ -1,7 +1,7 @@
 """Overload control on expected queueing time: refuse a request at once rather than queue it late.
 
 A node's expected wait is the requests routed there without a first token yet, times its
-measured service time (:meth:`~tessera.control.membership.GenerationNode.expected_wait_s`). A new request goes only
+measured service time (:meth:`~tessera.control.membership.GenerationMember.expected_wait_s`). A new request goes only
 to nodes where it would queue at most ``control.max_queue_wait_s``; when there is none it is
 refused with 429 and a Retry-After. Refusing at once keeps the accepted requests' time to
 first token bounded; queueing everything only makes every request late.
@@ -9,7 +9,7 @@ first token bounded; queueing everything only makes every request late.
 
 from __future__ import annotations
 
-from tessera.control.membership import GenerationNode
+from tessera.control.membership import GenerationMember
 from tessera.errors import Overloaded
 
 
@@ -20,7 +20,7 @@ class QueueBound:
         self.max_wait_s = max_wait_s
         self.refused = 0  # requests refused because every node's queue was too long
 
-    def admit(self, live: list[GenerationNode]) -> list[GenerationNode]:
+    def admit(self, live: list[GenerationMember]) -> list[GenerationMember]:
         """The nodes of ``live`` a new request may go to; raises Overloaded (counted) if none."""
         bound = self.max_wait_s
         if bound <= 0:

@@ -5,7 +5,7 @@ needs over a minute of prefill on one CPU thread, and a fixed first-token deadli
 that as a dead node (the request was retried elsewhere, missed again, and both nodes left
 routing). So the deadline follows the work: the request's prompt tokens and the tokens
 queued ahead of it, at the prefill rate the node measured and reports with its heartbeat,
-plus the node's expected queueing (:meth:`GenerationNode.expected_wait_s`), plus
+plus the node's expected queueing (:meth:`GenerationMember.expected_wait_s`), plus
 ``control.first_token_timeout_s`` as slack. Until a node has measured its rate, the slack
 alone is the deadline.
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tessera.control.membership import GenerationNode
+from tessera.control.membership import GenerationMember
 
 
-def first_token_deadline_s(node: GenerationNode, prompt_tokens: int, slack_s: float) -> float:
+def first_token_deadline_s(node: GenerationMember, prompt_tokens: int, slack_s: float) -> float:
     """Seconds a request of ``prompt_tokens`` may take to its first token on ``node``."""
     rate = node.prefill_tokens_per_s
     work_s = (prompt_tokens + node.queued_tokens) / rate if rate > 0 else 0.0
@@ -37,7 +37,7 @@ class NodeWatch:
     ``clock`` is the plane's (heartbeat times are on it); ``mark`` starts a wait.
     """
 
-    def __init__(self, node: GenerationNode, clock: Callable[[], float], first_token_s: float) -> None:
+    def __init__(self, node: GenerationMember, clock: Callable[[], float], first_token_s: float) -> None:
         self._node = node
         self._clock = clock
         self.first_token_s = first_token_s

@@ -36,7 +36,7 @@ from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
 from tessera.control.local import AdmittedBlocks, LocalTier
 from tessera.control.locality import Locality
-from tessera.control.membership import GenerationNode, HelloOutcome, Liveness, MemoryNodes
+from tessera.control.membership import GenerationMember, HelloOutcome, Liveness, MemoryNodes
 from tessera.control.overload import QueueBound
 from tessera.control.planner import Planner
 from tessera.control.recovery import Reassembly
@@ -91,8 +91,8 @@ class ControlPlane:
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
-        self.nodes: dict[str, GenerationNode] = {
-            g.name: GenerationNode(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
+        self.nodes: dict[str, GenerationMember] = {
+            g.name: GenerationMember(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
                                                         bit=1 << i, locality=self.locality))
             for i, g in enumerate(config.generation)
@@ -229,7 +229,7 @@ class ControlPlane:
         # cleared; snapshots alone re-learn only the units requested again): the whole cache
         return Ack(WIRE_VERSION, True, "resync" if resync else "")
 
-    def generation_node(self, name: str) -> GenerationNode:
+    def generation_node(self, name: str) -> GenerationMember:
         node = self.nodes.get(name)
         if node is None:
             raise BadRequest(f"unknown generation node {name!r}; the config declares: {', '.join(self.nodes)}", 404)
@@ -341,7 +341,7 @@ class ControlPlane:
             for node in self.nodes.values():
                 node.local.abandon(expired)
 
-    def _declare_dead(self, node: GenerationNode) -> None:
+    def _declare_dead(self, node: GenerationMember) -> None:
         self.liveness.down(node)
         self.shared.forget(self.directory.forget_holder(node.name))
         node.local.clear()

@@ -14,7 +14,7 @@ knows nothing of the nodes' caches: the plane tells the local views which reques
 
 from __future__ import annotations
 
-from tessera.control.membership import GenerationNode
+from tessera.control.membership import GenerationMember
 from tessera.errors import BadRequest
 
 
@@ -23,7 +23,7 @@ class RoutedRequest:
 
     __slots__ = ("finalized", "node", "pairs", "routed_at", "tokens")
 
-    def __init__(self, node: GenerationNode, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...],
+    def __init__(self, node: GenerationMember, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...],
                  routed_at: float = 0.0) -> None:
         self.node = node
         self.routed_at = routed_at  # clock of the plane at route: a request never completed expires
@@ -93,7 +93,7 @@ class RequestTable:
         self.expired += len(expired)
         return expired
 
-    def check_invariants(self, nodes: list[GenerationNode]) -> None:
+    def check_invariants(self, nodes: list[GenerationMember]) -> None:
         """Each node's in-flight count is the number of its requests in the table."""
         for node in nodes:
             assert node.inflight == sum(1 for r in self._requests.values() if r.node is node), node.name
