@@ -22,9 +22,18 @@ def _run(tmp_path: Path, options: ChaosOptions) -> None:
     assert report.outcomes["200 verified"] > 0
 
 
-def test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly(tmp_path: Path) -> None:
-    """Every fault kind once (~30 s of load): 200 with the offline tokens, or a clean 429/503; then normal."""
+def test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Every fault kind once (~30 s of load): 200 with the offline tokens, or a clean 429/503; then normal.
+
+    Regression (issue 21): the run was silent for minutes; it says each phase and each fault as it goes.
+    """
     _run(tmp_path, ChaosOptions(duration_s=30.0, rate=2.0, fault_every_s=5.5, max_tokens=6, seed=1))
+    progress = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tessera chaos: ")]
+    for phase in ("starting the cluster", "load for 30s", "load over:", "verifying"):
+        assert any(phase in line for line in progress), progress
+    for kind in FAULTS:
+        assert any(kind.replace("_", " ") in line for line in progress), (kind, progress)
 
 
 @pytest.mark.slow

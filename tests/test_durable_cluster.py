@@ -183,7 +183,7 @@ def test_units_and_cached_states_survive_a_kill_9_of_the_retrieval_role(
     assert [[u["unit_id"] for u in b["units"]] for b in before] == [[u["unit_id"] for u in a["units"]] for a in after]
     assert after[0]["units"][0]["metadata"] == {"name": "reef"} and after[0]["units"][0]["unit_id"] == ids["reef"]
     kv_url = f"http://127.0.0.1:{cfg.kvpools[0].port}"
-    wait_for(lambda: json.loads(signed_get(cfg, kv_url + "/info"))["stats"]["adopted"] >= 1, timeout=90,
+    wait_for(lambda: json.loads(signed_get(cfg, kv_url + "/info"))["stats"]["adopted"] >= 1, timeout=180,
              what="recovery")
     stats = chat(url, [docs["ship"]], "Who logs the ships?", scope="archive")["usage"]["tessera"]
     assert (stats["remote_units"], stats["computed_units"], stats["fallbacks"]) == (1, 0, 0), stats
