@@ -360,6 +360,15 @@ def serve(config: ClusterConfig, log_dir: Path | None, log_level: str = "info") 
         return 1
     print(f"tessera is up: OpenAI-compatible API at {config.retrieval_url}/v1 (model {config.model.served_name!r}; "
           f"metrics at {config.retrieval_url}/metrics). Ctrl-C stops every role.", flush=True)
+    supervise_until_signalled(cluster, "stopping tessera (draining in-flight requests)...")
+    return 0
+
+
+def supervise_until_signalled(cluster: LocalCluster, farewell: str) -> None:
+    """Keep ``cluster`` up until SIGINT/SIGTERM, then say ``farewell`` and stop it.
+
+    A role that exits meanwhile is started again (with backoff); only a signal stops the cluster.
+    """
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -369,9 +378,7 @@ def serve(config: ClusterConfig, log_dir: Path | None, log_level: str = "info") 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        # a role that exits is started again (with backoff); only Ctrl-C/SIGTERM stops the cluster
         cluster.supervise(lambda: stop)
     finally:
-        print("stopping tessera (draining in-flight requests)...", file=sys.stderr, flush=True)
+        print(farewell, file=sys.stderr, flush=True)
         cluster.stop()
-    return 0

@@ -10,32 +10,19 @@ from pathlib import Path
 
 import pytest
 from helpers.servers import PostgresServer
+from helpers.store import DOCS, QUERIES, store_parts
 
 from tessera.config import RetrievalConfig
-from tessera.config_file import load_config
-from tessera.engines.checkpoint import resolve
-from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.follow import IndexFollower
 from tessera.retrieval.records_pg import PgUnitRecords
 from tessera.retrieval.store import UnitStore
-from tessera.units import TokenCache, UnitFactory
-
-DOCS = [
-    ("kb", "The Great Barrier Reef is the world's largest coral reef system, off Queensland.", {"topic": "reef"}),
-    ("kb", "A transistor is a semiconductor device used to amplify or switch electronic signals.", {"topic": "chip"}),
-    ("kb", "Espresso is coffee brewed by forcing hot water through finely ground beans.", {"topic": "coffee"}),
-    ("kb", "Mount Everest is the highest mountain above sea level, on the Nepal-China border.", {"topic": "peak"}),
-]
-QUERIES = ["Where is the biggest coral reef?", "How is espresso made?", "What is the tallest mountain?"]
+from tessera.units import UnitFactory
 
 
 @pytest.fixture(scope="module")
 def parts() -> tuple[UnitFactory, Embedder]:
-    config = load_config()
-    checkpoint = resolve(config.model)
-    tokenizer = load_tokenizer(checkpoint)
-    return UnitFactory(serving_fingerprint(config, checkpoint, tokenizer), TokenCache(tokenizer.encode)), Embedder()
+    return store_parts()
 
 
 def replica(parts: tuple[UnitFactory, Embedder], pg: PostgresServer, directory: Path) -> UnitStore:

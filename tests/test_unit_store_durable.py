@@ -16,32 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.cluster import child_env
+from helpers.store import DOCS, QUERIES, store_parts
 
 from tessera.config import RetrievalConfig
-from tessera.config_file import load_config
-from tessera.engines.checkpoint import resolve
-from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
 from tessera.errors import BadRequest
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.records import NewRecord, StoreMismatch, UnitRecords
 from tessera.retrieval.store import UnitStore
-from tessera.units import ServingFingerprint, TokenCache, UnitFactory
-
-DOCS = [
-    ("kb", "The Great Barrier Reef is the world's largest coral reef system, off Queensland.", {"topic": "reef"}),
-    ("kb", "A transistor is a semiconductor device used to amplify or switch electronic signals.", {"topic": "chip"}),
-    ("kb", "Espresso is coffee brewed by forcing hot water through finely ground beans.", {"topic": "coffee"}),
-    ("kb", "Mount Everest is the highest mountain above sea level, on the Nepal-China border.", {"topic": "peak"}),
-]
-QUERIES = ["Where is the biggest coral reef?", "How is espresso made?", "What is the tallest mountain?"]
+from tessera.units import ServingFingerprint, UnitFactory
 
 
 @pytest.fixture(scope="module")
 def parts() -> tuple[UnitFactory, Embedder]:
-    config = load_config()
-    checkpoint = resolve(config.model)
-    tokenizer = load_tokenizer(checkpoint)
-    return UnitFactory(serving_fingerprint(config, checkpoint, tokenizer), TokenCache(tokenizer.encode)), Embedder()
+    return store_parts()
 
 
 def open_store(parts: tuple[UnitFactory, Embedder], directory: Path) -> UnitStore:

@@ -8,7 +8,6 @@ next ``tessera hosts up`` (or ``tessera hosts clean``) deletes what the dead one
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from tessera.config import ClusterConfig
 from tessera.hosts.cluster import CLIENT_HOST, CONTROL_HOST, HostCluster
 from tessera.hosts.netns import namespace_name, remove_leftovers, unavailable
 from tessera.hosts.proxy import SlowLink
-from tessera.launcher import ClusterError
+from tessera.launcher import ClusterError, supervise_until_signalled
 
 
 def serve_hosts(config: ClusterConfig, log_dir: Path | None, api_port: int = 0) -> int:
@@ -48,19 +47,9 @@ def serve_hosts(config: ClusterConfig, log_dir: Path | None, api_port: int = 0) 
           f"curl {cfg.retrieval_url}/v1/models -H 'Authorization: Bearer {cluster.api_key}'\n"
           f"  logs and config ({cluster.config_path.name}, the same on every host) in {cluster.log_dir}\n"
           "Ctrl-C stops every role and deletes the hosts.", flush=True)
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
-        cluster.supervise(lambda: stop)
+        supervise_until_signalled(cluster, "stopping (draining in-flight requests), then deleting the hosts...")
     finally:
-        print("stopping (draining in-flight requests), then deleting the hosts...", file=sys.stderr, flush=True)
-        cluster.stop()
         forward.stop()
     return 0
 
