@@ -128,7 +128,7 @@ async def test_control_rpcs_do_not_exist_on_the_public_port(plane: Plane, path: 
     ("POST", "/control/route"), ("POST", "/control/plan"), ("POST", "/control/publish"),
     ("POST", "/control/kvpool/hello"), ("POST", "/control/load"), ("POST", "/control/release"),
     ("POST", "/control/residency"), ("POST", "/control/cancel"), ("POST", "/control/invalidate"),
-    ("POST", "/control/complete"), ("GET", "/control/kvpool"), ("GET", "/control/stats")])
+    ("POST", "/control/complete"), ("GET", "/control/kvpool"), ("GET", "/control/stats"), ("GET", "/control/state")])
 async def test_the_internal_plane_refuses_requests_without_the_secret(plane: Plane, method: str, path: str) -> None:
     """Every internal RPC is a 401 without a valid signature (stats, kvpool list, load, release... alike)."""
     status, body = await call(plane, method, path, {"version": V} if method == "POST" else None)
@@ -161,9 +161,11 @@ async def test_a_stale_signature_is_refused(plane: Plane) -> None:
 
 
 async def test_the_memory_node_info_needs_the_secret(plane: Plane) -> None:
-    """GET /info (shm segment name, data port, boot id) is for cluster processes only."""
-    async with aiohttp.ClientSession() as s, s.get(plane.kv0_url + "/info") as resp:
-        assert resp.status == 401
+    """GET /info (shm segment name, data port, boot id) and /inventory (its entries, for the
+    multi-host checker) are for cluster processes only."""
+    for path in ("/info", "/inventory"):
+        async with aiohttp.ClientSession() as s, s.get(plane.kv0_url + path) as resp:
+            assert resp.status == 401, path
 
 
 # --- memory node registration --------------------------------------------------------------
@@ -515,7 +517,8 @@ def test_generation_nodes_refuse_snapshot_execute_abort_without_the_secret(clust
         info.value.close()  # the error holds the response's socket
     # /v1/revoke (durability): a forged revocation would drop every node's cached units
     for path, body in (("/v1/execute", b"{}"), ("/v1/abort", orjson.dumps({"version": V, "request_id": "x"})),
-                       ("/v1/revoke", orjson.dumps({"version": V, "unit_ids": ["u" * 32]})), ("/metrics", None)):
+                       ("/v1/revoke", orjson.dumps({"version": V, "unit_ids": ["u" * 32]})), ("/metrics", None),
+                       ("/v1/cache", None)):  # /v1/cache: the node's whole unit cache (multi-host checker)
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(urllib.request.Request(node + path, data=body), timeout=10)
         assert info.value.code == 401, path
