@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -247,3 +248,25 @@ def test_bench_control_plane_plans_requests_and_prints_its_rates() -> None:
     assert re.search(r"plan latency p50 [\d.]+ us, p99 [\d.]+ us", done.stdout), done.stdout
     shares = re.search(r"preparations: local ([\d.]+)%, remote ([\d.]+)%, compute ([\d.]+)%", done.stdout)
     assert shares is not None and abs(sum(float(x) for x in shares.groups()) - 100) < 0.5, done.stdout
+
+
+def test_bench_control_plane_under_callgrind_counts_only_the_plans(tmp_path: Path) -> None:
+    """`valgrind --tool=callgrind ... bench/control_plane.py --callgrind` counts the warm requests' plan steps.
+
+    The README divides the collected instructions by the warm requests the bench prints; per
+    plan that must be more than nothing (libpython has the ``_operator_call`` symbol) and far
+    less than the whole process (about 10^9 instructions: start-up, workload, node traffic).
+    """
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed (apt-get install -y valgrind)")
+    out = tmp_path / "cp.out"
+    done = _run(["env", "PYTHONPATH=.", "valgrind", "--tool=callgrind", "--collect-atstart=no",
+                 "--toggle-collect=_operator_call", f"--callgrind-out-file={out}", PYTHON,
+                 "bench/control_plane.py", "--requests", "300", "--callgrind"], timeout=600)
+    warm = re.search(r"callgrind: measured steps of (\d+) warm requests", done.stdout)
+    assert warm is not None and int(warm[1]) == 270, done.stdout
+    collected = re.search(r"Collected : ([\d,]+)", done.stderr)
+    assert collected is not None, done.stderr[-2000:]
+    per_plan = int(collected[1].replace(",", "")) / int(warm[1])
+    assert 10_000 < per_plan < 10_000_000, per_plan  # a plan is thousands of bytecodes, not none or a whole run
+    assert out.is_file()
