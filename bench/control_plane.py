@@ -97,8 +97,10 @@ class GcTimes:
         else:
             self.pauses[info["generation"]].append(time.perf_counter_ns() - self._start)
 
-    def line(self) -> str:
-        return ", ".join(f"gen{g} {len(p)} (max {max(p, default=0) / 1e6:.2f} ms)" for g, p in self.pauses.items())
+    def line(self, elapsed_s: float) -> str:
+        total = sum(sum(p) for p in self.pauses.values()) / 1e9
+        return ", ".join(f"gen{g} {len(p)} (max {max(p, default=0) / 1e6:.2f} ms)"
+                         for g, p in self.pauses.items()) + f"; {total:.2f} s of the loop's {elapsed_s:.2f} s"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"  plans/s (whole loop incl. simulated node traffic): {len(requests) / elapsed:,.0f}")
     print(f"  plan latency p50 {np.percentile(warm, 50) / 1e3:.1f} us, p99 {np.percentile(warm, 99) / 1e3:.1f} us, "
           f"max {warm.max() / 1e3:.1f} us")
-    print(f"  GC collections in the loop: {gc_times.line()}")
+    print(f"  GC collections in the loop: {gc_times.line(elapsed)}")
     if args.callgrind:
         print(f"  callgrind: measured steps of {len(warm)} warm requests (divide the collected Ir by this)")
     print(f"  preparations: local {s.local / s.units:.1%}, remote {s.remote / s.units:.1%}, "
