@@ -26,6 +26,7 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "tessera up": SMOKE + "test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c",
     "tessera run": "tests/test_security.py::test_control_rpcs_do_not_exist_on_the_public_port",
     "python bench/control_plane.py": SMOKE + "test_bench_control_plane_plans_requests_and_prints_its_rates",
+    "valgrind --tool=callgrind": SMOKE + "test_bench_control_plane_under_callgrind_counts_only_the_plans",
     "tessera bench": SMOKE + "test_tessera_bench_sweeps_a_tiny_synthetic_workload_and_reports_ttft",
     "tessera analyze": "tests/test_benchmark.py::test_analyze_cli_prints_the_classification",
     "tessera eval": SMOKE + "test_tessera_eval_scores_each_policy_against_gold_answers_and_full",
