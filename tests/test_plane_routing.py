@@ -4,7 +4,8 @@ The reference is the routing path before the fleet index (issue 26 item 4): the 
 as a list, the queue bound over that list, the locality counts of every node, and the
 router's ``choose``. A long seeded run of the simulated cluster (more than 64 nodes, so the
 masks span machine words) asks both at every request, through node deaths and returns,
-retries that exclude nodes, and a queue bound that refuses busy nodes.
+retries that exclude nodes, and a queue bound that refuses busy nodes (less of it left for a
+request that waited before routing).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from tessera.errors import Overloaded, Unavailable
 NODES = 70
 
 
-def exhaustive_route(plane: ControlPlane, units: list[tuple[str, int]], exclude: set[str]) -> str:
+def exhaustive_route(plane: ControlPlane, units: list[tuple[str, int]], exclude: set[str], waited_s: float) -> str:
     """The node the exhaustive path picks (raises as route would); leaves the plane untouched."""
     live = [n for n in plane.liveness.live if n.name not in exclude]
     if not live:
         raise Unavailable("no generation node is alive")
-    live = QueueBound(plane.queue_bound.max_wait_s).admit(live)
+    live = QueueBound(plane.queue_bound.max_wait_s).admit(live, waited_s)
     b = plane.block_tokens
     pairs = tuple((u, -(-n // b)) for u, n in dict(units).items())
     router = make_router(plane.router.name, len(plane.nodes))
@@ -51,16 +52,17 @@ def test_the_plane_routes_every_request_as_the_exhaustive_rule_would(routing: st
     for _ in range(1500):
         units = [(u, sizes[u]) for u in dict.fromkeys(rng.sample(popular, rng.randint(1, 8)))]
         exclude = set(rng.sample(names, rng.randint(1, 40))) if rng.random() < 0.1 else set()
+        waited_s = rng.choice([0.0, 0.0, rng.random() * 1.5])  # time spent before routing, against the bound
         outcomes["some nodes over the bound"] += plane.fleet.over != 0
         try:
-            expected = exhaustive_route(plane, units, exclude)
+            expected = exhaustive_route(plane, units, exclude, waited_s)
         except (Overloaded, Unavailable) as refused:
             with pytest.raises(type(refused)):
-                plane.route(c.rid(), units, exclude)
+                plane.route(c.rid(), units, exclude, waited_s)
             outcomes["refused" if isinstance(refused, Overloaded) else "unavailable"] += 1
         else:
             rid = c.rid()
-            assert plane.route(rid, units, exclude) == expected
+            assert plane.route(rid, units, exclude, waited_s) == expected
             outcomes["routed"] += 1
             c.execute(plane.finalize(rid, expected, c.snapshot(expected, units)), complete=False)
             started.append(rid)

@@ -116,7 +116,7 @@ def test_pick_over_bitmasks_chooses_what_the_exhaustive_choose_chooses(
     cursors; after each choice the chosen node's load rises and a random node changes.
     """
     members = [Member(i, data.draw(st.integers(0, 4)), data.draw(st.booleans())) for i in range(n)]
-    fleet = Fleet(n, lambda m: m.expected_wait_s() > 0.5)
+    fleet = Fleet(n, 0.5)  # a refused member's wait (1 s) is over the bound
     for m in members:
         if data.draw(st.booleans()) or m.index == 0:
             fleet.join(m)
@@ -164,7 +164,7 @@ def test_a_router_without_a_fast_path_picks_through_choose() -> None:
             return self._chose(max(nodes, key=lambda n: (local_blocks[n.index] > 0, n.index)))
 
     members = [Member(i) for i in range(5)]
-    fleet = Fleet(5, lambda m: False)
+    fleet = Fleet(5, 0.0)
     for m in members[:4]:
         fleet.join(m)
     r = Last(5)

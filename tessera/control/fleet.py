@@ -6,8 +6,10 @@ Node ``i`` (its position in the config) is bit ``1 << i``, as in the routing ind
 * ``alive``: the routable nodes (:class:`~tessera.control.membership.Liveness` joins and
   removes them);
 * ``at(k)``: the alive nodes with exactly ``k`` requests in flight;
-* ``over``: the alive nodes a new request may not go to, their expected queueing being
-  above the bound (:class:`~tessera.control.overload.QueueBound` says which).
+* ``queued``: the alive nodes whose expected wait (``wait[i]``, as
+  :meth:`~tessera.control.membership.GenerationMember.expected_wait_s` says) is above 0;
+* ``over``: the alive nodes whose expected wait is above ``control.max_queue_wait_s``, where
+  no new request may go (:class:`~tessera.control.overload.QueueBound`).
 
 Every member reports each change of its in-flight count or of its expected wait
 (``update``), so a router finds the least-loaded candidates and the round-robin successor
@@ -16,15 +18,16 @@ a request's units. Before this index, routing and the queue bound visited every 
 every request: 7.1k plans/s at 256 nodes against 15.4k at 8 (issue 26).
 
 Invariant (``check_invariants``): an alive node's bit is set in exactly one ``at(k)``, the
-one with ``k`` its in-flight count, and in ``over`` iff the bound refuses it; a node that is
-not alive is in none of them.
+one with ``k`` its in-flight count; ``wait[i]`` is its expected wait now, and its bit is in
+``queued`` and ``over`` iff that wait is above 0 and above the bound; a node that is not
+alive is in none of the masks.
 
 This module knows nothing of caches, routing policies or what a node's wait is made of.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 
@@ -63,13 +66,15 @@ class Fleet:
     """Alive generation nodes by in-flight count, and those over the queue bound. Verbs:
     ``join`` / ``leave`` (liveness), ``update`` (a member's load or wait changed)."""
 
-    __slots__ = ("_at", "_members", "_over", "alive", "lowest", "over")
+    __slots__ = ("_at", "_members", "alive", "lowest", "max_wait_s", "over", "queued", "wait")
 
-    def __init__(self, n_nodes: int, over: Callable[[FleetMember], bool]) -> None:
+    def __init__(self, n_nodes: int, max_wait_s: float) -> None:
         self._members: list[FleetMember | None] = [None] * n_nodes  # alive members by index
-        self._over = over  # does the queue bound refuse this member now?
+        self.max_wait_s = max_wait_s  # control.max_queue_wait_s (0: no bound, no node is over it)
         self._at: list[int] = [0]  # in-flight count -> mask of the alive nodes at that count
         self.alive = 0
+        self.wait = [0.0] * n_nodes  # expected wait by index, as of the member's last report
+        self.queued = 0
         self.over = 0
         self.lowest = 0  # the smallest in-flight count of an alive node (0 when none is alive)
 
@@ -85,7 +90,7 @@ class Fleet:
         self._file(bit, m.inflight)
         if was_empty or m.inflight < self.lowest:
             self.lowest = m.inflight
-        self._check_bound(m, bit)
+        self._note_wait(m, bit)
 
     def leave(self, m: FleetMember) -> None:
         """``m`` is no longer routable (dead or unreachable)."""
@@ -93,6 +98,7 @@ class Fleet:
         assert self.alive & bit, f"node {m.index} left without joining"
         self._members[m.index] = None
         self.alive &= ~bit
+        self.queued &= ~bit
         self.over &= ~bit
         self._at[m.inflight] &= ~bit
         self.lowest = self._next_filled(self.lowest) if self.alive else 0
@@ -111,7 +117,7 @@ class Fleet:
                 self.lowest = now
             elif was == self.lowest and not at[was]:
                 self.lowest = self._next_filled(was)
-        self._check_bound(m, bit)
+        self._note_wait(m, bit)
 
     # --- queries (the router's view: see tessera.control.router.Loads) --------------------
 
@@ -158,11 +164,12 @@ class Fleet:
             load += 1
         return load
 
-    def _check_bound(self, m: FleetMember, bit: int) -> None:
-        if self._over(m):
-            self.over |= bit
-        else:
-            self.over &= ~bit
+    def _note_wait(self, m: FleetMember, bit: int) -> None:
+        wait = self.wait[m.index] = m.expected_wait_s()
+        self.queued = self.queued | bit if wait > 0 else self.queued & ~bit
+        # "not <=" as the queue bound compares: a wait it admits is never marked over
+        over = self.max_wait_s > 0 and not wait <= self.max_wait_s
+        self.over = self.over | bit if over else self.over & ~bit
 
     def check_invariants(self) -> None:
         seen = 0
@@ -173,9 +180,12 @@ class Fleet:
                 assert self.inflight(i) == load, f"node {i} is filed at {load}, has {self.inflight(i)} in flight"
             seen |= mask
         assert seen == self.alive, "an alive node is filed at no in-flight count"
-        assert not self.over & ~self.alive, "a node that is not alive is marked over the queue bound"
+        assert not (self.over | self.queued) & ~self.alive, "a node that is not alive is marked queued or over"
         for i in bits(self.alive):
-            m = self.member(i)
-            assert bool(self.over >> i & 1) == self._over(m), f"node {i}'s queue-bound mark is stale"
+            wait = self.member(i).expected_wait_s()
+            assert self.wait[i] == wait, f"node {i}'s expected wait is stale: {self.wait[i]} != {wait}"
+            assert bool(self.queued >> i & 1) == (wait > 0), f"node {i}'s queued mark is stale"
+            over = self.max_wait_s > 0 and not wait <= self.max_wait_s
+            assert bool(self.over >> i & 1) == over, f"node {i}'s queue-bound mark is stale"
         if self.alive:
             assert self.lowest == min(m.inflight for m in self.members(self.alive)), self.lowest

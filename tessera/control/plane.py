@@ -93,8 +93,8 @@ class ControlPlane:
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
         self.queue_bound = QueueBound(control.max_queue_wait_s)
-        # alive nodes by in-flight count and queue bound, as bitmasks: routing walks no list of nodes
-        self.fleet = Fleet(len(config.generation), self.queue_bound.over)
+        # alive nodes by in-flight count and expected wait, as bitmasks: routing walks no list of nodes
+        self.fleet = Fleet(len(config.generation), control.max_queue_wait_s)
         self.nodes: dict[str, GenerationMember] = {
             g.name: GenerationMember(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
@@ -116,11 +116,14 @@ class ControlPlane:
 
     # --- the request path ----------------------------------------------------------------
 
-    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = ()) -> str:
+    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
+              waited_s: float = 0.0) -> str:
         """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
 
-        ``exclude``: nodes this request already tried (a retry goes elsewhere).
-        Raises Overloaded (429) when every node's expected queueing exceeds ``max_queue_wait_s``.
+        ``exclude``: nodes this request already tried (a retry goes elsewhere). ``waited_s``:
+        the time since the request arrived (it counts against the queueing bound).
+        Raises Overloaded (429) when every node's expected queueing exceeds what is left of
+        ``max_queue_wait_s``.
         """
         self.requests.check_new(request_id)
         tokens: dict[str, int] = {}
@@ -139,7 +142,7 @@ class ControlPlane:
         if not eligible:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
-        eligible = self.queue_bound.admit_mask(fleet, eligible)
+        eligible = self.queue_bound.admit_mask(fleet, eligible, waited_s)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         router = self.router
