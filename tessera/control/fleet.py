@@ -1,7 +1,7 @@
 """The routable generation nodes as bitmasks, so that routing never walks the whole fleet.
 
 Node ``i`` (its position in the config) is bit ``1 << i``, as in the routing index
-(:class:`~tessera.control.locality.Locality`). Three node sets are kept, each one int:
+(:class:`~tessera.control.locality.Locality`). These node sets are kept, each one int:
 
 * ``alive``: the routable nodes (:class:`~tessera.control.membership.Liveness` joins and
   removes them);
@@ -63,8 +63,8 @@ def first_after(mask: int, last: int) -> int:
 
 
 class Fleet:
-    """Alive generation nodes by in-flight count, and those over the queue bound. Verbs:
-    ``join`` / ``leave`` (liveness), ``update`` (a member's load or wait changed)."""
+    """Alive generation nodes by in-flight count and expected wait. Verbs: ``join`` / ``leave``
+    (liveness), ``update`` (a member's load or wait changed)."""
 
     __slots__ = ("_at", "_members", "alive", "lowest", "max_wait_s", "over", "queued", "wait")
 
