@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from helpers.http import serving
 from helpers.kvpool import PoolConfig
 from helpers.processes import MemoryNodeProcess
 
@@ -208,12 +209,7 @@ async def test_an_authenticated_public_body_that_trickles_is_refused_with_408(tm
         return web.json_response({"ok": True})
 
     app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving(app) as port:
         async def exchange(head: bytes, body: bytes = b"") -> bytes:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(head + body)
@@ -235,5 +231,3 @@ async def test_an_authenticated_public_body_that_trickles_is_refused_with_408(tm
                             b"Authorization: Bearer sk-live-1\r\nContent-Length: %d\r\n\r\n" % len(body), body)
         assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
         assert reached == [body]  # only the complete, authenticated body reached a handler
-    finally:
-        await runner.cleanup()
