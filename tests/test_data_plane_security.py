@@ -55,7 +55,7 @@ class Recorder:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._handlers.append(task)  # type: ignore[arg-type]
+        self._handlers.append(task)
         up_r, up_w = await asyncio.open_connection(*self.target)
         self._writers += [writer, up_w]
 
