@@ -7,6 +7,10 @@ and written repeatedly through every transport. Baselines, same sizes, same run:
 * ``memcpy``: one thread copying block by block between two buffers (bare memcpy per block);
 * ``socket``: a plain blocking TCP socket on loopback to a sink process, ``sendall`` per block.
 
+``tcp+tls`` is the tcp transport against a second memory node whose listeners, data port
+included, speak TLS with a self-signed certificate (``openssl``), as a cluster with
+``security.tls_cert_file`` runs across hosts.
+
     flock /tmp/tessera-cpu.lock python bench/transport.py [--seconds 1.0] [--total-mib 64]
 
 Prints numbers; asserts nothing.
@@ -21,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -31,11 +36,19 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from tessera.config import ClusterConfig, GenerationNodeConfig, KVPoolNodeConfig, ModelConfig, TransportConfig
+from tessera.config import (
+    ClusterConfig,
+    GenerationNodeConfig,
+    KVPoolNodeConfig,
+    ModelConfig,
+    SecurityConfig,
+    TransportConfig,
+)
 from tessera.config_file import dump_toml
 from tessera.errors import ConfigError
 from tessera.transport.arena import SHM_DIR
 from tessera.transport.base import NodeEndpoint, SlotIO, create_transport
+from tessera.transport.handshake import DataPlaneCredentials
 from tessera.wire import from_wire
 
 SIZES = {"16 KiB": 16 << 10, "256 KiB": 256 << 10, "4 MiB": 4 << 20}
@@ -109,11 +122,11 @@ def bench_socket(block: int, n: int, seconds: float) -> float:
 
 
 class Node:
-    def __init__(self, workdir: Path, block: int, n: int, transport: str) -> None:
+    def __init__(self, workdir: Path, block: int, n: int, transport: str, tls: bool = False) -> None:
         # 1 layer, 1 kv head, fp16: token = 4 * head_dim bytes; B tokens = block - header
         head_dim = max(1, (block - 64) // (4 * BLOCK_TOKENS))
         model = workdir / "model"
-        model.mkdir()
+        model.mkdir(parents=True)
         (model / "config.json").write_text(json.dumps({
             "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": head_dim,
             "hidden_size": head_dim, "vocab_size": 16, "max_position_embeddings": 64}))
@@ -122,16 +135,26 @@ class Node:
                                transport=TransportConfig(name=transport, timeout_s=30.0), kvpools=(node,),
                                generation=(GenerationNodeConfig("gen0", port=free_port()),))
         config = dataclasses.replace(config, retrieval=dataclasses.replace(config.retrieval, port=free_port()))
+        self.ssl: ssl.SSLContext | None = None
+        if tls:
+            cert, key = workdir / "cert.pem", workdir / "key.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                            "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                            "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+            key.chmod(0o600)
+            security = SecurityConfig(tls_cert_file=str(cert), tls_key_file=str(key))
+            config = dataclasses.replace(config, security=security)
+            self.ssl = ssl.create_default_context(cafile=str(cert))
         self.config = config
         path = workdir / "tessera.toml"
         path.write_text(dump_toml(config))
         self.log = open(workdir / "kvpool.log", "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen([sys.executable, "-m", "tessera", "run", "--role", "kvpool", "--config",
                                       str(path), "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{node.port}/info"
+        url = f"{config.scheme}://127.0.0.1:{node.port}/info"
         for _ in range(600):
             try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
+                with urllib.request.urlopen(url, timeout=1, context=self.ssl) as resp:
                     self.endpoint = from_wire(NodeEndpoint, json.loads(resp.read()))
                     return
             except OSError:
@@ -149,7 +172,8 @@ class Node:
 
 async def bench_transport(name: str, node: Node, seconds: float) -> tuple[float, float]:
     ep = node.endpoint
-    transport = create_transport(dataclasses.replace(node.config.transport, name=name))
+    transport = create_transport(dataclasses.replace(node.config.transport, name=name.removesuffix("+tls")),
+                                 DataPlaneCredentials(None, "gen0", node.ssl))
     bufs = [memoryview(bytearray(os.urandom(ep.slot_bytes))) for _ in range(ep.capacity_blocks)]
     ios = [SlotIO(i, b) for i, b in enumerate(bufs)]
     batch_bytes = ep.slot_bytes * len(ios)
@@ -171,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
     parser.add_argument("--total-mib", type=int, default=64, help="bytes per batch (MiB)")
-    parser.add_argument("--transports", default="shm,tcp,mooncake", help="comma-separated subset")
+    parser.add_argument("--transports", default="shm,tcp,tcp+tls,mooncake", help="comma-separated subset")
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
     args = parser.parse_args()
     wanted = args.transports.split(",")
@@ -184,14 +208,18 @@ def main() -> None:
         rows.append((label, "memcpy", bench_memcpy(block, n, args.seconds), float("nan")))
         rows.append((label, "socket", bench_socket(block, n, args.seconds), float("nan")))
         with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
-            node = Node(Path(tmp), block, n, "mooncake" if with_mooncake else "tcp")
+            node = Node(Path(tmp) / "plain", block, n, "mooncake" if with_mooncake else "tcp")
+            tls = Node(Path(tmp) / "tls", block, n, "tcp", tls=True) if "tcp+tls" in transports else None
             try:
                 for name in transports:
                     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                        read, write = runner.run(bench_transport(name, node, args.seconds))
+                        on = tls if name == "tcp+tls" and tls is not None else node
+                        read, write = runner.run(bench_transport(name, on, args.seconds))
                     rows.append((label, name, read, write))
             finally:
                 node.stop()
+                if tls is not None:
+                    tls.stop()
     print(f"\n{'block':>8}  {'path':<9} {'read GB/s':>10} {'write GB/s':>11}")
     for label, name, read, write in rows:
         w = "" if write != write else f"{write:11.2f}"
