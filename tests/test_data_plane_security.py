@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import ssl
 import subprocess
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers.kvpool import PoolConfig, tiny_layout
 
 from tessera.auth import CapabilityIssuer, ClusterAuth
 from tessera.config import SecurityConfig, TransportConfig
 from tessera.errors import TransferError
 from tessera.generation.pool_client import capabilities
+from tessera.kvpool.node import MemoryNode
 from tessera.messages import BlockRef
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import NodeEndpoint, SlotIO
@@ -298,3 +301,41 @@ def test_the_credentials_follow_the_cluster_tls_material(tls_files: tuple[Path, 
     tls = DataPlaneCredentials.of(ClusterAuth(SECRET, SecurityConfig(
         tls_cert_file=str(tls_files[0]), tls_key_file=str(tls_files[1]))), VICTIM)
     assert isinstance(tls.ssl, ssl.SSLContext) and tls.ssl.verify_mode == ssl.CERT_REQUIRED
+
+
+async def test_a_memory_node_of_a_tls_cluster_serves_its_data_port_over_tls(
+        tls_files: tuple[Path, Path], tmp_path: Path, pool_config: PoolConfig) -> None:
+    """The kvpool role and a generation node's credentials both take TLS from ``[security]``."""
+    base = pool_config(tmp_path)
+    config = dataclasses.replace(base, security=dataclasses.replace(
+        base.security, tls_cert_file=str(tls_files[0]), tls_key_file=str(tls_files[1])))
+    node = MemoryNode(config, config.kvpools[0], tiny_layout())
+    await node.start()
+    try:
+        assert node.server.ssl is not None
+        auth = ClusterAuth.from_config(config)
+        issuer = CapabilityIssuer(auth.secret or b"")
+        ep = node.endpoint()
+        blocks = (BlockRef(ep.name, 3),)
+        payload = secret_block()[: ep.slot_bytes]
+
+        def cap(op: str, holder: str) -> Capability:
+            return capabilities(blocks, 9, issuer.issue(op, blocks, 9, 30.0, holder=holder))[ep.name]
+
+        creds = DataPlaneCredentials.of(auth, VICTIM)
+        t = TcpTransport(TransportConfig(name="tcp", timeout_s=2.0), creds)
+        try:
+            await t.write(ep, [SlotIO(3, memoryview(bytearray(payload)), cap("write", VICTIM))])
+            out = bytearray(len(payload))
+            await t.read(ep, [SlotIO(3, memoryview(out), cap("read", VICTIM))])
+            assert bytes(out) == payload
+            with pytest.raises(TransferError, match="not valid"):  # bound to its holder over TLS too
+                await t.read(ep, [SlotIO(3, memoryview(bytearray(16)), cap("read", OTHER))])
+        finally:
+            await t.close()
+        async with transport(VICTIM, None, secret=auth.secret or b"", timeout_s=1.0) as plain:
+            with pytest.raises(TransferError):
+                await plain.read(ep, [SlotIO(3, memoryview(bytearray(16)), cap("read", VICTIM))])
+    finally:
+        await node.stop()
+        node.close_arena()
