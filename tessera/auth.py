@@ -308,13 +308,17 @@ def client_context(cafile: str) -> ssl.SSLContext:
         raise ConfigError(f"security.tls_ca_file = {cafile!r} cannot be loaded: {exc}") from None
 
 
-def capability(secret: bytes, op: str, node: str, slots: Iterable[int], epoch: int, expires: int) -> bytes:
-    """Token that lets its holder ``op`` ("read"/"write") exactly ``slots`` of ``node`` until ``expires``.
+def capability(secret: bytes, op: str, node: str, holder: str, slots: Iterable[int], epoch: int,
+               expires: int) -> bytes:
+    """Token that lets ``holder`` ``op`` ("read"/"write") exactly ``slots`` of ``node`` until ``expires``.
 
-    ``expires`` is unix seconds (the cluster's clocks agree within ``max_clock_skew_s``);
-    ``epoch`` ties the token to one storage epoch of one unit.
+    ``holder`` is the generation node it is issued to: the memory node accepts the token only
+    on a data connection authenticated as that node (:mod:`tessera.transport.handshake`), so a
+    sniffed or replayed token is useless on any other connection. ``expires`` is unix seconds
+    (the cluster's clocks agree within ``max_clock_skew_s``); ``epoch`` ties the token to one
+    storage epoch of one unit.
     """
-    text = f"tessera-capability\n{op}\n{node}\n{epoch}\n{expires}\n" + ",".join(map(str, slots))
+    text = f"tessera-capability\n{op}\n{node}\n{holder}\n{epoch}\n{expires}\n" + ",".join(map(str, slots))
     return hmac.new(secret, text.encode(), hashlib.sha256).digest()
 
 
@@ -330,10 +334,12 @@ class CapabilityIssuer:
         self.secret = secret
         self.clock = clock
 
-    def issue(self, op: str, blocks: Iterable[BlockRef], epoch: int, ttl_s: float) -> tuple[NodeToken, ...]:
+    def issue(self, op: str, blocks: Iterable[BlockRef], epoch: int, ttl_s: float, *,
+              holder: str) -> tuple[NodeToken, ...]:
+        """Tokens for ``holder`` (the generation node that will move the blocks), one per memory node."""
         expires = int(self.clock() + ttl_s) + 1
         by_node: dict[str, list[int]] = {}
         for ref in blocks:
             by_node.setdefault(ref.node, []).append(ref.index)
-        return tuple(NodeToken(node, expires, capability(self.secret, op, node, slots, epoch, expires).hex())
-                     for node, slots in by_node.items())
+        return tuple(NodeToken(node, expires, capability(self.secret, op, node, holder, slots, epoch, expires).hex(),
+                               holder) for node, slots in by_node.items())

@@ -355,7 +355,8 @@ class SecurityConfig:
     secret_file: str = ""
     # API keys of tenants (TOML or JSON, see README "Security"); "" = open API, loopback only
     keys_file: str = ""
-    # TLS on every HTTP listener (public API and internal plane); both or neither
+    # TLS on every HTTP listener (public API and internal plane) and on the memory nodes' tcp data
+    # ports (tessera/transport/handshake.py); both or neither
     tls_cert_file: str = ""
     tls_key_file: str = ""
     # CA bundle clients trust for the cluster's own listeners ("" = the certificate itself)

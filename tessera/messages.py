@@ -71,7 +71,8 @@ class NodeToken:
 
     node: str
     expires: int  # unix seconds: the cluster's clocks agree within security.max_clock_skew_s
-    mac: str  # hex HMAC over (op, node, the blocks' slots in order, epoch, expires)
+    mac: str  # hex HMAC over (op, node, holder, the blocks' slots in order, epoch, expires)
+    holder: str = ""  # the generation node it was issued to; only that node's data connections may use it
 
 
 @dataclass(frozen=True, slots=True)

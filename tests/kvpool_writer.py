@@ -33,7 +33,7 @@ async def main(config_path: str, grant_path: str, seed: int) -> None:
     # the warm-up read needs a read capability; this harness holds the secret and signs one itself
     secret = ClusterAuth.from_config(config).secret
     assert secret is not None
-    token = CapabilityIssuer(secret).issue("read", grant.blocks, grant.epoch, 60)
+    token = CapabilityIssuer(secret).issue("read", grant.blocks, grant.epoch, 60, holder=grant.writer)
     caps = capabilities(grant.blocks, grant.epoch, token)
     for node in {b.node for b in grant.blocks}:  # connect before the test freezes anything
         first = next(b.index for b in grant.blocks if b.node == node)

@@ -18,6 +18,7 @@ from tessera.generation.pool_client import capabilities
 from tessera.messages import BlockRef
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import NodeEndpoint, SlotIO
+from tessera.transport.handshake import DataPlaneCredentials
 from tessera.transport.tcp import TcpTransport
 from tessera.transport.tcp_server import BlockServer
 from tessera.transport.terms import TERM_SHIFT, TermFence
@@ -44,8 +45,9 @@ async def write(ep: NodeEndpoint, slot: int, term: int, counter: int) -> None:
     """Write one slot under a write capability that the leader of ``term`` issued."""
     blocks = (BlockRef("kv0", slot),)
     epoch = term << TERM_SHIFT | counter
-    cap = capabilities(blocks, epoch, CapabilityIssuer(SECRET).issue("write", blocks, epoch, 30.0))["kv0"]
-    t = TcpTransport(TransportConfig(name="tcp"))
+    token = CapabilityIssuer(SECRET).issue("write", blocks, epoch, 30.0, holder="gen0")
+    cap = capabilities(blocks, epoch, token)["kv0"]
+    t = TcpTransport(TransportConfig(name="tcp"), DataPlaneCredentials(SECRET))
     try:
         await t.write(ep, [SlotIO(slot, memoryview(bytearray(64)), cap)])
     finally:
@@ -78,8 +80,9 @@ async def test_a_forged_high_term_write_leaves_the_fence_where_it_was(node: tupl
     server, ep = node
     blocks = (BlockRef("kv0", 5),)
     epoch = (NEW + 100) << TERM_SHIFT
-    token = CapabilityIssuer(b"not-the-cluster-secret-0123456789").issue("write", blocks, epoch, 30.0)
-    t = TcpTransport(TransportConfig(name="tcp"))
+    token = CapabilityIssuer(b"not-the-cluster-secret-0123456789").issue("write", blocks, epoch, 30.0,
+                                                                      holder="gen0")
+    t = TcpTransport(TransportConfig(name="tcp"), DataPlaneCredentials(SECRET))
     try:
         with pytest.raises(TransferError, match="not valid"):
             await t.write(ep, [SlotIO(5, memoryview(bytearray(64)), capabilities(blocks, epoch, token)["kv0"])])

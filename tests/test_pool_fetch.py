@@ -35,6 +35,7 @@ from tessera.transport.blocks import BlockLayout
 from tessera.transport.unit_blocks import encode_unit
 
 UNIT = "unit-x"
+HOLDER = "gen3"  # the generation node the tests' leases and grants are issued to
 
 
 @dataclasses.dataclass
@@ -62,14 +63,14 @@ async def pool(two_nodes: Cluster) -> AsyncIterator[KVPoolClient]:
 
 
 def lease_for(issuer: CapabilityIssuer, blocks: tuple[BlockRef, ...], epoch: int = 5) -> ReadLease:
-    return ReadLease("L1", UNIT, epoch, blocks, 30.0, issuer.issue("read", blocks, epoch, 30.0))
+    return ReadLease("L1", UNIT, epoch, blocks, 30.0, issuer.issue("read", blocks, epoch, 30.0, holder=HOLDER))
 
 
 async def put(issuer: CapabilityIssuer, pool: KVPoolClient, blocks: tuple[BlockRef, ...], state: UnitState,
               epoch: int = 5) -> None:
     """Write a unit's blocks the way a writer would, under capabilities the test signs as the plane."""
     views = encode_unit(pool.layout, state, UNIT, epoch)
-    caps = capabilities(blocks, epoch, issuer.issue("write", blocks, epoch, 30.0))
+    caps = capabilities(blocks, epoch, issuer.issue("write", blocks, epoch, 30.0, holder=HOLDER))
     for ref, view in zip(blocks, views, strict=True):
         await pool.transport.write(await pool.endpoints.get(ref.node), [SlotIO(ref.index, view, caps.get(ref.node))])
 
@@ -124,7 +125,7 @@ async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: 
         issuer: CapabilityIssuer) -> None:
     """Regression: on a checksum failure the reader only forgot endpoints; the entry stayed leasable."""
     control = _RecordingControl()
-    pool = KVPoolClient(two_nodes.config, tiny_layout(), control=control, reader="gen3")  # type: ignore[arg-type]
+    pool = KVPoolClient(two_nodes.config, tiny_layout(), control=control, reader=HOLDER)  # type: ignore[arg-type]
     try:
         state = random_state(8, seed=4)
         blocks = spread(2, first=20)
@@ -136,7 +137,7 @@ async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: 
             arena.close()
         with pytest.raises(ChecksumMismatch):
             await pool.fetch(lease_for(issuer, blocks, epoch=7), 8, release=False)
-        assert control.invalidated == [(UNIT, 7, "gen3")]
+        assert control.invalidated == [(UNIT, 7, HOLDER)]
     finally:
         await pool.close()
 

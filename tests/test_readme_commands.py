@@ -42,7 +42,8 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "python bench/fidelity.py": "tests/test_first_hour.py::test_bench_fidelity_runs_with_float16_states",
     "python bench/store_startup.py":
         SMOKE + "test_bench_store_startup_reopens_a_saved_a_crashed_and_an_index_less_store",
-    "python bench/transport.py": SMOKE + "test_bench_transport_measures_every_transport_next_to_its_ceilings",
+    "python bench/transport.py": (SMOKE + "test_bench_transport_measures_every_transport_next_to_its_ceilings",
+                                  SMOKE + "test_bench_transport_across_hosts_measures_the_network_transports"),
     "bench/gpu.sh smoke": "tests/test_first_hour.py::test_gpu_sh_smoke_runs_on_a_fresh_clone",
     "pytest tests/test_ha_election.py":
         "tests/test_ha_election.py::test_a_leader_that_cannot_renew_stops_before_its_successor_starts",

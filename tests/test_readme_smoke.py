@@ -307,7 +307,18 @@ def test_bench_transport_measures_every_transport_next_to_its_ceilings() -> None
     done = _run([PYTHON, "bench/transport.py", "--seconds", "0.1", "--total-mib", "1", "--sizes", "16 KiB"])
     rows = {m[1]: m[2].split() for m in re.finditer(r"^ *16 KiB +(\S+) +([\d. ]+)$", done.stdout, re.M)}
     assert len(rows["memcpy"]) == len(rows["socket"]) == 1, done.stdout  # one-way: one column
-    expected = {"shm", "tcp"} | ({"mooncake"} if "# mooncake skipped" not in done.stdout else set())
+    expected = {"shm", "tcp", "tcp+tls"} | ({"mooncake"} if "# mooncake skipped" not in done.stdout else set())
+    for name in expected:
+        assert len(rows.get(name, [])) == 2 and all(float(x) > 0 for x in rows[name]), done.stdout
+
+
+@needs_hosts
+def test_bench_transport_across_hosts_measures_the_network_transports() -> None:
+    """`sudo python bench/transport.py --hosts`: memory node and client on two hosts; no shm row."""
+    done = _run([PYTHON, "bench/transport.py", "--hosts", "--seconds", "0.1", "--total-mib", "1", "--sizes", "16 KiB"])
+    rows = {m[1]: m[2].split() for m in re.finditer(r"^ *16 KiB +(\S+) +([\d. ]+)$", done.stdout, re.M)}
+    assert "shm" not in rows and "across two hosts" in done.stdout, done.stdout
+    expected = {"tcp", "tcp+tls"} | ({"mooncake"} if "# mooncake skipped" not in done.stdout else set())
     for name in expected:
         assert len(rows.get(name, [])) == 2 and all(float(x) > 0 for x in rows[name]), done.stdout
 

@@ -34,6 +34,7 @@ from tessera.generation.pool_client import capabilities
 from tessera.messages import BlockRef, RequestPlan, WriteGrant
 from tessera.transport.base import NodeEndpoint, SlotIO, create_transport
 from tessera.transport.frames import Capability
+from tessera.transport.handshake import DataPlaneCredentials
 from tessera.transport.terms import TERM_SHIFT
 from tessera.wire import WIRE_VERSION, from_wire
 
@@ -210,7 +211,7 @@ async def _grant(plane: Plane, unit: str, n_tokens: int) -> WriteGrant:
 
 
 async def _write(plane: Plane, slots: list[int], cap: Capability | None) -> None:
-    t = create_transport(plane.config.transport)
+    t = create_transport(plane.config.transport, DataPlaneCredentials.of(plane.auth, None))
     try:
         await t.write(plane.kv0, [SlotIO(s, memoryview(bytearray(64)), cap) for s in slots])
     finally:
@@ -224,7 +225,7 @@ async def test_the_data_port_refuses_writes_without_a_valid_capability(plane: Pl
     other = next(s for s in range(16) if s not in cap.slots)
     with pytest.raises(TransferError, match="without a capability"):
         await _write(plane, list(cap.slots), None)
-    forged = dataclasses.replace(cap, mac=capability(b"guessed-secret-0123456789abcdef0", "write", "kv0",
+    forged = dataclasses.replace(cap, mac=capability(b"guessed-secret-0123456789abcdef0", "write", "kv0", cap.holder,
                                                      cap.slots, cap.epoch, cap.expires))
     with pytest.raises(TransferError, match="not valid"):
         await _write(plane, list(cap.slots), forged)
@@ -233,7 +234,8 @@ async def test_the_data_port_refuses_writes_without_a_valid_capability(plane: Pl
     widened = dataclasses.replace(cap, slots=(*cap.slots, other))  # claims a slot its MAC does not cover
     with pytest.raises(TransferError, match="not valid"):
         await _write(plane, [other], widened)
-    read_cap = capabilities(grant.blocks, grant.epoch, issuer.issue("read", grant.blocks, grant.epoch, 30))["kv0"]
+    read_cap = capabilities(grant.blocks, grant.epoch, issuer.issue("read", grant.blocks, grant.epoch, 30,
+                                                                       holder=cap.holder))["kv0"]
     with pytest.raises(TransferError, match="not valid"):  # a read token does not allow writing
         await _write(plane, list(cap.slots), read_cap)
     await _write(plane, list(cap.slots), cap)  # the grant's own token works
@@ -242,7 +244,7 @@ async def test_the_data_port_refuses_writes_without_a_valid_capability(plane: Pl
 async def test_an_expired_capability_is_refused(plane: Plane, issuer: CapabilityIssuer) -> None:
     """A token past its expiry is refused even though its MAC is genuine."""
     blocks = (BlockRef("kv0", 3),)
-    expired = issuer.issue("write", blocks, 7, -10.0)
+    expired = issuer.issue("write", blocks, 7, -10.0, holder="gen0")
     with pytest.raises(TransferError, match="expired"):
         await _write(plane, [3], capabilities(blocks, 7, expired)["kv0"])
 
@@ -280,7 +282,8 @@ async def test_an_older_grant_cannot_write_over_a_newer_one(plane: Plane, issuer
     """
     blocks = (BlockRef("kv0", 15),)
     e100, e101 = 1 << TERM_SHIFT | 100, 1 << TERM_SHIFT | 101
-    old, new = (capabilities(blocks, e, issuer.issue("write", blocks, e, 30.0))["kv0"] for e in (e100, e101))
+    old, new = (capabilities(blocks, e, issuer.issue("write", blocks, e, 30.0, holder="gen0"))["kv0"]
+                for e in (e100, e101))
     await _write(plane, [15], new)
     with pytest.raises(TransferError, match=f"older epoch {e100} is stale"):
         await _write(plane, [15], old)

@@ -13,6 +13,7 @@ from tessera.errors import TransferError
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import NodeEndpoint, SlotIO
 from tessera.transport.frames import BLOCK, HELLO, REQUEST, RESPONSE, Op, Status, pack_request
+from tessera.transport.handshake import pack_auth
 from tessera.transport.tcp import TcpTransport
 from tessera.transport.tcp_server import BlockServer
 
@@ -34,9 +35,12 @@ async def served() -> AsyncIterator[tuple[Arena, NodeEndpoint]]:
 
 
 async def connect(ep: NodeEndpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection past the handshake (this node has no secret: any AUTH frame will do)."""
     reader, writer = await asyncio.open_connection(ep.data_host, ep.data_port)
-    magic, boot, slot, capacity = HELLO.unpack(await reader.readexactly(HELLO.size))
-    assert (magic, boot.decode(), slot, capacity) == (b"TKVTCP01", ep.boot_id, SLOT, CAPACITY)
+    magic, boot, slot, capacity, _ = HELLO.unpack(await reader.readexactly(HELLO.size))
+    assert (magic, boot.decode(), slot, capacity) == (b"TKVTCP02", ep.boot_id, SLOT, CAPACITY)
+    writer.write(pack_auth("gen0", b""))
+    assert RESPONSE.unpack(await reader.readexactly(RESPONSE.size)) == (Status.OK, 0, 0, 0, 0)
     return reader, writer
 
 

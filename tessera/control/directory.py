@@ -141,7 +141,7 @@ class Directory:
         self._entries[unit_id] = Entry(unit_id, epoch, EntryState.PENDING, blocks, n_tokens, writer, deadline)
         # writes may start until the deadline and land within a transfer timeout (< reclaim grace)
         tokens = () if self.capabilities is None else self.capabilities.issue(
-            "write", blocks, epoch, self.write_timeout_s + self.reclaim_grace_s)
+            "write", blocks, epoch, self.write_timeout_s + self.reclaim_grace_s, holder=writer)
         return WriteGrant(unit_id, epoch, blocks, writer, n_tokens, self.write_timeout_s, tokens)
 
     def publish(self, unit_id: str, epoch: int, writer: str, blocks: tuple[BlockRef, ...]) -> None:
@@ -189,7 +189,7 @@ class Directory:
         entry.leases[lease.lease_id] = lease
         self._leases[lease.lease_id] = lease
         tokens = () if self.capabilities is None else self.capabilities.issue(
-            "read", entry.blocks, entry.epoch, self.lease_ttl_s)
+            "read", entry.blocks, entry.epoch, self.lease_ttl_s, holder=holder)
         return ReadLease(lease.lease_id, unit_id, entry.epoch, entry.blocks, self.lease_ttl_s, tokens)
 
     def release(self, lease_id: str) -> bool:

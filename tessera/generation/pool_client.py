@@ -35,6 +35,7 @@ from tessera.messages import BlockRef, CancelRequest, NodeToken, PublishRequest,
 from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
 from tessera.transport.blocks import BlockLayout
 from tessera.transport.frames import Capability
+from tessera.transport.handshake import DataPlaneCredentials
 from tessera.transport.unit_blocks import decode_unit, encode_unit
 from tessera.wire import WIRE_VERSION
 
@@ -65,7 +66,9 @@ class KVPoolClient:
         self.reader = reader
         # fetched states land in pinned buffers when the engine copies them to a CUDA device
         self.pin_memory = pin_memory
-        self.transport = transport or create_transport(config.transport)
+        # data connections authenticate as this generation node (``reader``), whose leases and grants they carry
+        self.transport = transport or create_transport(config.transport,
+                                                       DataPlaneCredentials.of(auth, reader or None))
         self.control = control or ControlClient(config.control_url, timeout_s=config.transport.timeout_s,
                                                 auth=auth)
         self.endpoints = endpoints or EndpointBook.from_config(config)
@@ -201,4 +204,5 @@ def capabilities(blocks: tuple[BlockRef, ...], epoch: int, tokens: tuple[NodeTok
     slots: dict[str, list[int]] = {}
     for ref in blocks:
         slots.setdefault(ref.node, []).append(ref.index)
-    return {t.node: Capability(epoch, t.expires, tuple(slots.get(t.node, ())), bytes.fromhex(t.mac)) for t in tokens}
+    return {t.node: Capability(epoch, t.expires, tuple(slots.get(t.node, ())), bytes.fromhex(t.mac), t.holder)
+            for t in tokens}

@@ -71,7 +71,8 @@ class MemoryNode:
         self.arena = Arena.create(segment_name(node.name, self.boot_id), layout.slot_bytes,
                                   node.capacity_blocks, self.boot_id)
         self.auth = ClusterAuth.from_config(config)
-        self.server = BlockServer(self.arena, self.boot_id, self.auth.secret, node.name)
+        # the data port speaks TLS with the HTTP listeners' certificate when the cluster has one
+        self.server = BlockServer(self.arena, self.boot_id, self.auth.secret, node.name, self.auth.server_ssl())
         self.export: ArenaExport | None = None
         self.control = ControlClient(config.control_url, timeout_s=config.transport.timeout_s, auth=self.auth)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")

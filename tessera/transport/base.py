@@ -16,6 +16,14 @@ Contract of every transport:
   batch hangs, and once ``read``/``write`` has returned or raised, the transport never
   touches the caller's buffers again.
 * Transports move bytes only; they do not interpret headers (see :mod:`.blocks`).
+
+Who may move which slots: a transport that reaches the memory node's process (``tcp``)
+authenticates each connection and the node checks each request's capability against it
+(:mod:`.handshake`). ``shm`` is one-sided on one host: the client maps the arena (a 0600
+segment of the same user), no request reaches the node, so there is nothing to present a
+capability to and no wire to encrypt; the operating system's file permissions are the
+boundary. ``mooncake`` moves bytes with the engine's own one-sided protocol and checks no
+capability either: use it only on a trusted network (an RDMA fabric or a private VLAN).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from tessera.errors import TesseraError, TransferError, TransferTimeout
 from tessera.registry import Registry
 from tessera.transport.arena import Arena
 from tessera.transport.frames import Capability
+from tessera.transport.handshake import DataPlaneCredentials
 from tessera.transport.limits import TransferLimiter
 
 # one request carries at most this many bytes (one slot at least): enough to amortize
@@ -87,8 +96,10 @@ class Transport(ABC):
     request_bytes: ClassVar[int] = REQUEST_BYTES
     request_blocks: ClassVar[int] = REQUEST_BLOCKS
 
-    def __init__(self, config: TransportConfig) -> None:
+    def __init__(self, config: TransportConfig, credentials: DataPlaneCredentials | None = None) -> None:
         self.config = config
+        # who this client is toward memory nodes; only transports that reach a node's process use it (tcp)
+        self.credentials = credentials or DataPlaneCredentials()
         self.limiter = TransferLimiter(config.max_inflight_bytes, config.max_outstanding)
 
     # --- public verbs --------------------------------------------------------------------
@@ -210,5 +221,5 @@ register_transport = TRANSPORTS.register
 transport_class = TRANSPORTS.get
 
 
-def create_transport(config: TransportConfig) -> Transport:
-    return transport_class(config.name)(config)
+def create_transport(config: TransportConfig, credentials: DataPlaneCredentials | None = None) -> Transport:
+    return transport_class(config.name)(config, credentials)

@@ -1,8 +1,10 @@
 """Frames of the ``tcp`` block protocol (little-endian, fixed-size headers).
 
-On connect the memory node sends HELLO (magic, boot id, slot size, capacity), so a client
-never talks to an incarnation it did not expect. Then the client pipelines requests and the
-node answers each one, in order:
+On connect the memory node sends HELLO (magic, boot id, slot size, capacity, nonce), so a
+client never talks to an incarnation it did not expect; the client answers the nonce with
+AUTH and the node acknowledges it with RESPONSE req_id 0 (:mod:`.handshake`: who the
+connection speaks for). Then the client pipelines requests and the node answers each one,
+in order:
 
     REQUEST  = op u8 | flags u8 | 0 u16 | req_id u32 | n_blocks u32 | 0 u32 | payload_bytes u64
                n_blocks x (slot u32 | length u32)
@@ -16,8 +18,9 @@ ERROR, and the node then closes the connection (it cannot trust the rest of the 
 
 When the cluster has a secret, every request carries a *capability*: the write grant's or
 read lease's token for this node (:func:`tessera.auth.capability`, an HMAC over op, node,
-slots, epoch and expiry). The node refuses a request whose token is missing, forged,
-expired, or does not cover every slot it names.
+holder, slots, epoch and expiry). The node refuses a request whose token is missing, forged,
+expired, issued to another node than the one the connection authenticated as, or does not
+cover every slot it names.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
-HELLO = struct.Struct("<8s32sQQ")
-HELLO_MAGIC = b"TKVTCP01"
+HELLO = struct.Struct("<8s32sQQ32s")
+HELLO_MAGIC = b"TKVTCP02"
 REQUEST = struct.Struct("<BBHIIIQ")
 BLOCK = struct.Struct("<II")
 RESPONSE = struct.Struct("<BBHIQ")
@@ -55,7 +58,8 @@ class Capability:
     epoch: int
     expires: int
     slots: tuple[int, ...]
-    mac: bytes  # tessera.auth.capability(secret, op, node, slots, epoch, expires)
+    mac: bytes  # tessera.auth.capability(secret, op, node, holder, slots, epoch, expires)
+    holder: str = ""  # the generation node it was issued to (not sent: the connection says who it is)
 
 
 def pack_request(op: Op, req_id: int, blocks: list[tuple[int, int]], cap: Capability | None = None) -> bytes:

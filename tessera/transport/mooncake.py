@@ -32,6 +32,7 @@ from tessera.config import TransportConfig
 from tessera.errors import ConfigError, TransferError
 from tessera.transport.arena import ARENA_HEADER_BYTES, Arena
 from tessera.transport.base import ArenaExport, NodeEndpoint, SlotIO, Transport, register_transport
+from tessera.transport.handshake import DataPlaneCredentials
 from tessera.transport.shm import copy_pairs_now
 
 INSTALL_HINT = ("the mooncake transport needs `pip install 'tessera[rdma]'` (mooncake-transfer-engine-non-cuda) "
@@ -129,8 +130,8 @@ class MooncakeTransport(Transport):
     request_bytes = 64 << 20
     request_blocks = 2048  # the 0.3.x engine fails (rc -1) batches of more entries
 
-    def __init__(self, config: TransportConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: TransportConfig, credentials: DataPlaneCredentials | None = None) -> None:
+        super().__init__(config, credentials)
         load_engine_class()  # fail at construction, with the install hint, not at first transfer
         self._engine: Any = None
         self._staging: _StagingPool | None = None

@@ -24,6 +24,7 @@ from tessera.config import TransportConfig
 from tessera.errors import TransferError
 from tessera.transport.arena import ARENA_HEADER_BYTES, Arena
 from tessera.transport.base import NodeEndpoint, SlotIO, Transport, register_transport
+from tessera.transport.handshake import DataPlaneCredentials
 
 # requests up to this size are copied on the event loop (a thread hop costs ~30 us) ...
 INLINE_COPY_BYTES = 512 << 10
@@ -48,8 +49,8 @@ def copy_pairs_now(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
 
 @register_transport("shm")
 class ShmTransport(Transport):
-    def __init__(self, config: TransportConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: TransportConfig, credentials: DataPlaneCredentials | None = None) -> None:
+        super().__init__(config, credentials)
         self._arenas: dict[str, Arena] = {}
         self._pool: ThreadPoolExecutor | None = None
 

@@ -1,6 +1,7 @@
 """``tcp`` transport: our compact binary block protocol (:mod:`.frames`) on asyncio.
 
-One connection per memory node, requests pipelined on it. Read answers are received with
+One connection per memory node (per node we speak for, see :mod:`.handshake`), requests
+pipelined on it; TLS when the credentials carry a context. Read answers are received with
 ``recv_into`` straight into the caller's buffers (:class:`asyncio.BufferedProtocol`), so a
 block is copied once, by the kernel. A request whose caller gave up (cancelled because a
 sibling transfer failed) is *abandoned*: the rest of its answer is drained into a scratch
@@ -30,6 +31,7 @@ from tessera.transport.frames import (
     Status,
     pack_request,
 )
+from tessera.transport.handshake import DataPlaneCredentials, pack_auth, proof
 
 
 @dataclass(eq=False)
@@ -45,9 +47,11 @@ class _Pending:
 
 
 class _Connection(asyncio.BufferedProtocol):
-    def __init__(self, node: NodeEndpoint) -> None:
+    def __init__(self, node: NodeEndpoint, secret: bytes | None, name: str) -> None:
         loop = asyncio.get_running_loop()
         self.node = node
+        self.secret = secret
+        self.name = name  # the generation node this connection authenticates as
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = loop.create_future()
         self.failure: TransferError | None = None
@@ -106,7 +110,7 @@ class _Connection(asyncio.BufferedProtocol):
     # --- parsing -------------------------------------------------------------------------
 
     def _hello_received(self) -> None:
-        magic, boot, slot_bytes, capacity = HELLO.unpack(self._hello)
+        magic, boot, slot_bytes, capacity, nonce = HELLO.unpack(self._hello)
         boot_id = boot.decode(errors="replace")
         if magic != HELLO_MAGIC:
             return self._fail(TransferError(f"{self.node.data_host}:{self.node.data_port} is not a tessera "
@@ -117,8 +121,11 @@ class _Connection(asyncio.BufferedProtocol):
                 f"boot {self.node.boot_id} with {self.node.capacity_blocks} of {self.node.slot_bytes} B "
                 "(it restarted empty)"))
         self._phase, self._target = "response", memoryview(self._response)
-        if not self.ready.done():
-            self.ready.set_result(None)
+        # answer the challenge; the node acknowledges it as request 0, which completes ``ready``
+        mac = b"" if self.secret is None else proof(self.secret, self.node.name, boot_id, nonce, self.name)
+        assert self.transport is not None
+        self.pending.append(_Pending(0, Op.READ, [], self.ready))
+        self.transport.write(pack_auth(self.name, mac))
 
     def _response_received(self) -> None:
         status, _, _, req_id, body = RESPONSE.unpack(self._response)
@@ -198,41 +205,57 @@ class _Connection(asyncio.BufferedProtocol):
 
 @register_transport("tcp")
 class TcpTransport(Transport):
-    def __init__(self, config: TransportConfig) -> None:
-        super().__init__(config)
-        self._conns: dict[str, _Connection] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+    def __init__(self, config: TransportConfig, credentials: DataPlaneCredentials | None = None) -> None:
+        super().__init__(config, credentials)
+        self._conns: dict[tuple[str, str], _Connection] = {}  # (memory node, who we speak for)
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
-    async def _connection(self, node: NodeEndpoint) -> _Connection:
-        conn = self._conns.get(node.name)
+    def _speaker(self, ios: Sequence[SlotIO]) -> str:
+        """The node this request's connection must be authenticated as."""
+        name = self.credentials.name
+        if name is not None:
+            return name
+        cap = ios[0].cap if ios else None
+        return "" if cap is None else cap.holder
+
+    async def _connection(self, node: NodeEndpoint, speaker: str) -> _Connection:
+        key = (node.name, speaker)
+        conn = self._conns.get(key)
         if conn is not None and conn.failure is None and conn.node == node:
             return conn
-        async with self._locks.setdefault(node.name, asyncio.Lock()):
-            conn = self._conns.get(node.name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            conn = self._conns.get(key)
             if conn is not None and conn.failure is None and conn.node == node:
                 return conn
-            self.forget(node.name)
+            self._drop(key)
             loop = asyncio.get_running_loop()
-            _, conn = await loop.create_connection(lambda: _Connection(node), node.data_host, node.data_port)
+            creds = self.credentials
+            _, conn = await loop.create_connection(lambda: _Connection(node, creds.secret, speaker), node.data_host,
+                                                   node.data_port, ssl=creds.ssl,
+                                                   server_hostname=node.data_host if creds.ssl else None)
             try:
                 await conn.ready
             except BaseException:
                 conn.close()
                 raise
-            self._conns[node.name] = conn
+            self._conns[key] = conn
             return conn
 
     async def _read(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
-        await (await self._connection(node)).request(Op.READ, ios)
+        await (await self._connection(node, self._speaker(ios))).request(Op.READ, ios)
 
     async def _write(self, node: NodeEndpoint, ios: Sequence[SlotIO]) -> None:
-        await (await self._connection(node)).request(Op.WRITE, ios)
+        await (await self._connection(node, self._speaker(ios))).request(Op.WRITE, ios)
 
-    def forget(self, node: str) -> None:
-        conn = self._conns.pop(node, None)
+    def _drop(self, key: tuple[str, str]) -> None:
+        conn = self._conns.pop(key, None)
         if conn is not None:
             conn.close()
 
+    def forget(self, node: str) -> None:
+        for key in [k for k in self._conns if k[0] == node]:
+            self._drop(key)
+
     async def close(self) -> None:
-        for name in list(self._conns):
-            self.forget(name)
+        for key in list(self._conns):
+            self._drop(key)

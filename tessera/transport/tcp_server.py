@@ -8,9 +8,12 @@ pipeline them. When the socket's send buffer fills up the node stops reading req
 it drains, so a client that does not read its answers cannot grow the node's memory.
 
 The server does not know which slot belongs to whom; the control plane decides that. With
-a cluster secret it serves only requests whose capability (the grant's or lease's token, see
-:mod:`.frames`) covers every slot they name; anything else is refused before a byte moves.
-A write grant is single-use: each of its slots is written once under it (:mod:`.writes`).
+a cluster secret a connection must first answer the node's challenge (:mod:`.handshake`),
+which authenticates it as one generation node; then the server serves only requests whose
+capability (the grant's or lease's token, see :mod:`.frames`) was issued to that node and
+covers every slot they name; anything else is refused before a byte moves. A write grant
+is single-use: each of its slots is written once under it (:mod:`.writes`). With an
+``ssl`` context (the cluster's TLS certificate) the port speaks only TLS.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import socket
+import ssl
 import time
 from typing import Any, cast
 
@@ -38,6 +43,7 @@ from tessera.transport.frames import (
     Status,
     unpack_blocks,
 )
+from tessera.transport.handshake import AUTH, AUTH_MAGIC, NONCE_BYTES, proof
 from tessera.transport.terms import TermFence
 from tessera.transport.writes import WriteLedger
 
@@ -53,10 +59,15 @@ class _Connection(asyncio.BufferedProtocol):
         self._blocks_raw = bytearray(BLOCK.size * 64)
         self._cap_raw = bytearray(CAP.size)
         self._cap: tuple[int, int, bytes] = (0, 0, b"")  # epoch, expires, mac of the current request
+        self._mac = b""  # the handshake's proof
         self._flags = 0
-        self._target = memoryview(self._header)
+        self._auth_raw = bytearray(AUTH.size)
+        self._name_raw = bytearray(0)
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        self.peer: str | None = None  # the generation node this connection authenticated as
+        self._target = memoryview(self._auth_raw)
         self._got = 0
-        self._phase = "header"
+        self._phase = "auth"
         self._op = Op.READ
         self._req_id = 0
         self._payload = 0
@@ -71,7 +82,7 @@ class _Connection(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.connections.add(self)
         self.transport.write(HELLO.pack(HELLO_MAGIC, self.server.boot_id.encode()[:32].ljust(32, b"0"),
-                                        self.arena.slot_bytes, self.arena.capacity))
+                                        self.arena.slot_bytes, self.arena.capacity, self._nonce))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -100,6 +111,17 @@ class _Connection(asyncio.BufferedProtocol):
         self._target, self._phase = target, phase
 
     def _advance(self) -> None:
+        if self._phase == "auth":
+            magic, n, self._mac = AUTH.unpack(self._auth_raw)
+            if magic != AUTH_MAGIC:
+                return self._refuse("the connection did not start with the data handshake (AUTH): this port serves "
+                                    "tessera's tcp transport of the same version only")
+            self._name_raw = bytearray(n)
+            if n == 0:
+                return self._authenticate()
+            return self._expect(memoryview(self._name_raw), "name")
+        if self._phase == "name":
+            return self._authenticate()
         if self._phase == "header":
             op, flags, _, req_id, n, _, payload = REQUEST.unpack(self._header)
             self._req_id = req_id
@@ -147,15 +169,30 @@ class _Connection(asyncio.BufferedProtocol):
         self._next += 1
         self._next_payload()
 
+    def _authenticate(self) -> None:
+        name = self._name_raw.decode(errors="replace")
+        secret = self.server.secret
+        if secret is not None:
+            want = proof(secret, self.server.node, self.server.boot_id, self._nonce, name)
+            if not hmac.compare_digest(want, self._mac):
+                return self._refuse(f"data handshake failed for {name!r}: the client does not hold the cluster "
+                                    "secret, or answered another connection's challenge")
+        self.peer = name
+        assert self.transport is not None  # acknowledged as request 0 (not counted as a request)
+        self.transport.write(RESPONSE.pack(Status.OK, 0, 0, 0, 0))
+        self._expect(memoryview(self._header), "header")
+
     def _check_capability(self, slots: tuple[int, ...]) -> None:
         secret = self.server.secret
         if secret is not None:
             epoch, expires, mac = self._cap
             op = self._op.name.lower()
-            want = capability(secret, op, self.server.node, slots, epoch, expires)
+            assert self.peer is not None  # requests are parsed only after the handshake
+            want = capability(secret, op, self.server.node, self.peer, slots, epoch, expires)
             if not hmac.compare_digest(want, mac):
-                return self._refuse(f"{op} capability is not valid for memory node {self.server.node} "
-                                    "(forged, or for other slots, epoch or node)")
+                return self._refuse(f"{op} capability is not valid for memory node {self.server.node} on a "
+                                    f"connection authenticated as {self.peer!r} (forged, issued to another node, "
+                                    "or for other slots or epoch)")
             if time.time() > expires:
                 return self._refuse(f"{op} capability expired {time.time() - expires:.0f}s ago")
             allowed = set(slots)
@@ -223,8 +260,10 @@ class _Connection(asyncio.BufferedProtocol):
 class BlockServer:
     """``start(host, port)`` / ``close()``; ``port`` is the bound port (0 picks a free one)."""
 
-    def __init__(self, arena: Arena, boot_id: str, secret: bytes | None = None, node: str = "") -> None:
+    def __init__(self, arena: Arena, boot_id: str, secret: bytes | None = None, node: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.arena = arena
+        self.ssl = ssl_context  # TLS on the data port (the cluster's certificate), or None: plaintext
         self.boot_id = boot_id
         self.secret = secret  # None: no capabilities required (a cluster without a secret)
         self.node = node  # the name capabilities are bound to
@@ -239,7 +278,8 @@ class BlockServer:
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
+                                                ssl=self.ssl)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
