@@ -1,0 +1,144 @@
+"""``tessera simulate --calibrate``: fit a cost model to the configured engine on this machine.
+
+Runs the engine in process (the first generation node's settings: model, threads, batch
+budget) and times, each the median of ``repeats``:
+
+* unit prefills of n tokens from position 0 (a miss);
+* extends of n tokens over a cached prefix of p tokens (a composed request's final pass,
+  a chunk of a long prompt);
+* decode batches of m requests at context c;
+* placing a unit state of n tokens at an offset (RoPE at its real positions).
+
+A least-squares fit of :class:`~tessera.simulate.costs.CostModel`'s step formula to the
+step samples gives ``base_s``, ``per_token_s``, ``per_attn_s`` and ``per_decode_s``
+(clipped at 0); placement is fitted per token. Link figures are not measured here: memory
+node transfers on one machine are shared-memory copies, modelled at ``link_latency_s`` and a
+memcpy bandwidth measured on a state-sized tensor.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tessera.config import ClusterConfig
+from tessera.engines.base import EngineAdapter, Extend, UnitPrefill, load_engine
+from tessera.engines.checkpoint import resolve
+from tessera.engines.geometry import geometry_from_checkpoint
+from tessera.simulate.costs import CostModel, StepItem
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What to measure; the defaults span the bench's batches (up to ``max_batch_tokens`` = 512)."""
+
+    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512)
+    extend: tuple[tuple[int, int], ...] = ((16, 256), (64, 512), (128, 768), (256, 256), (512, 512))
+    decode: tuple[tuple[int, int], ...] = ((1, 256), (4, 256), (16, 512))
+    place_tokens: tuple[int, ...] = (64, 256)
+    repeats: int = 3
+    request_overhead_s: float = 0.01  # HTTP hops and retrieval outside the node (stated, not measured)
+    link_latency_s: float = 0.0005
+
+    def smaller(self) -> CalibrationPlan:
+        """A quick plan (tests): tiny sizes, one repeat."""
+        return CalibrationPlan((8, 32), ((8, 32), (16, 16)), ((1, 16), (2, 16)), (16,), 1,
+                               self.request_overhead_s, self.link_latency_s)
+
+
+def _median(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def _tokens(n: int, salt: int = 0) -> list[int]:
+    return [(17 * i + 101 + salt) % 20000 + 100 for i in range(n)]
+
+
+def measure(engine: EngineAdapter, plan: CalibrationPlan) -> list[tuple[list[StepItem], float]]:
+    """Timed engine steps: (the batch as the cost model sees it, seconds)."""
+    samples: list[tuple[list[StepItem], float]] = []
+    for n in plan.prefill_tokens:
+        ids = _tokens(n)
+        t = _median(lambda: engine.step([UnitPrefill(ids)]), plan.repeats)
+        samples.append(([StepItem(n, n)], t))
+    for n, p in plan.extend:
+        slots = engine.allocate(p + n)
+        engine.step([Extend(slots, _tokens(p), range(p))])
+        t = _median(lambda: engine.step([Extend(slots, _tokens(n, 7), range(p, p + n))]), plan.repeats)
+        engine.free(slots)
+        samples.append(([StepItem(n, p + n)], t))
+    for m, c in plan.decode:
+        all_slots = [engine.allocate(c + 1) for _ in range(m)]
+        for s in all_slots:
+            engine.step([Extend(s, _tokens(c), range(c))])
+        t = _median(lambda: engine.step([Extend(s, [123], [c]) for s in all_slots]), plan.repeats)
+        for s in all_slots:
+            engine.free(s)
+        samples.append(([StepItem(1, c + 1, decode=True)] * m, t))
+    return samples
+
+
+def _place_s(engine: EngineAdapter, n: int, repeats: int) -> float:
+    """Seconds to place a unit state of ``n`` tokens at offset 8 (RoPE at its real positions)."""
+    prefill = UnitPrefill(_tokens(n, 3))
+    engine.step([prefill])
+    state = prefill.state
+    assert state is not None
+    slots = engine.allocate(n + 8)
+    t = _median(lambda: engine.place(slots, 8, state), repeats)
+    engine.free(slots)
+    return t
+
+
+def fit(samples: list[tuple[list[StepItem], float]]) -> tuple[float, float, float, float]:
+    """Least squares of the step formula; coefficients clipped at 0 (then refitted without them)."""
+    rows = [[1.0, sum(i.tokens for i in items), sum(i.tokens * i.context for i in items) / 1000.0,
+             sum(1 for i in items if i.decode)] for items, _ in samples]
+    a, y = np.array(rows), np.array([t for _, t in samples])
+    keep = list(range(4))
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = [0.0] * 4
+    for k, c in zip(keep, coef, strict=True):
+        out[k] = float(c)
+    return out[0], out[1], out[2], out[3]
+
+
+def calibrate(config: ClusterConfig, plan: CalibrationPlan | None = None, name: str = "calibrated") -> CostModel:
+    """The fitted cost model of ``config``'s engine on this machine."""
+    plan = plan or CalibrationPlan()
+    node = config.generation[0]
+    engine = load_engine(config, node.prefix_cache_tokens)
+    samples = measure(engine, plan)
+    base, per_token, per_attn, per_decode = fit(samples)
+    place = [_place_s(engine, n, plan.repeats) / n for n in plan.place_tokens]
+    geometry = geometry_from_checkpoint(resolve(config.model), config.kv_dtype, config.model.max_context)
+    bytes_per_token = geometry.token_bytes  # what the memory node stores and a fetch moves
+    copy = torch.empty(max(plan.place_tokens) * bytes_per_token, dtype=torch.uint8)
+    copy_s = _median(lambda: None if copy.clone() is None else None, plan.repeats)
+    worst = max(abs(CostModel("fit", "", base, per_token, per_attn, per_decode).step_s(items) - t) / t
+                for items, t in samples)
+    return CostModel(
+        name=name,
+        source=(f"tessera simulate --calibrate: {config.model.source} {config.model.dtype} on {config.model.device}, "
+                f"{config.model.threads} thread(s), {len(samples)} step samples "
+                f"(max fit error {worst:.0%}); {geometry.n_layers} layers"),
+        base_s=base, per_token_s=per_token, per_attn_s=per_attn, per_decode_s=per_decode,
+        place_per_token_s=statistics.median(place), kv_bytes_per_token=bytes_per_token,
+        link_latency_s=plan.link_latency_s, link_bytes_per_s=copy.numel() / max(copy_s, 1e-9),
+        request_overhead_s=plan.request_overhead_s,
+    )
