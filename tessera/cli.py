@@ -306,8 +306,8 @@ def simulate(
         help="A shipped cost model (llama3-8b-a100, llama3-8b-h100) or a JSON file; with --calibrate, the file "
              "to write. Default: results/cost-model.json.")] = "",
     calibrate: Annotated[bool, typer.Option(
-        "--calibrate", help="Measure the configured engine's prefill, extend and decode step costs on this machine "
-                            "and write the cost model.")] = False,
+        "--calibrate", help="Measure the configured engine's prefill, extend and decode step costs on this "
+                            "machine and write the cost model.")] = False,
     nodes: Annotated[int, typer.Option(help="Generation nodes (copies of the first configured; 0: as configured).")] = 0,
     memory_nodes: Annotated[int, typer.Option(help="Memory nodes (0: as configured).")] = 0,
     local_blocks: Annotated[int, typer.Option(help="Local cache blocks per generation node (0: as configured).")] = 0,

@@ -65,28 +65,38 @@ def _tokens(n: int, salt: int = 0) -> list[int]:
     return [(17 * i + 101 + salt) % 20000 + 100 for i in range(n)]
 
 
+def _prefill_s(engine: EngineAdapter, n: int, repeats: int) -> float:
+    ids = _tokens(n)
+    return _median(lambda: engine.step([UnitPrefill(ids)]), repeats)
+
+
+def _extend_s(engine: EngineAdapter, n: int, p: int, repeats: int) -> float:
+    """``n`` new tokens over ``p`` computed ones (the same slots each time: the positions are rewritten)."""
+    slots = engine.allocate(p + n)
+    engine.step([Extend(slots, _tokens(p), range(p))])
+    ids = _tokens(n, 7)
+    t = _median(lambda: engine.step([Extend(slots, ids, range(p, p + n))]), repeats)
+    engine.free(slots)
+    return t
+
+
+def _decode_s(engine: EngineAdapter, m: int, c: int, repeats: int) -> float:
+    """One decode batch of ``m`` requests at context ``c``."""
+    all_slots = [engine.allocate(c + 1) for _ in range(m)]
+    for s in all_slots:
+        engine.step([Extend(s, _tokens(c), range(c))])
+    t = _median(lambda: engine.step([Extend(s, [123], [c]) for s in all_slots]), repeats)
+    for s in all_slots:
+        engine.free(s)
+    return t
+
+
 def measure(engine: EngineAdapter, plan: CalibrationPlan) -> list[tuple[list[StepItem], float]]:
     """Timed engine steps: (the batch as the cost model sees it, seconds)."""
-    samples: list[tuple[list[StepItem], float]] = []
-    for n in plan.prefill_tokens:
-        ids = _tokens(n)
-        t = _median(lambda: engine.step([UnitPrefill(ids)]), plan.repeats)
-        samples.append(([StepItem(n, n)], t))
-    for n, p in plan.extend:
-        slots = engine.allocate(p + n)
-        engine.step([Extend(slots, _tokens(p), range(p))])
-        t = _median(lambda: engine.step([Extend(slots, _tokens(n, 7), range(p, p + n))]), plan.repeats)
-        engine.free(slots)
-        samples.append(([StepItem(n, p + n)], t))
-    for m, c in plan.decode:
-        all_slots = [engine.allocate(c + 1) for _ in range(m)]
-        for s in all_slots:
-            engine.step([Extend(s, _tokens(c), range(c))])
-        t = _median(lambda: engine.step([Extend(s, [123], [c]) for s in all_slots]), plan.repeats)
-        for s in all_slots:
-            engine.free(s)
-        samples.append(([StepItem(1, c + 1, decode=True)] * m, t))
-    return samples
+    r = plan.repeats
+    return ([([StepItem(n, n)], _prefill_s(engine, n, r)) for n in plan.prefill_tokens]
+            + [([StepItem(n, p + n)], _extend_s(engine, n, p, r)) for n, p in plan.extend]
+            + [([StepItem(1, c + 1, decode=True)] * m, _decode_s(engine, m, c, r)) for m, c in plan.decode])
 
 
 def _place_s(engine: EngineAdapter, n: int, repeats: int) -> float:
