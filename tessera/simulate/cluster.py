@@ -67,11 +67,14 @@ class TimedPlane:
         self.time = PlaneTime()
         self.rejected = 0  # publishes refused (reservation expired)
 
-    def _timed(self, verb: str, fn: Callable[[], T]) -> T:
+    def _timed(self, verb: str, fn: Callable[[], T], out: Outcome | None = None) -> T:
         t0 = time.perf_counter()
-        out = fn()
-        self.time.add(verb, time.perf_counter() - t0)
-        return out
+        result = fn()
+        seconds = time.perf_counter() - t0
+        self.time.add(verb, seconds)
+        if out is not None:
+            out.plane_s += seconds
+        return result
 
     # NodeReports
     def residency(self, node: str, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str]) -> None:
@@ -105,6 +108,7 @@ class Outcome:
     latency: float | None = None
     node: str = ""
     stats: RequestStats | None = None
+    plane_s: float = 0.0  # CPU in the plane on this request's own path (route, finalize, started, complete)
 
 
 class SimCluster:
@@ -147,20 +151,20 @@ class SimCluster:
         rid = f"sim-{self._ids}"
         refs = req.unit_refs() if self.mode == "compose" else []
         timed, plane = self.timed, self.plane
-        name = timed._timed("route", lambda: plane.route(rid, refs))
+        name = timed._timed("route", lambda: plane.route(rid, refs), out)
         node = self.nodes[name]
         held = node.snapshot(rid, [u for u, _ in refs])
-        plan = timed._timed("finalize", lambda: plane.finalize(rid, name, held))
+        plan = timed._timed("finalize", lambda: plane.finalize(rid, name, held), out)
         out.node = name
 
         def first(stats: RequestStats) -> None:
             out.ttft = self.loop.now - out.sent_at
-            timed._timed("started", lambda: plane.started(rid))
+            timed._timed("started", lambda: plane.started(rid), out)
 
         def finished(stats: RequestStats) -> None:
             out.latency = self.loop.now - out.sent_at
             out.stats = stats
-            timed._timed("complete", lambda: plane.complete(rid))
+            timed._timed("complete", lambda: plane.complete(rid), out)
             self.outstanding -= 1
             done(out)
 

@@ -55,15 +55,16 @@ class SimulateOptions:
     local_blocks: int
     shared_blocks: int
     max_batch_tokens: int
+    prefix_cache_tokens: int = 0
 
 
 def fleet(config: ClusterConfig, nodes: int = 0, memory_nodes: int = 0, local_blocks: int = 0,
-          shared_blocks: int = 0, max_batch_tokens: int = 0) -> ClusterConfig:
+          shared_blocks: int = 0, max_batch_tokens: int = 0, prefix_cache_tokens: int = 0) -> ClusterConfig:
     """``config`` with N generation nodes and M memory nodes (0: as configured); ``shared_blocks``
     is the whole shared tier's capacity, split evenly over the memory nodes."""
-    if min(nodes, memory_nodes, local_blocks, shared_blocks, max_batch_tokens) < 0:
-        raise ConfigError("--nodes, --memory-nodes, --local-blocks, --shared-blocks and --max-batch-tokens "
-                          "must be >= 0 (0: as configured)")
+    if min(nodes, memory_nodes, local_blocks, shared_blocks, max_batch_tokens, prefix_cache_tokens) < 0:
+        raise ConfigError("--nodes, --memory-nodes, --local-blocks, --shared-blocks, --max-batch-tokens and "
+                          "--prefix-cache-tokens must be >= 0 (0: as configured)")
     if not config.generation or not config.kvpools:
         raise ConfigError("tessera simulate needs a config with at least one [[generation]] and one [[kvpools]] node")
     gen, pool = config.generation[0], config.kvpools[0]
@@ -71,9 +72,12 @@ def fleet(config: ClusterConfig, nodes: int = 0, memory_nodes: int = 0, local_bl
         gen = dataclasses.replace(gen, local_capacity_blocks=local_blocks)
     if max_batch_tokens:
         gen = dataclasses.replace(gen, max_batch_tokens=max_batch_tokens)
+    if prefix_cache_tokens:
+        gen = dataclasses.replace(gen, prefix_cache_tokens=prefix_cache_tokens)
     generation = (tuple(dataclasses.replace(gen, name=f"gen{i}", port=gen.port + i) for i in range(nodes))
                   if nodes else tuple(dataclasses.replace(g, local_capacity_blocks=gen.local_capacity_blocks,
-                                                          max_batch_tokens=gen.max_batch_tokens)
+                                                          max_batch_tokens=gen.max_batch_tokens,
+                                                          prefix_cache_tokens=gen.prefix_cache_tokens)
                                       for g in config.generation))
     m = memory_nodes or len(config.kvpools)
     total = shared_blocks or sum(k.capacity_blocks for k in config.kvpools[:m]) or pool.capacity_blocks * m
@@ -126,7 +130,8 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
         raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
     if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.time_scale <= 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --time-scale > 0")
-    cfg = fleet(config, opts.nodes, opts.memory_nodes, opts.local_blocks, opts.shared_blocks, opts.max_batch_tokens)
+    cfg = fleet(config, opts.nodes, opts.memory_nodes, opts.local_blocks, opts.shared_blocks, opts.max_batch_tokens,
+                opts.prefix_cache_tokens)
     arrivals = None
     if opts.trace is not None:
         wl, arrivals = trace_workload_of(cfg, opts.trace, opts.time_scale)
@@ -144,3 +149,8 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
         say(line)
     say("")
     say(report["cluster_table"])
+    for name, sysrep in report["systems"].items():
+        for r in sysrep["runs"]:
+            if len(r.get("by_stream", {})) > 1:
+                say(f"[{name}] {r['rate']:g} req/s mean TTFT by stream: "
+                    + ", ".join(f"{s} {t:.3f}s" for s, t in r["by_stream"].items()))

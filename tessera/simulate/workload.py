@@ -29,6 +29,7 @@ class SimRequest:
     layout: PromptLayout  # as served (after the policy's inlining)
     tenant: str
     max_tokens: int | None  # this request's own reply length; None: the run's
+    stream: str = ""  # the workload's stream (a LoCoMo conversation): reports break TTFT down by it
 
     def unit_refs(self) -> list[tuple[str, int]]:
         """(unit_id, n_tokens) of the layout's units in prompt order: what the chat driver routes by."""
@@ -58,7 +59,7 @@ def render(config: ClusterConfig, workload: Workload, texts: Sequence[Sequence[t
     for req, units in zip(workload.requests, texts, strict=True):
         trace = TraceRequest(req.messages, tuple(TraceUnit(s, text=t) for s, t in units), req.placement, req.scope,
                              max_tokens=req.max_tokens)
-        out.append(SimRequest(renderer.build(trace).served, trace.tenant, req.max_tokens))
+        out.append(SimRequest(renderer.build(trace).served, trace.tenant, req.max_tokens, req.stream))
     return out
 
 
