@@ -109,7 +109,8 @@ def main() -> None:
     ap.add_argument("--rate-per-node", type=float, default=4.0)
     ap.add_argument("--requests-per-node", type=int, default=40)
     ap.add_argument("--units", type=int, default=2000, help="records in the fixed synthetic corpus")
-    ap.add_argument("--shared-blocks", type=int, default=0, help="shared tier blocks (0: as configured per memory node)")
+    ap.add_argument("--shared-blocks", type=int, default=0,
+                    help="shared tier blocks (0: as configured per memory node)")
     ap.add_argument("--tier-nodes", type=int, default=64, help="fleet size of the shared-tier sweep (0: skip)")
     ap.add_argument("--tier-fractions", default="0.125,0.25,0.5,1,2")
     ap.add_argument("--seed", type=int, default=0)
@@ -143,7 +144,8 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "scale.json").write_text(json.dumps({"nodes": rows, "shared_tier": tiers}, indent=1))
-        for p in plot(rows, tiers, args.out, f"{args.system}, {args.cost_model}, {args.rate_per_node:g} req/s per node"):
+        title = f"{args.system}, {args.cost_model}, {args.rate_per_node:g} req/s per node"
+        for p in plot(rows, tiers, args.out, title):
             print(f"plot: {p}")
 
 
