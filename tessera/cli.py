@@ -308,7 +308,8 @@ def simulate(
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure the configured engine's prefill, extend and decode step costs on this "
                             "machine and write the cost model.")] = False,
-    nodes: Annotated[int, typer.Option(help="Generation nodes (copies of the first configured; 0: as configured).")] = 0,
+    nodes: Annotated[int, typer.Option(
+        help="Generation nodes (copies of the first configured; 0: as configured).")] = 0,
     memory_nodes: Annotated[int, typer.Option(help="Memory nodes (0: as configured).")] = 0,
     local_blocks: Annotated[int, typer.Option(help="Local cache blocks per generation node (0: as configured).")] = 0,
     shared_blocks: Annotated[int, typer.Option(help="The shared tier's blocks, all memory nodes together "
