@@ -61,6 +61,10 @@ def _median(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)
+
+
 def _tokens(n: int, salt: int = 0) -> list[int]:
     return [(17 * i + 101 + salt) % 20000 + 100 for i in range(n)]
 
@@ -139,7 +143,8 @@ def calibrate(config: ClusterConfig, plan: CalibrationPlan | None = None, name: 
     geometry = geometry_from_checkpoint(resolve(config.model), config.kv_dtype, config.model.max_context)
     bytes_per_token = geometry.token_bytes  # what the memory node stores and a fetch moves
     copy = torch.empty(max(plan.place_tokens) * bytes_per_token, dtype=torch.uint8)
-    copy_s = _median(lambda: None if copy.clone() is None else None, plan.repeats)
+    target = torch.empty_like(copy)
+    copy_s = _median(lambda: _copy(target, copy), plan.repeats)
     worst = max(abs(CostModel("fit", "", base, per_token, per_attn, per_decode).step_s(items) - t) / t
                 for items, t in samples)
     return CostModel(
