@@ -163,3 +163,17 @@ def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Pa
     rows = [line for line in done.stdout.splitlines() if line.startswith("| tessera | 2 |")]
     assert len(rows) == 2, done.stdout  # the TTFT table's row and the cluster table's
     assert (out / "simulate.json").is_file() and (out / "ttft_vs_rate.png").is_file()
+
+
+def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_path: Path) -> None:
+    """`python bench/scale.py` (tiny fleets): one table row per fleet size, the tier sweep, scale.json and plots."""
+    done = subprocess.run([sys.executable, "bench/scale.py", "--nodes", "2,4", "--requests-per-node", "4", "--units",
+                           "30", "--tier-nodes", "2", "--tier-fractions", "0.5,1", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows[:3] == ["nodes", "2", "4"], done.stdout  # the header, then one row per size
+    saved = json.loads((tmp_path / "scale.json").read_text())
+    assert [r["nodes"] for r in saved["nodes"]] == [2, 4] and len(saved["shared_tier"]) == 2
+    assert (tmp_path / "scale_nodes.png").is_file() and (tmp_path / "scale_shared_tier.png").is_file()
