@@ -317,6 +317,9 @@ def simulate(
     max_batch_tokens: Annotated[int, typer.Option(help="Batch token budget per node step (0: as configured).")] = 0,
     prefix_cache_tokens: Annotated[int, typer.Option(
         help="Exact prefix cache tokens per generation node (0: as configured).")] = 0,
+    compare: Annotated[Path | None, typer.Option(
+        help="A tessera bench report (bench.json) of the same workload and rates: print simulated vs measured "
+             "mean TTFT and the error of each run.")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Discrete-event simulation of a cluster whose decisions are made by the real control plane;
@@ -330,7 +333,8 @@ def simulate(
                            data_dir=data_dir, out=out, seed=seed, drain_warmup=drain_warmup, trace=trace,
                            time_scale=time_scale, cost_model=cost_model, calibrate=calibrate, nodes=nodes,
                            memory_nodes=memory_nodes, local_blocks=local_blocks, shared_blocks=shared_blocks,
-                           max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens)
+                           max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens,
+                           compare=compare)
     with _usage("simulate"):
         run_command(cfg, opts)
 

@@ -24,6 +24,7 @@ from tessera.simulate.command import fleet
 from tessera.simulate.costs import CostModel, StepItem, builtin_models, load_cost_model
 from tessera.simulate.engine import Work
 from tessera.simulate.run import SimOptions, run_simulation, simulate_run
+from tessera.simulate.validate import compare_runs, comparison_table
 from tessera.simulate.workload import render, unit_texts
 
 COSTS = CostModel("test", "hand-written for the tests", base_s=0.02, per_token_s=0.002, per_attn_s=0.0005,
@@ -163,6 +164,9 @@ def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Pa
     rows = [line for line in done.stdout.splitlines() if line.startswith("| tessera | 2 |")]
     assert len(rows) == 2, done.stdout  # the TTFT table's row and the cluster table's
     assert (out / "simulate.json").is_file() and (out / "ttft_vs_rate.png").is_file()
+    again = _cli("--workload", "synthetic", "--requests", "8", "--rates", "1,2", "--unloaded", "2", "--cost-model",
+                 str(model), "--config", str(path), "--compare", str(out / "simulate.json"))
+    assert "| tessera | unloaded |" in again.stdout and "0 of 6 runs outside ±20%" in again.stdout, again.stdout
 
 
 def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_path: Path) -> None:
@@ -177,3 +181,15 @@ def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_p
     saved = json.loads((tmp_path / "scale.json").read_text())
     assert [r["nodes"] for r in saved["nodes"]] == [2, 4] and len(saved["shared_tier"]) == 2
     assert (tmp_path / "scale_nodes.png").is_file() and (tmp_path / "scale_shared_tier.png").is_file()
+
+
+def test_a_simulation_is_compared_run_by_run_with_a_bench_report() -> None:
+    """--compare: runs matched by system and rate (unloaded too); the error is relative to the measured mean."""
+    def run(rate: float, mean: float) -> dict[str, object]:
+        return {"rate": rate, "mean": mean, "p90": mean, "hit_rate": {"computed": 0.1}}
+
+    measured = {"systems": {"tessera": {"unloaded": run(0.0, 1.0), "runs": [run(1.0, 2.0), run(2.0, 4.0)]}}}
+    simulated = {"systems": {"tessera": {"unloaded": run(0.0, 1.1), "runs": [run(1.0, 1.0)]}}}
+    rows = compare_runs(simulated, measured)
+    assert [(r["rate"], round(r["error"], 3)) for r in rows] == [("unloaded", 0.1), ("1", -0.5)]
+    assert "1 of 2 runs outside ±20%" in comparison_table(rows)

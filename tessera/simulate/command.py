@@ -56,6 +56,7 @@ class SimulateOptions:
     shared_blocks: int
     max_batch_tokens: int
     prefix_cache_tokens: int = 0
+    compare: Path | None = None  # a tessera bench report (bench.json) to compare the simulation with
 
 
 def fleet(config: ClusterConfig, nodes: int = 0, memory_nodes: int = 0, local_blocks: int = 0,
@@ -149,6 +150,16 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
         say(line)
     say("")
     say(report["cluster_table"])
+    if opts.compare is not None:
+        from tessera.simulate.validate import compare_runs, comparison_table
+
+        if not opts.compare.is_file():
+            raise ConfigError(f"--compare {opts.compare} does not exist; pass the bench.json tessera bench wrote")
+        rows = compare_runs(report, json.loads(opts.compare.read_text()))
+        say(f"\nsimulated vs measured ({opts.compare}):")
+        say(comparison_table(rows))
+        if opts.out is not None:
+            (opts.out / "validation.json").write_text(json.dumps(rows, indent=1))
     for name, sysrep in report["systems"].items():
         for r in sysrep["runs"]:
             if len(r.get("by_stream", {})) > 1:
