@@ -7,7 +7,10 @@ budget) and times, each the median of ``repeats``:
 * extends of n tokens over a cached prefix of p tokens (a composed request's final pass,
   a chunk of a long prompt);
 * decode batches of m requests at context c;
-* placing a unit state of n tokens at an offset (RoPE at its real positions).
+* placing a unit state of n tokens at an offset (RoPE at its real positions);
+* with k - 1 more engines of the config's first host stepping in other processes (k up to
+  its generation nodes, at most the cores), the unit prefills again: the median ratio to
+  the lone times is ``host_slowdown[k - 1]`` (shared cores and memory bandwidth).
 
 A least-squares fit of :class:`~tessera.simulate.costs.CostModel`'s step formula to the
 step samples gives ``base_s``, ``per_token_s``, ``per_attn_s`` and ``per_decode_s``
@@ -18,10 +21,13 @@ memcpy bandwidth measured on a state-sized tensor.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,11 +50,12 @@ class CalibrationPlan:
     repeats: int = 3
     request_overhead_s: float = 0.01  # HTTP hops and retrieval outside the node (stated, not measured)
     link_latency_s: float = 0.0005
+    contention: bool = True  # measure host_slowdown with the host's other engines busy
 
     def smaller(self) -> CalibrationPlan:
         """A quick plan (tests): tiny sizes, one repeat."""
         return CalibrationPlan((8, 32), ((8, 32), (16, 16)), ((1, 16), (2, 16)), (16,), 1,
-                               self.request_overhead_s, self.link_latency_s)
+                               self.request_overhead_s, self.link_latency_s, self.contention)
 
 
 def _median(fn: Callable[[], None], repeats: int) -> float:
@@ -115,6 +122,42 @@ def _place_s(engine: EngineAdapter, n: int, repeats: int) -> float:
     return t
 
 
+def _keep_busy(config: ClusterConfig, tokens: int, ready: Any, stop: Any) -> None:
+    """Another engine of the host, stepping unit prefills until told to stop (runs in its own process)."""
+    engine = load_engine(config, config.generation[0].prefix_cache_tokens)
+    ids = _tokens(tokens, 11)
+    engine.step([UnitPrefill(ids)])
+    ready.set()
+    while not stop.is_set():
+        engine.step([UnitPrefill(ids)])
+
+
+def host_slowdown(config: ClusterConfig, engine: EngineAdapter, plan: CalibrationPlan) -> tuple[float, ...]:
+    """Step stretch with 1..k engines of the first host busy (k: its generation nodes, at most the cores)."""
+    host = config.generation[0].host
+    k_max = min(sum(g.host == host for g in config.generation), os.cpu_count() or 1)
+    alone = [_prefill_s(engine, n, plan.repeats) for n in plan.prefill_tokens]
+    out = [1.0]
+    ctx = mp.get_context("spawn")
+    for k in range(2, k_max + 1):
+        stop = ctx.Event()
+        readies = [ctx.Event() for _ in range(k - 1)]
+        others = [ctx.Process(target=_keep_busy, args=(config, max(plan.prefill_tokens), r, stop), daemon=True)
+                  for r in readies]
+        for p in others:
+            p.start()
+        try:
+            for r in readies:
+                r.wait(300)
+            loaded = [_prefill_s(engine, n, plan.repeats) for n in plan.prefill_tokens]
+        finally:
+            stop.set()
+            for p in others:
+                p.join(60)
+        out.append(statistics.median(b / a for a, b in zip(alone, loaded, strict=True)))
+    return tuple(out)
+
+
 def fit(samples: list[tuple[list[StepItem], float]]) -> tuple[float, float, float, float]:
     """Least squares of the step formula; coefficients clipped at 0 (then refitted without them)."""
     rows = [[1.0, sum(i.tokens for i in items), sum(i.tokens * i.context for i in items) / 1000.0,
@@ -145,15 +188,17 @@ def calibrate(config: ClusterConfig, plan: CalibrationPlan | None = None, name: 
     copy = torch.empty(max(plan.place_tokens) * bytes_per_token, dtype=torch.uint8)
     target = torch.empty_like(copy)
     copy_s = _median(lambda: _copy(target, copy), plan.repeats)
+    slowdown = host_slowdown(config, engine, plan) if plan.contention else ()
     worst = max(abs(CostModel("fit", "", base, per_token, per_attn, per_decode).step_s(items) - t) / t
                 for items, t in samples)
     return CostModel(
         name=name,
         source=(f"tessera simulate --calibrate: {config.model.source} {config.model.dtype} on {config.model.device}, "
                 f"{config.model.threads} thread(s), {len(samples)} step samples "
-                f"(max fit error {worst:.0%}); {geometry.n_layers} layers"),
+                f"(max fit error {worst:.0%}); {geometry.n_layers} layers; host slowdown with 1..k engines busy "
+                f"{', '.join(f'{x:.2f}' for x in slowdown) or 'not measured'}"),
         base_s=base, per_token_s=per_token, per_attn_s=per_attn, per_decode_s=per_decode,
         place_per_token_s=statistics.median(place), kv_bytes_per_token=bytes_per_token,
         link_latency_s=plan.link_latency_s, link_bytes_per_s=copy.numel() / max(copy_s, 1e-9),
-        request_overhead_s=plan.request_overhead_s,
+        request_overhead_s=plan.request_overhead_s, host_slowdown=slowdown,
     )

@@ -35,6 +35,7 @@ from tessera.messages import (
     WriteGrant,
 )
 from tessera.simulate.costs import CostModel
+from tessera.simulate.engine import Host
 from tessera.simulate.events import EventLoop
 from tessera.simulate.node import Execution, SimNode
 from tessera.simulate.workload import SimRequest
@@ -120,8 +121,9 @@ class SimCluster:
         self.timed = TimedPlane(self.plane)
         self.mode = config.control.mode
         policy = policy_from_config(config.composition)
+        hosts = {g.host: Host() for g in config.generation}  # nodes of one host share its cores
         self.nodes = {g.name: SimNode(g, config.transport, config.block_tokens, self.loop, costs, policy, self.mode,
-                                      self.timed) for g in config.generation}
+                                      self.timed, hosts[g.host]) for g in config.generation}
         self._hellos = [memory_node_hello(pool.name, pool.capacity_blocks) for pool in config.kvpools]
         self._ids = 0
         self.outstanding = 0

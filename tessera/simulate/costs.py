@@ -14,6 +14,8 @@ length; an extend over a cached prefix: the prefix plus the extend). Placing a c
 its offset (RoPE) costs ``place_per_token_s`` per token; moving a unit state over a link costs
 ``link_latency_s + bytes / link_bytes_per_s`` with ``kv_bytes_per_token`` bytes per token.
 ``request_overhead_s`` is what a request spends outside the node (HTTP, retrieval, routing).
+``host_slowdown[k - 1]`` stretches a step that runs while k engines of one host are busy (CPU
+nodes sharing cores and memory bandwidth; empty: every node has its own device).
 
 This module knows nothing about the control plane or the event loop.
 """
@@ -54,6 +56,7 @@ class CostModel:
     link_latency_s: float = 0.0  # one transfer to or from a memory node
     link_bytes_per_s: float = 1e12
     request_overhead_s: float = 0.0  # outside the node: HTTP, retrieval, routing
+    host_slowdown: tuple[float, ...] = ()  # [k - 1]: a step's stretch while k engines of its host are busy
     version: int = COST_MODEL_VERSION
 
     def __post_init__(self) -> None:
@@ -63,6 +66,9 @@ class CostModel:
                 raise ConfigError(f"cost model {self.name!r}: {f} = {getattr(self, f)} must be >= 0")
         if self.link_bytes_per_s <= 0 or self.kv_bytes_per_token < 0:
             raise ConfigError(f"cost model {self.name!r}: link_bytes_per_s must be > 0 and kv_bytes_per_token >= 0")
+        object.__setattr__(self, "host_slowdown", tuple(float(x) for x in self.host_slowdown))  # a JSON list
+        if any(x <= 0 for x in self.host_slowdown):
+            raise ConfigError(f"cost model {self.name!r}: host_slowdown {self.host_slowdown} must be > 0")
         if self.version != COST_MODEL_VERSION:
             raise ConfigError(f"cost model {self.name!r} has version {self.version}; this Tessera reads "
                               f"version {COST_MODEL_VERSION}: run tessera simulate --calibrate again")
@@ -74,6 +80,12 @@ class CostModel:
             if it.decode:
                 t += self.per_decode_s
         return t
+
+    def slowdown(self, busy: int) -> float:
+        """A step's stretch while ``busy`` engines of its host run (past the measured ones: the last)."""
+        if not self.host_slowdown or busy <= 1:
+            return 1.0
+        return self.host_slowdown[min(busy, len(self.host_slowdown)) - 1]
 
     def transfer_s(self, n_tokens: int) -> float:
         return self.link_latency_s + n_tokens * self.kv_bytes_per_token / self.link_bytes_per_s

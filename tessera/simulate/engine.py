@@ -2,7 +2,8 @@
 
 Work is queued as the node's :class:`~tessera.generation.scheduler.Scheduler` queues it
 (decodes, requests' extends in chunks of ``max_batch_tokens``, unit prefills) and each batch
-is taken with the same :func:`~tessera.generation.batching.take_batch`. Per-request engine
+is taken with the same :func:`~tessera.generation.batching.take_batch`. Engines on one host
+(:class:`Host`) stretch each other's steps as the cost model's ``host_slowdown`` says. Per-request engine
 calls (placing a unit's state) run between batches, in the order they were asked, as they do
 on the node's single engine thread. A step's duration is the cost model's.
 
@@ -35,10 +36,18 @@ class Work:
         return False  # simulated clients never go away
 
 
+class Host:
+    """The machine a node's engine runs on: how many of its engines are in a step now."""
+
+    def __init__(self) -> None:
+        self.busy = 0
+
+
 class SimEngine:
-    def __init__(self, loop: EventLoop, costs: CostModel, max_batch_tokens: int) -> None:
+    def __init__(self, loop: EventLoop, costs: CostModel, max_batch_tokens: int, host: Host | None = None) -> None:
         self.loop = loop
         self.costs = costs
+        self.host = host or Host()
         self.max_batch_tokens = max_batch_tokens
         self._decodes: deque[Work] = deque()
         self._extends: deque[Work] = deque()
@@ -103,7 +112,10 @@ class SimEngine:
         if not batch:
             self.busy = False
             return
-        seconds = self.costs.step_s(StepItem(w.tokens, w.context, w.decode) for w in batch)
+        self.host.busy += 1
+        # engines sharing a host's cores and memory bandwidth slow each other (CPU nodes)
+        seconds = self.costs.step_s(StepItem(w.tokens, w.context, w.decode) for w in batch) * \
+            self.costs.slowdown(self.host.busy)
         self.busy_s += seconds
         self.steps += 1
         if not all(w.decode for w in batch):
@@ -116,6 +128,7 @@ class SimEngine:
         self._next()
 
     def _finish_batch(self, batch: list[Work]) -> None:
+        self.host.busy -= 1
         for w in batch:
             w.done()
         self._next()

@@ -30,7 +30,7 @@ from tessera.engines.prefix_cache import PrefixCache
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import Preparation, PromptLayout, RequestPlan, RequestStats, UnitPlan, WriteGrant
 from tessera.simulate.costs import CostModel
-from tessera.simulate.engine import SimEngine
+from tessera.simulate.engine import Host, SimEngine
 from tessera.simulate.events import EventLoop
 
 
@@ -64,14 +64,15 @@ class Execution:
 
 class SimNode:
     def __init__(self, cfg: GenerationNodeConfig, transport: TransportConfig, block_tokens: int, loop: EventLoop,
-                 costs: CostModel, policy: CompositionPolicy, mode: str, reports: NodeReports) -> None:
+                 costs: CostModel, policy: CompositionPolicy, mode: str, reports: NodeReports,
+                 host: Host | None = None) -> None:
         self.name = cfg.name
         self.loop = loop
         self.costs = costs
         self.policy = policy
         self.mode = mode
         self.reports = reports
-        self.engine = SimEngine(loop, costs, cfg.max_batch_tokens)
+        self.engine = SimEngine(loop, costs, cfg.max_batch_tokens, host)
         self.cache = LocalUnitCache(cfg.local_capacity_blocks, block_tokens)
         self.prefix = PrefixCache(cfg.prefix_cache_tokens)
         self._prefilling: dict[str, list[Callable[[], None]]] = {}  # unit -> waiters of its in-flight prefill
