@@ -151,7 +151,7 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
     say("")
     say(report["cluster_table"])
     if opts.compare is not None:
-        from tessera.simulate.validate import compare_runs, comparison_table
+        from tessera.simulate.validate import compare_runs, comparison_table, plot_comparison
 
         if not opts.compare.is_file():
             raise ConfigError(f"--compare {opts.compare} does not exist; pass the bench.json tessera bench wrote")
@@ -160,6 +160,7 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
         say(comparison_table(rows))
         if opts.out is not None:
             (opts.out / "validation.json").write_text(json.dumps(rows, indent=1))
+            say(f"plot: {plot_comparison(rows, opts.out / 'validation.png')}")
     for name, sysrep in report["systems"].items():
         for r in sysrep["runs"]:
             if len(r.get("by_stream", {})) > 1:

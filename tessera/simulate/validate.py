@@ -8,6 +8,7 @@ report was made.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 ERROR_BOUND = 0.20
@@ -55,3 +56,26 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
                      f"{worst['rate']}); {sum(abs(r['error']) > ERROR_BOUND for r in rows)} of {len(rows)} runs "
                      f"outside ±{ERROR_BOUND:.0%}")
     return "\n".join(lines)
+
+
+def plot_comparison(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Measured (solid) and simulated (dashed) mean TTFT against the rate, per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        runs = [r for r in rows if r["system"] == system and r["rate"] != "unloaded"]
+        rates = [float(r["rate"]) for r in runs]
+        line = ax.plot(rates, [r["measured"] for r in runs], marker="o", label=f"{system} measured")[0]
+        ax.plot(rates, [r["simulated"] for r in runs], marker="x", ls="--", color=line.get_color(),
+                label=f"{system} simulated")
+    ax.set(xlabel="request rate (req/s)", ylabel="mean TTFT (s)", title="tessera simulate vs tessera bench")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
