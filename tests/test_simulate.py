@@ -22,7 +22,8 @@ from tessera.generation.batching import take_batch
 from tessera.simulate.calibrate import CalibrationPlan, calibrate, fit
 from tessera.simulate.command import fleet
 from tessera.simulate.costs import CostModel, StepItem, builtin_models, load_cost_model
-from tessera.simulate.engine import Work
+from tessera.simulate.engine import Host, SimEngine, Work
+from tessera.simulate.events import EventLoop
 from tessera.simulate.run import SimOptions, run_simulation, simulate_run
 from tessera.simulate.validate import compare_runs, comparison_table
 from tessera.simulate.workload import render, unit_texts
@@ -193,3 +194,20 @@ def test_a_simulation_is_compared_run_by_run_with_a_bench_report() -> None:
     rows = compare_runs(simulated, measured)
     assert [(r["rate"], round(r["error"], 3)) for r in rows] == [("unloaded", 0.1), ("1", -0.5)]
     assert "1 of 2 runs outside ±20%" in comparison_table(rows)
+
+
+def test_engines_of_one_host_stretch_each_others_steps_by_the_models_slowdown() -> None:
+    """Two engines on one host step at once: each step takes host_slowdown[1] × its cost; alone, 1×."""
+    costs = dataclasses.replace(COSTS, host_slowdown=(1.0, 2.0))
+    loop, host = EventLoop(), Host()
+    engines = [SimEngine(loop, costs, 512, host) for _ in range(2)]
+    done: list[float] = []
+    t0 = loop.now
+    engines[0].prefill_unit(100, lambda: done.append(loop.now - t0))
+    engines[1].prefill_unit(100, lambda: done.append(loop.now - t0))
+    loop.run()
+    step = costs.step_s([StepItem(100, 100)])
+    assert done == pytest.approx([step * 2.0, step * 2.0]) and host.busy == 0
+    engines[0].prefill_unit(100, lambda: done.append(loop.now - t0))
+    loop.run()
+    assert done[-1] == pytest.approx(step * 3.0)  # alone: its plain cost after the first pair
