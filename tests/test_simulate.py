@@ -199,7 +199,8 @@ def test_a_simulation_is_compared_run_by_run_with_a_bench_report() -> None:
 def test_engines_of_one_host_stretch_each_others_steps_by_the_models_slowdown() -> None:
     """Two engines on one host step at once: each step takes host_slowdown[1] × its cost; alone, 1×."""
     costs = dataclasses.replace(COSTS, host_slowdown=(1.0, 2.0))
-    loop, host = EventLoop(), Host()
+    loop = EventLoop()
+    host = Host(loop, costs)
     engines = [SimEngine(loop, costs, 512, host) for _ in range(2)]
     done: list[float] = []
     t0 = loop.now

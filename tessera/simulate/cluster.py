@@ -121,7 +121,7 @@ class SimCluster:
         self.timed = TimedPlane(self.plane)
         self.mode = config.control.mode
         policy = policy_from_config(config.composition)
-        hosts = {g.host: Host() for g in config.generation}  # nodes of one host share its cores
+        hosts = {g.host: Host(self.loop, costs) for g in config.generation}  # nodes of one host share its cores
         self.nodes = {g.name: SimNode(g, config.transport, config.block_tokens, self.loop, costs, policy, self.mode,
                                       self.timed, hosts[g.host]) for g in config.generation}
         self._hellos = [memory_node_hello(pool.name, pool.capacity_blocks) for pool in config.kvpools]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from tessera.generation.batching import take_batch
 from tessera.simulate.costs import CostModel, StepItem
@@ -36,18 +37,69 @@ class Work:
         return False  # simulated clients never go away
 
 
-class Host:
-    """The machine a node's engine runs on: how many of its engines are in a step now."""
+class _Running:
+    __slots__ = ("done", "remaining", "version")
 
-    def __init__(self) -> None:
-        self.busy = 0
+    def __init__(self, remaining: float, done: Done) -> None:
+        self.remaining = remaining  # seconds of work left at full speed
+        self.done = done
+        self.version = 0  # finish events of older versions are stale
+
+
+class Host:
+    """The machine some nodes' engines share: steps run at 1 / slowdown(k) speed while k are running.
+
+    Processor sharing: whenever a step starts or ends, every running step's remaining work is
+    advanced at the old speed and its end rescheduled at the new one (stale end events are
+    ignored), so two steps that overlap for part of their time are stretched for that part only.
+    """
+
+    def __init__(self, loop: EventLoop, costs: CostModel) -> None:
+        self.loop = loop
+        self.costs = costs
+        self._running: list[_Running] = []
+        self._since = loop.now
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    def run(self, seconds: float, done: Done) -> None:
+        """A step of ``seconds`` at full speed; ``done`` at its (stretched) end."""
+        self._advance()
+        self._running.append(_Running(seconds, done))
+        self._reschedule()
+
+    def _speed(self) -> float:
+        return 1.0 / self.costs.slowdown(len(self._running))
+
+    def _advance(self) -> None:
+        now = self.loop.now
+        spent = (now - self._since) * self._speed()
+        for r in self._running:
+            r.remaining = max(0.0, r.remaining - spent)
+        self._since = now
+
+    def _reschedule(self) -> None:
+        speed = self._speed()
+        for r in self._running:
+            r.version += 1
+            self.loop.after(r.remaining / speed, partial(self._end, r, r.version))
+
+    def _end(self, r: _Running, version: int) -> None:
+        if version != r.version:
+            return
+        self._advance()
+        self._running.remove(r)
+        self._reschedule()
+        r.done()
 
 
 class SimEngine:
     def __init__(self, loop: EventLoop, costs: CostModel, max_batch_tokens: int, host: Host | None = None) -> None:
         self.loop = loop
         self.costs = costs
-        self.host = host or Host()
+        self.host = host or Host(loop, costs)
         self.max_batch_tokens = max_batch_tokens
         self._decodes: deque[Work] = deque()
         self._extends: deque[Work] = deque()
@@ -112,23 +164,21 @@ class SimEngine:
         if not batch:
             self.busy = False
             return
-        self.host.busy += 1
-        # engines sharing a host's cores and memory bandwidth slow each other (CPU nodes)
-        seconds = self.costs.step_s(StepItem(w.tokens, w.context, w.decode) for w in batch) * \
-            self.costs.slowdown(self.host.busy)
-        self.busy_s += seconds
+        seconds = self.costs.step_s(StepItem(w.tokens, w.context, w.decode) for w in batch)
         self.steps += 1
-        if not all(w.decode for w in batch):
-            self._recent_tokens = 0.8 * self._recent_tokens + sum(w.tokens for w in batch)
-            self._recent_s = 0.8 * self._recent_s + seconds
-        self.loop.after(seconds, lambda: self._finish_batch(batch))
+        # engines sharing a host's cores and memory bandwidth slow each other (CPU nodes)
+        self.host.run(seconds, partial(self._finish_batch, batch, self.loop.now))
 
     def _finish_call(self, done: Done) -> None:
         done()
         self._next()
 
-    def _finish_batch(self, batch: list[Work]) -> None:
-        self.host.busy -= 1
+    def _finish_batch(self, batch: list[Work], started: float) -> None:
+        seconds = self.loop.now - started
+        self.busy_s += seconds
+        if not all(w.decode for w in batch):
+            self._recent_tokens = 0.8 * self._recent_tokens + sum(w.tokens for w in batch)
+            self._recent_s = 0.8 * self._recent_s + seconds
         for w in batch:
             w.done()
         self._next()
