@@ -1,4 +1,4 @@
-"""Command line: ``tessera run | up | bench | analyze | eval | verify``."""
+"""Command line: ``tessera run | up | bench | simulate | analyze | eval | verify``."""
 
 from __future__ import annotations
 

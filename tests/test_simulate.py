@@ -212,3 +212,18 @@ def test_engines_of_one_host_stretch_each_others_steps_by_the_models_slowdown() 
     engines[0].prefill_unit(100, lambda: done.append(loop.now - t0))
     loop.run()
     assert done[-1] == pytest.approx(step * 3.0)  # alone: its plain cost after the first pair
+
+
+def test_a_simulation_replays_identically_under_another_string_hash_seed(tmp_path: Path) -> None:
+    """Regression: units were prepared in set order, so a process with another PYTHONHASHSEED diverged."""
+    ttfts = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        done = subprocess.run([sys.executable, "-m", "tessera", "simulate", "--workload", "synthetic", "--requests",
+                               "80", "--nodes", "3", "--local-blocks", "64", "--shared-blocks", "256", "--cost-model",
+                               "llama3-8b-a100", "--rates", "20", "--systems", "tessera", "--unloaded", "0", "--out",
+                               str(out)], cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr[-2000:]
+        ttfts.append(json.loads((out / "simulate.json").read_text())["systems"]["tessera"]["runs"][0]["ttfts"])
+    assert ttfts[0] == ttfts[1]

@@ -105,7 +105,7 @@ class SimNode:
         matched = self._match(lead, ex.tenant) if lead else 0
         stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
-        needed = {p.unit_id for p in placements(layout, ranges, matched)}
+        needed = list(dict.fromkeys(p.unit_id for p in placements(layout, ranges, matched)))  # prompt order
         token_ids, _ = tokens_to_compute(layout, ranges, matched)
         start = layout.n_tokens - len(token_ids)
         plans = {u.unit_id: u for u in plan.units}
