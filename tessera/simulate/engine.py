@@ -38,27 +38,28 @@ class Work:
 
 
 class _Running:
-    __slots__ = ("done", "remaining", "version")
+    __slots__ = ("done", "remaining", "since", "version")
 
-    def __init__(self, remaining: float, done: Done) -> None:
-        self.remaining = remaining  # seconds of work left at full speed
+    def __init__(self, remaining: float, since: float, done: Done) -> None:
+        self.remaining = remaining  # seconds of work left at full speed, as of ``since``
+        self.since = since
         self.done = done
-        self.version = 0  # finish events of older versions are stale
+        self.version = 0  # end events of older versions are stale
 
 
 class Host:
     """The machine some nodes' engines share: steps run at 1 / slowdown(k) speed while k are running.
 
-    Processor sharing: whenever a step starts or ends, every running step's remaining work is
-    advanced at the old speed and its end rescheduled at the new one (stale end events are
-    ignored), so two steps that overlap for part of their time are stretched for that part only.
+    Processor sharing: when a step starts or ends and the speed changes, every running step's
+    remaining work is advanced at the old speed and its end rescheduled at the new one (stale
+    end events are ignored), so two steps that overlap for part of their time are stretched
+    for that part only. Without a slowdown (a GPU per node) nothing is ever rescheduled.
     """
 
     def __init__(self, loop: EventLoop, costs: CostModel) -> None:
         self.loop = loop
         self.costs = costs
         self._running: list[_Running] = []
-        self._since = loop.now
 
     @property
     def busy(self) -> int:
@@ -66,32 +67,36 @@ class Host:
 
     def run(self, seconds: float, done: Done) -> None:
         """A step of ``seconds`` at full speed; ``done`` at its (stretched) end."""
-        self._advance()
-        self._running.append(_Running(seconds, done))
-        self._reschedule()
+        before = self._speed(len(self._running))
+        r = _Running(seconds, self.loop.now, done)
+        self._running.append(r)
+        if self._speed(len(self._running)) != before:
+            self._reschedule(before)
+        else:
+            self._schedule(r, before)
 
-    def _speed(self) -> float:
-        return 1.0 / self.costs.slowdown(len(self._running))
+    def _speed(self, k: int) -> float:
+        return 1.0 / self.costs.slowdown(k)
 
-    def _advance(self) -> None:
-        now = self.loop.now
-        spent = (now - self._since) * self._speed()
+    def _schedule(self, r: _Running, speed: float) -> None:
+        r.version += 1
+        self.loop.after(r.remaining / speed, partial(self._end, r, r.version))
+
+    def _reschedule(self, old: float) -> None:
+        """The speed changed: advance every step at the ``old`` speed, then schedule its end at the new one."""
+        now, speed = self.loop.now, self._speed(len(self._running))
         for r in self._running:
-            r.remaining = max(0.0, r.remaining - spent)
-        self._since = now
-
-    def _reschedule(self) -> None:
-        speed = self._speed()
-        for r in self._running:
-            r.version += 1
-            self.loop.after(r.remaining / speed, partial(self._end, r, r.version))
+            r.remaining = max(0.0, r.remaining - (now - r.since) * old)
+            r.since = now
+            self._schedule(r, speed)
 
     def _end(self, r: _Running, version: int) -> None:
         if version != r.version:
             return
-        self._advance()
+        before = self._speed(len(self._running))
         self._running.remove(r)
-        self._reschedule()
+        if self._running and self._speed(len(self._running)) != before:
+            self._reschedule(before)
         r.done()
 
 
