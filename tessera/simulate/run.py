@@ -77,6 +77,7 @@ def simulate_run(config: ClusterConfig, costs: CostModel, requests: Sequence[Sim
     loop = cluster.loop
     outcomes: list[Outcome | None] = [None] * len(requests)
     serial_out: list[Outcome] = []
+    finished = [0]  # requests done (a counter: the loop asks after every event)
     split = int(len(requests) * opts.warmup_frac)
     drain = opts.drain_warmup and not serial
     cuts = [(0, split), (split, len(requests))] if drain and 0 < split < len(requests) else [(0, len(requests))]
@@ -95,6 +96,7 @@ def simulate_run(config: ClusterConfig, costs: CostModel, requests: Sequence[Sim
 
         def done(i: int, out: Outcome) -> None:
             outcomes[i] = out
+            finished[0] += 1
             left[0] -= 1
             if left[0] == 0:
                 phase(n + 1)
@@ -108,12 +110,13 @@ def simulate_run(config: ClusterConfig, costs: CostModel, requests: Sequence[Sim
 
     def serial_done(i: int, out: Outcome) -> None:
         serial_out.append(out)
+        finished[0] += 1
         send_serial(i + 1)
 
     t0 = loop.now
     loop.at(t0, lambda: phase(0))
     total = len(requests) + len(serial)
-    loop.run(until=lambda: sum(o is not None for o in outcomes) + len(serial_out) == total)
+    loop.run(until=lambda: finished[0] == total)
     done = serial_out if serial else [o for o in outcomes if o is not None]
     return RunStats([_result(i, o, cluster.started_at) for i, o in enumerate(done)], cluster,
                     [o.plane_s for o in done])
