@@ -68,7 +68,8 @@ class TimedPlane:
         self.time = PlaneTime()
         self.rejected = 0  # publishes refused (reservation expired)
 
-    def _timed(self, verb: str, fn: Callable[[], T], out: Outcome | None = None) -> T:
+    def call(self, verb: str, fn: Callable[[], T], out: Outcome | None = None) -> T:
+        """``fn()`` (one plane verb), its CPU time added to ``verb`` and to the request ``out``."""
         t0 = time.perf_counter()
         result = fn()
         seconds = time.perf_counter() - t0
@@ -80,12 +81,12 @@ class TimedPlane:
     # NodeReports
     def residency(self, node: str, inserted: Sequence[str], evicted: Sequence[str], kept: Sequence[str]) -> None:
         msg = ResidencyReport(WIRE_VERSION, node, tuple(inserted), tuple(evicted), tuple(kept))
-        self._timed("residency", lambda: self.plane.residency(msg))
+        self.call("residency", lambda: self.plane.residency(msg))
 
     def publish(self, grant: WriteGrant) -> None:
         msg = PublishRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer, grant.blocks)
         try:
-            self._timed("publish", lambda: self.plane.publish(msg))
+            self.call("publish", lambda: self.plane.publish(msg))
         except PublishRejected:
             # the reservation expired while the unit waited in the node's queue: the real
             # retainer logs it as a write failure and the unit is simply not shared
@@ -93,11 +94,11 @@ class TimedPlane:
 
     def give_up(self, grant: WriteGrant) -> None:
         msg = CancelRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer, 0.0)
-        self._timed("cancel", lambda: self.plane.cancel(msg))
+        self.call("cancel", lambda: self.plane.cancel(msg))
 
     def release(self, lease_ids: Sequence[str]) -> None:
         msg = ReleaseRequest(WIRE_VERSION, tuple(lease_ids))
-        self._timed("release", lambda: self.plane.release(msg))
+        self.call("release", lambda: self.plane.release(msg))
 
 
 @dataclass
@@ -134,12 +135,12 @@ class SimCluster:
         # memory nodes repeat their hello (a silent one is dropped with its entries), generation
         # nodes send their load; then the plane's periodic tick
         for hello in self._hellos:
-            self.timed._timed("hello", partial(self.plane.hello, hello))
+            self.timed.call("hello", partial(self.plane.hello, hello))
         for node in self.nodes.values():
             e = node.engine
             msg = LoadReport(WIRE_VERSION, node.name, node.inflight, e.queued_tokens, e.prefill_tokens_per_s)
-            self.timed._timed("load", partial(self.plane.load, msg))
-        self.timed._timed("tick", self.plane.tick)
+            self.timed.call("load", partial(self.plane.load, msg))
+        self.timed.call("tick", self.plane.tick)
         self.loop.after(HEARTBEAT_S, self._heartbeat)
 
     def send(self, req: SimRequest, max_tokens: int, done: Callable[[Outcome], None]) -> None:
@@ -153,20 +154,20 @@ class SimCluster:
         rid = f"sim-{self._ids}"
         refs = req.unit_refs() if self.mode == "compose" else []
         timed, plane = self.timed, self.plane
-        name = timed._timed("route", lambda: plane.route(rid, refs), out)
+        name = timed.call("route", lambda: plane.route(rid, refs), out)
         node = self.nodes[name]
         held = node.snapshot(rid, [u for u, _ in refs])
-        plan = timed._timed("finalize", lambda: plane.finalize(rid, name, held), out)
+        plan = timed.call("finalize", lambda: plane.finalize(rid, name, held), out)
         out.node = name
 
         def first(stats: RequestStats) -> None:
             out.ttft = self.loop.now - out.sent_at
-            timed._timed("started", lambda: plane.started(rid), out)
+            timed.call("started", lambda: plane.started(rid), out)
 
         def finished(stats: RequestStats) -> None:
             out.latency = self.loop.now - out.sent_at
             out.stats = stats
-            timed._timed("complete", lambda: plane.complete(rid), out)
+            timed.call("complete", lambda: plane.complete(rid), out)
             self.outstanding -= 1
             done(out)
 
