@@ -75,14 +75,15 @@ def fleet(config: ClusterConfig, nodes: int = 0, memory_nodes: int = 0, local_bl
         gen = dataclasses.replace(gen, max_batch_tokens=max_batch_tokens)
     if prefix_cache_tokens:
         gen = dataclasses.replace(gen, prefix_cache_tokens=prefix_cache_tokens)
-    generation = (tuple(dataclasses.replace(gen, name=f"gen{i}", port=gen.port + i) for i in range(nodes))
+    # a fleet's ports are never listened on; they only have to be distinct (kvpools below 20000)
+    generation = (tuple(dataclasses.replace(gen, name=f"gen{i}", port=20000 + i) for i in range(nodes))
                   if nodes else tuple(dataclasses.replace(g, local_capacity_blocks=gen.local_capacity_blocks,
                                                           max_batch_tokens=gen.max_batch_tokens,
                                                           prefix_cache_tokens=gen.prefix_cache_tokens)
                                       for g in config.generation))
     m = memory_nodes or len(config.kvpools)
     total = shared_blocks or sum(k.capacity_blocks for k in config.kvpools[:m]) or pool.capacity_blocks * m
-    kvpools = tuple(dataclasses.replace(pool, name=f"kv{i}", port=pool.port + 2 * i, data_port=pool.data_port + 2 * i,
+    kvpools = tuple(dataclasses.replace(pool, name=f"kv{i}", port=10000 + 2 * i, data_port=10001 + 2 * i,
                                         capacity_blocks=total // m + (1 if i < total % m else 0)) for i in range(m))
     return dataclasses.replace(config, generation=generation, kvpools=kvpools)
 
