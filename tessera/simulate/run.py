@@ -24,7 +24,7 @@ import numpy as np
 
 from tessera.benchmark.client import Result
 from tessera.benchmark.report import compare, plot, summarize, table
-from tessera.benchmark.runner import SYSTEMS, system_config
+from tessera.benchmark.runner import SYSTEMS, recorded_rate, system_config
 from tessera.benchmark.traffic_render import TraceRenderer
 from tessera.benchmark.workloads import Workload
 from tessera.config import ClusterConfig
@@ -178,7 +178,8 @@ def run_simulation(base: ClusterConfig, workload: Workload, costs: CostModel, op
     for system in opts.systems:
         config = system_config(base, system)
         requests = render(config, workload, texts, TraceRenderer(config))
-        rates = opts.rates_for(system) if opts.arrivals is None else [opts.rates_for(system)[0]]
+        # a trace's recorded times: one run, labelled with their mean rate (as tessera bench labels it)
+        rates = opts.rates_for(system) if opts.arrivals is None else [recorded_rate(opts.arrivals)]
         sysrep: dict[str, Any] = {"config": SYSTEMS[system], "rates": rates, "runs": []}
         report["systems"][system] = sysrep
         if opts.unloaded_requests:
