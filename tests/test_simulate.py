@@ -233,4 +233,5 @@ def test_a_traffic_trace_replays_at_its_recorded_times() -> None:
     """`tessera simulate --trace`: one run per system at the trace's own send times, labelled with their mean rate."""
     done = _cli("--trace", "bench/traces/example.jsonl", "--cost-model", "llama3-8b-a100", "--unloaded", "0")
     rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith(("| prefix", "| tessera"))]
-    assert [(r[0].strip(), r[1].strip()) for r in rows[:2]] == [("prefix", "1.9048"), ("tessera", "1.9048")], done.stdout
+    labels = [(r[0].strip(), r[1].strip()) for r in rows[:2]]
+    assert labels == [("prefix", "1.9048"), ("tessera", "1.9048")], done.stdout
