@@ -1,6 +1,7 @@
 """Scale-out with ``tessera simulate``'s machinery: the real control plane over 4 to 1,000 simulated nodes.
 
-For each fleet size N (generation nodes; one memory node per 8 of them), the synthetic
+For each fleet size N (generation nodes; one memory node per 8 of them, sharing the configured
+shared-tier capacity unless --shared-blocks says otherwise), the synthetic
 workload (a fixed corpus of --units records, Zipf-popular, 5 per request) is offered at
 N × --rate-per-node req/s, --requests-per-node × N requests per run, the first half warming up.
 A fixed corpus on a growing fleet is the question a deployment asks (more traffic, same
