@@ -16,6 +16,17 @@ every per-unit record of every tier (one per unit a tier's stream has seen).
 
     PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--nodes N] [--units U]
 
+Instructions per plan (stable where seconds are not, on a shared machine): ``--callgrind``
+calls the measured steps of the warm requests through ``operator.call``, so callgrind,
+told to count only inside that C function, counts exactly route + finalize + complete:
+
+    PYTHONPATH=. valgrind --tool=callgrind --collect-atstart=no --toggle-collect=_operator_call \
+        --callgrind-out-file=/tmp/cp.out python bench/control_plane.py --requests 5000 --callgrind
+    callgrind_annotate /tmp/cp.out | head   # "PROGRAM TOTALS" Ir / the warm requests printed
+
+Garbage collections during the loop are timed (``gc.callbacks``) and reported per
+generation: a full collection scans every tracked object not frozen before the loop.
+
 Prints numbers; asserts nothing.
 """
 
@@ -23,9 +34,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import operator
 import os
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 
@@ -59,6 +73,36 @@ def workload(args: argparse.Namespace) -> tuple[list[list[tuple[str, int]]], lis
     return requests, [f"r{i}" for i in range(args.requests)]
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def counted(f: Callable[P, R]) -> Callable[P, R]:
+    """``f`` called through ``operator.call``: the C function callgrind is told to count inside."""
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return operator.call(f, *args, **kwargs)
+    return call
+
+
+class GcTimes:
+    """Wall time of each cyclic-GC collection, by generation (a ``gc.callbacks`` hook)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        self._start = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter_ns()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter_ns() - self._start)
+
+    def line(self, elapsed_s: float) -> str:
+        total = sum(sum(p) for p in self.pauses.values()) / 1e9
+        return ", ".join(f"gen{g} {len(p)} (max {max(p, default=0) / 1e6:.2f} ms)"
+                         for g, p in self.pauses.items()) + f"; {total:.2f} s of the loop's {elapsed_s:.2f} s"
+
+
 def run(args: argparse.Namespace) -> None:
     cluster = build(args)
     plane = cluster.plane
@@ -66,29 +110,36 @@ def run(args: argparse.Namespace) -> None:
     inflight: deque[str] = deque()
     lat = np.empty(len(requests), dtype=np.int64)
     pc = time.perf_counter_ns
+    cold = len(requests) // 10  # the cold start: not counted
+    route, finalize, complete = plane.route, plane.finalize, plane.complete
     gc.collect()
     gc.freeze()
+    gc_times = GcTimes()
+    gc.callbacks.append(gc_times)
     start = pc()
     for i, (rid, units) in enumerate(zip(rids, requests, strict=True)):
+        if args.callgrind and i == cold:  # from here on, callgrind counts inside operator.call only
+            route, finalize, complete = counted(plane.route), counted(plane.finalize), counted(plane.complete)
         t0 = pc()
-        node = plane.route(rid, units)
+        node = route(rid, units)
         t1 = pc()
         held = cluster.snapshot(node, units)
         t2 = pc()
-        plan = plane.finalize(rid, node, held)
+        plan = finalize(rid, node, held)
         t3 = pc()
         cluster.execute(plan, complete=False)
         inflight.append(rid)
         t4 = pc()
         if len(inflight) > args.inflight:
-            plane.complete(inflight.popleft())
+            complete(inflight.popleft())
         t5 = pc()
         lat[i] = (t1 - t0) + (t3 - t2) + (t5 - t4)
     elapsed = (pc() - start) / 1e9
+    gc.callbacks.remove(gc_times)
     while inflight:
         plane.complete(inflight.popleft())
     gc.unfreeze()
-    warm = lat[len(lat) // 10:]  # skip the cold start
+    warm = lat[cold:]
     s = plane.stats
     print(f"control plane: {args.nodes} generation nodes, {args.per_request} units/request, "
           f"{args.units} units Zipf({args.zipf}), admission={args.admission}, routing={args.routing}, "
@@ -97,6 +148,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"  plans/s (whole loop incl. simulated node traffic): {len(requests) / elapsed:,.0f}")
     print(f"  plan latency p50 {np.percentile(warm, 50) / 1e3:.1f} us, p99 {np.percentile(warm, 99) / 1e3:.1f} us, "
           f"max {warm.max() / 1e3:.1f} us")
+    print(f"  GC collections in the loop: {gc_times.line(elapsed)}")
+    if args.callgrind:
+        print(f"  callgrind: measured steps of {len(warm)} warm requests (divide the collected Ir by this)")
     print(f"  preparations: local {s.local / s.units:.1%}, remote {s.remote / s.units:.1%}, "
           f"compute {s.compute / s.units:.1%}; retained local {s.keep_local}, shared {s.keep_shared}, "
           f"local evictions {s.local_evictions}, shared evictions {plane.shared.evictions}")
@@ -119,6 +173,8 @@ def main() -> None:
     ap.add_argument("--routing", default="cache_aware")
     ap.add_argument("--cpu", type=int, default=0, help="pin to this core (one core)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--callgrind", action="store_true",
+                    help="call the warm requests' measured steps through operator.call (see the docstring)")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})

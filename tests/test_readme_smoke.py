@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,8 +23,11 @@ import pytest
 from helpers.cluster import REPO, cluster_config, write_config
 
 from tessera.config import ClusterConfig
+from tessera.hosts.netns import unavailable
 
 PYTHON = sys.executable
+_NO_HOSTS = unavailable()
+needs_hosts = pytest.mark.skipif(_NO_HOSTS is not None, reason=f"multi-host harness: {_NO_HOSTS}")
 # the console script `pip install -e .` puts beside the interpreter: the README's bare `tessera`
 TESSERA = [str(Path(PYTHON).with_name("tessera"))] if Path(PYTHON).with_name("tessera").is_file() \
     else [PYTHON, "-m", "tessera"]
@@ -119,6 +123,79 @@ def test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c(
     assert not held, f"ports still held after tessera up stopped: {held}"
     for log in logs.glob("*.log"):
         assert "Traceback" not in log.read_text(), log
+
+
+# --- tessera hosts up / clean -----------------------------------------------------------------
+
+
+def _namespaces(pid: int) -> list[str]:
+    """The network namespaces of the harness process ``pid`` (named ``tsr<pid>-<host>``)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(f"tsr{pid}-")]
+
+
+def _hosts_up(cfg_path: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
+    out, err = tmp_path / "hosts.out", tmp_path / "hosts.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        argv = [*TESSERA, "hosts", "up", "--config", str(cfg_path), "--log-dir", str(tmp_path / "logs")]
+        proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=stdout, stderr=stderr, text=True,
+                                start_new_session=True)
+    _wait_for_line(proc, out, "Ctrl-C stops every role and deletes the hosts.", timeout=180)
+    return proc, out, err
+
+
+@needs_hosts
+def test_tessera_hosts_up_serves_through_its_forward_and_ctrl_c_deletes_the_hosts(
+        tiny_cluster: tuple[ClusterConfig, Path], tmp_path: Path) -> None:
+    """`sudo tessera hosts up`: one namespace per role, the printed API URL and key answer the openai
+    client, and Ctrl-C stops every role and deletes every namespace it made (exit 0)."""
+    import openai
+
+    _, path = tiny_cluster
+    proc, out, err = _hosts_up(path, tmp_path)
+    try:
+        text = out.read_text()
+        url = re.search(r"API \(forwarded from host \w+\): (http://127\.0\.0\.1:\d+)/v1/chat/completions", text)
+        key = re.search(r"API key: (\S+)", text)
+        assert url and key, text
+        hosts = _namespaces(proc.pid)
+        assert len(hosts) >= 4, hosts  # cp, kv0, gen0, the client host (+ the bridge's)
+        with openai.OpenAI(base_url=url.group(1) + "/v1", api_key=key.group(1)) as client:
+            assert [m.id for m in client.models.list().data]
+            done = client.chat.completions.create(
+                model="tessera", messages=[{"role": "user", "content": "When does the ferry leave?"}], max_tokens=4,
+                temperature=0, extra_body={"context_units": ["The ferry leaves the harbour at nine every morning."]})
+        assert done.choices[0].finish_reason in ("stop", "length")
+        # the hosts' cluster has API keys: a forged one gets no answer
+        with openai.OpenAI(base_url=url.group(1) + "/v1", api_key="forged") as forged, \
+                pytest.raises(openai.AuthenticationError):
+            forged.models.list()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            subprocess.run([*TESSERA, "hosts", "clean"], cwd=REPO, env=_env(), capture_output=True, check=False)
+    assert proc.returncode == 0, (out.read_text(), err.read_text())
+    assert "Traceback" not in err.read_text(), err.read_text()
+    assert _namespaces(proc.pid) == []
+
+
+@needs_hosts
+def test_tessera_hosts_clean_deletes_what_a_killed_hosts_up_left_behind(
+        tiny_cluster: tuple[ClusterConfig, Path], tmp_path: Path) -> None:
+    """kill -9 of `tessera hosts up` (and its roles) leaves its namespaces; `tessera hosts clean` deletes them."""
+    _, path = tiny_cluster
+    proc, _, _ = _hosts_up(path, tmp_path)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = _namespaces(proc.pid)
+    assert left, "a killed harness cannot have deleted its namespaces"
+    done = _run([*TESSERA, "hosts", "clean"])
+    assert _namespaces(proc.pid) == []
+    assert f"removed {len(left)} namespaces" in done.stdout, done.stdout
+    assert all(name in done.stdout for name in left), done.stdout
 
 
 # --- tessera bench, tessera demo (make demo), tessera eval -------------------------------------
@@ -247,3 +324,25 @@ def test_bench_control_plane_plans_requests_and_prints_its_rates() -> None:
     assert re.search(r"plan latency p50 [\d.]+ us, p99 [\d.]+ us", done.stdout), done.stdout
     shares = re.search(r"preparations: local ([\d.]+)%, remote ([\d.]+)%, compute ([\d.]+)%", done.stdout)
     assert shares is not None and abs(sum(float(x) for x in shares.groups()) - 100) < 0.5, done.stdout
+
+
+def test_bench_control_plane_under_callgrind_counts_only_the_plans(tmp_path: Path) -> None:
+    """`valgrind --tool=callgrind ... bench/control_plane.py --callgrind` counts the warm requests' plan steps.
+
+    The README divides the collected instructions by the warm requests the bench prints; per
+    plan that must be more than nothing (libpython has the ``_operator_call`` symbol) and far
+    less than the whole process (about 10^9 instructions: start-up, workload, node traffic).
+    """
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed (apt-get install -y valgrind)")
+    out = tmp_path / "cp.out"
+    done = _run(["env", "PYTHONPATH=.", "valgrind", "--tool=callgrind", "--collect-atstart=no",
+                 "--toggle-collect=_operator_call", f"--callgrind-out-file={out}", PYTHON,
+                 "bench/control_plane.py", "--requests", "300", "--callgrind"], timeout=600)
+    warm = re.search(r"callgrind: measured steps of (\d+) warm requests", done.stdout)
+    assert warm is not None and int(warm[1]) == 270, done.stdout
+    collected = re.search(r"Collected : ([\d,]+)", done.stderr)
+    assert collected is not None, done.stderr[-2000:]
+    per_plan = int(collected[1].replace(",", "")) / int(warm[1])
+    assert 10_000 < per_plan < 10_000_000, per_plan  # a plan is thousands of bytecodes, not none or a whole run
+    assert out.is_file()

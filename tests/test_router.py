@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.control.router import CacheAwareRouter, LoadRouter, make_router, router_names
+from tessera.control.fleet import Fleet
+from tessera.control.locality import spread
+from tessera.control.router import CacheAwareRouter, LoadRouter, N, Router, make_router, router_names
 from tessera.errors import ConfigError
 
 
@@ -85,3 +88,85 @@ def test_routing_never_picks_a_node_loaded_more_than_the_minimum_plus_one(
             eligible = [n for n in ns if n.inflight <= min(m.inflight for m in ns) + 1]
             assert blocks[chosen.index] == max(blocks[n.index] for n in eligible)
         chosen.inflight += 1
+
+
+@dataclass
+class Member:
+    """A fleet member whose queue-bound verdict the test sets."""
+
+    index: int
+    inflight: int = 0
+    refused: bool = False
+
+    def expected_wait_s(self) -> float:
+        return 1.0 if self.refused else 0.0
+
+
+@given(
+    data=st.data(),
+    n=st.integers(1, 70),  # more than 64 nodes: masks wider than a machine word
+    name=st.sampled_from(["cache_aware", "cache_aware_all", "load"]),
+    rounds=st.integers(1, 6),
+)
+def test_pick_over_bitmasks_chooses_what_the_exhaustive_choose_chooses(
+        data: st.DataObject, n: int, name: str, rounds: int) -> None:
+    """The fast path (least-loaded masks, holders only) agrees with ``choose`` over every node.
+
+    Random loads, live sets, queue-bound refusals, exclusions, holder sets and round-robin
+    cursors; after each choice the chosen node's load rises and a random node changes.
+    """
+    members = [Member(i, data.draw(st.integers(0, 4)), data.draw(st.booleans())) for i in range(n)]
+    fleet = Fleet(n, 0.5)  # a refused member's wait (1 s) is over the bound
+    for m in members:
+        if data.draw(st.booleans()) or m.index == 0:
+            fleet.join(m)
+    fast, reference = make_router(name, n), make_router(name, n)
+    fast._last = reference._last = data.draw(st.integers(-1, n - 1))
+    mask_of = st.integers(0, (1 << n) - 1)
+    for _ in range(rounds):
+        fleet.check_invariants()
+        eligible = fleet.alive & ~data.draw(mask_of)
+        if data.draw(st.booleans()) and eligible & ~fleet.over:
+            eligible &= ~fleet.over  # the plane's queue bound, when it leaves a node
+        if not eligible:
+            eligible = fleet.alive
+        holders = {m: data.draw(st.integers(1, 30)) for m in data.draw(st.lists(mask_of.filter(bool), max_size=10))}
+        nodes = [m for m in members if eligible >> m.index & 1]
+        expected = reference.choose(nodes, spread(holders, n)).index
+        assert fast.pick(fleet, eligible, holders) == expected
+        assert fast._last == reference._last
+        chosen = members[expected]
+        chosen.inflight += 1
+        fleet.update(chosen, chosen.inflight - 1)
+        other = members[data.draw(st.integers(0, n - 1))]
+        action = data.draw(st.sampled_from(["left", "refused", "toggle"]))
+        alive = bool(fleet.alive >> other.index & 1)
+        if action == "left" and other.inflight:
+            other.inflight -= 1
+            fleet.update(other, other.inflight + 1)
+        elif action == "refused":
+            other.refused = not other.refused
+            fleet.update(other, other.inflight)
+        elif action == "toggle" and alive and fleet.alive != 1 << other.index:
+            fleet.leave(other)
+        elif action == "toggle" and not alive:
+            fleet.join(other)
+
+
+def test_a_router_without_a_fast_path_picks_through_choose() -> None:
+    """A registered router that only implements ``choose`` gets the candidate list and per-node blocks."""
+
+    class Last(Router):
+        name = "last_holder"
+        uses_locality = True
+
+        def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+            return self._chose(max(nodes, key=lambda n: (local_blocks[n.index] > 0, n.index)))
+
+    members = [Member(i) for i in range(5)]
+    fleet = Fleet(5, 0.0)
+    for m in members[:4]:
+        fleet.join(m)
+    r = Last(5)
+    assert r.pick(fleet, 0b1011, {0b11: 2}) == 1  # node 2 is not eligible, 4 not alive
+    assert r._last == 1

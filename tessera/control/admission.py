@@ -158,11 +158,12 @@ class DemandAdmission(AdmissionPolicy):
         ranks = self._ranks
         if not len(ranks):
             return
-        score_of = self.demand.score_of
+        demand = self.demand
+        w_recent, w_lifetime = demand.w_recent, demand.w_lifetime
         for r in left:
             keyed = r.keyed
             if keyed is not None:
-                now = score_of(r)
+                now = w_recent * r.recent + w_lifetime * r.lifetime  # demand.score_of(r), without the call
                 if now < keyed:
                     ranks.put(r, now)
 
@@ -172,7 +173,13 @@ class DemandAdmission(AdmissionPolicy):
     def decide(self, unit_id: str, n_blocks: int, free_blocks: int, safe: Safe) -> list[str] | None:
         if n_blocks <= free_blocks:
             return []  # free space: admit at first sight, whatever the score
-        return super().decide(unit_id, n_blocks, free_blocks, safe)
+        # wants() and victims() with one record lookup: this runs for most units of a plan
+        r = self.records.get(unit_id, NO_RECORD)
+        demand = self.demand
+        score = demand.w_recent * r.recent + demand.w_lifetime * r.lifetime
+        if r.lifetime < self.min_retrievals or score < self.theta:
+            return None
+        return self._victims(unit_id, n_blocks - free_blocks, score, safe)
 
     def wants(self, unit_id: str) -> bool:
         return self.demand.admissible(unit_id, self.min_retrievals, self.theta)
@@ -181,7 +188,10 @@ class DemandAdmission(AdmissionPolicy):
         need = n_blocks - free_blocks
         if need <= 0:
             return []
-        score = self.demand.score(unit_id)
+        return self._victims(unit_id, need, self.demand.score(unit_id), safe)
+
+    def _victims(self, unit_id: str, need: int, score: float, safe: Safe) -> list[str] | None:
+        """Safe residents keyed strictly below ``score``, lowest first, until ``need`` blocks are freed."""
         if self._ranks.lowest >= score:
             return None  # nothing is keyed strictly lower, and keys never overestimate
         out: list[str] = []

@@ -2,9 +2,11 @@
 
 Each node's :class:`~tessera.control.local.LocalTier` sets and clears its own bit (node ``i``
 owns bit ``1 << i``) through ``add`` and ``discard`` as its view admits and drops units; a
-cache-aware router asks how many
-blocks of a request's units each node holds. Popular units share holder sets, so the count
-is added once per distinct mask, not once per unit.
+cache-aware router asks which nodes hold how many blocks of a request's units
+(``holders``: holder mask -> blocks). Popular units share holder sets, so the count is
+added once per distinct mask, not once per unit, and a router spreads it only over the
+bits of the masks, never over every node (``spread`` builds the per-node list, for routers
+that want one).
 
 This module knows nothing of admission, capacity or liveness.
 """
@@ -12,12 +14,24 @@ This module knows nothing of admission, capacity or liveness.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
+
+from tessera.control.fleet import bits
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _bits(mask: int) -> tuple[int, ...]:
+def set_bits(mask: int) -> tuple[int, ...]:
     """Indices of the set bits of a holders mask (few distinct masks recur: cached)."""
-    return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
+    return tuple(bits(mask))
+
+
+def spread(holders: Mapping[int, int], n_nodes: int) -> list[int]:
+    """Blocks per node index from ``holders`` (mask -> blocks held by every node of the mask)."""
+    out = [0] * n_nodes
+    for mask, b in holders.items():
+        for i in set_bits(mask):
+            out[i] += b
+    return out
 
 
 class Locality:
@@ -46,16 +60,20 @@ class Locality:
     def holds(self, unit_id: str, bit: int) -> bool:
         return bool(self._holders.get(unit_id, 0) & bit)
 
-    def blocks_per_node(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
-        """Blocks of these (unit, blocks) pairs each node's local view holds, indexed by node index."""
+    def holders(self, pairs: tuple[tuple[str, int], ...],
+                skip: Callable[[str], object] | None = None) -> dict[int, int]:
+        """Holder mask -> blocks of these (unit, blocks) pairs that exactly those nodes hold.
+
+        Units no view holds are absent, and so are units for which ``skip(unit)`` is true.
+        """
         holders = self._holders
         by_mask: dict[int, int] = {}  # popular units share holder sets: add per set, not per unit
         for u, b in pairs:
             mask = holders.get(u)
-            if mask:
+            if mask and (skip is None or not skip(u)):
                 by_mask[mask] = by_mask.get(mask, 0) + b
-        out = [0] * self.n_nodes
-        for mask, b in by_mask.items():
-            for i in _bits(mask):
-                out[i] += b
-        return out
+        return by_mask
+
+    def blocks_per_node(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
+        """Blocks of these (unit, blocks) pairs each node's local view holds, indexed by node index."""
+        return spread(self.holders(pairs), self.n_nodes)

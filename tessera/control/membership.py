@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tessera.control.fleet import Fleet
 from tessera.control.local import LocalTier
 from tessera.errors import BadRequest
 from tessera.messages import MemoryNodeHello
@@ -36,6 +37,7 @@ class GenerationMember:
     name: str
     index: int  # position in the config: round-robin order
     local: LocalTier
+    fleet: Fleet  # told of every change of inflight and of the expected wait (the routing index)
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
     alive: bool = False  # routable: heard from, and not silent or unreachable since
     last_seen: float | None = None  # None: never heard from
@@ -55,11 +57,13 @@ class GenerationMember:
         """A request was routed here: in flight, and queued until its first event."""
         self.inflight += 1
         self.waiting[request_id] = now
+        self.fleet.update(self, self.inflight - 1)
 
     def left(self, request_id: str) -> None:
         """A request routed here completed or expired."""
         self.inflight -= 1
         self.waiting.pop(request_id, None)
+        self.fleet.update(self, self.inflight + 1)
 
     def expected_wait_s(self) -> float:
         """Queueing a new request would see here: the requests ahead of it times the measured
@@ -89,17 +93,20 @@ class GenerationMember:
         self.last_start = now
         self.samples.append(sample)
         self.service_s = sum(self.samples) / len(self.samples)
+        self.fleet.update(self, self.inflight)
 
 
 class Liveness:
     """Which generation nodes are routable: heard from, and not silent or unreachable since.
 
     Verbs: ``heard`` (any report), ``down`` (silent or unreachable), ``silent``. The plane
-    decides what a departure means for the directory and the node's local view.
+    decides what a departure means for the directory and the node's local view. Routing
+    reads the alive nodes from ``fleet`` (bitmasks); ``live`` lists them for everything else.
     """
 
-    def __init__(self, nodes: Mapping[str, GenerationMember]) -> None:
+    def __init__(self, nodes: Mapping[str, GenerationMember], fleet: Fleet) -> None:
         self._nodes = nodes
+        self.fleet = fleet
         self.live: list[GenerationMember] = []  # alive nodes in config order, rebuilt on each change
 
     def heard(self, node: GenerationMember, now: float) -> None:
@@ -107,8 +114,11 @@ class Liveness:
         if not node.alive:
             node.alive = True
             self.live = [n for n in self._nodes.values() if n.alive]
+            self.fleet.join(node)
 
     def down(self, node: GenerationMember) -> None:
+        if node.alive:
+            self.fleet.leave(node)
         node.alive = False
         self.live = [n for n in self._nodes.values() if n.alive]
 

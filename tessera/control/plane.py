@@ -34,8 +34,9 @@ from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
+from tessera.control.fleet import Fleet
 from tessera.control.local import AdmittedBlocks, LocalTier
-from tessera.control.locality import Locality
+from tessera.control.locality import Locality, spread
 from tessera.control.membership import GenerationMember, HelloOutcome, Liveness, MemoryNodes
 from tessera.control.overload import QueueBound
 from tessera.control.planner import Planner
@@ -91,18 +92,21 @@ class ControlPlane:
         )
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
+        self.queue_bound = QueueBound(control.max_queue_wait_s)
+        # alive nodes by in-flight count and expected wait, as bitmasks: routing walks no list of nodes
+        self.fleet = Fleet(len(config.generation), control.max_queue_wait_s)
         self.nodes: dict[str, GenerationMember] = {
             g.name: GenerationMember(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
-                                                        bit=1 << i, locality=self.locality))
+                                                        bit=1 << i, locality=self.locality), self.fleet)
             for i, g in enumerate(config.generation)
         }
-        self.liveness = Liveness(self.nodes)
+        self._members = list(self.nodes.values())  # by index
+        self.liveness = Liveness(self.nodes, self.fleet)
         self.router = make_router(routing or control.routing, len(self.nodes))
         self.memory = MemoryNodes({k.name: k.capacity_blocks for k in config.kvpools})
         self.stats = PlaneStats()
         self.invalidated = 0  # shared entries a reader found corrupt
-        self.queue_bound = QueueBound(control.max_queue_wait_s)
         self.requests = RequestTable(control.request_ttl_s)
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
         self.admitted = AdmittedBlocks()  # block counts of local admissions, for the views' reports
@@ -112,11 +116,14 @@ class ControlPlane:
 
     # --- the request path ----------------------------------------------------------------
 
-    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = ()) -> str:
+    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
+              waited_s: float = 0.0) -> str:
         """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
 
-        ``exclude``: nodes this request already tried (a retry goes elsewhere).
-        Raises Overloaded (429) when every node's expected queueing exceeds ``max_queue_wait_s``.
+        ``exclude``: nodes this request already tried (a retry goes elsewhere). ``waited_s``:
+        the time since the request arrived (it counts against the queueing bound).
+        Raises Overloaded (429) when every node's expected queueing exceeds what is left of
+        ``max_queue_wait_s``.
         """
         self.requests.check_new(request_id)
         tokens: dict[str, int] = {}
@@ -125,21 +132,26 @@ class ControlPlane:
                 if n <= 0:
                     raise BadRequest(f"unit {u}: n_tokens must be > 0, got {n}")
                 tokens[u] = n
-        live = self.liveness.live
-        live = [n for n in live if n.name not in exclude] if exclude else live
-        if not live:
+        fleet = self.fleet
+        eligible = fleet.alive
+        if exclude:
+            nodes = self.nodes
+            for name in exclude:
+                if name in nodes:
+                    eligible &= ~(1 << nodes[name].index)
+        if not eligible:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
-        live = self.queue_bound.admit(live)
+        eligible = self.queue_bound.admit_mask(fleet, eligible, waited_s)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
-        node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())
-        now = self.clock()
-        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, now))
+        router = self.router
+        node = self._members[router.pick(fleet, eligible, self._holders(pairs) if router.uses_locality else {})]
+        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock()))
         return node.name
 
-    def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
-        """Blocks of the request's units each node holds that the shared tier does not hold ready
+    def _holders(self, pairs: tuple[tuple[str, int], ...]) -> dict[int, int]:
+        """Holder masks -> blocks of the request's units that the shared tier does not hold ready
         (all of them for a router that ``counts_shared``).
 
         A unit ready in the shared tier is a copy away from every node (milliseconds, against
@@ -148,10 +160,11 @@ class ControlPlane:
         ablation). Only units another node would have to compute count for locality. (Revoked
         units need no filter: the local views forget them and never confirm them again.)
         """
-        if self.router.counts_shared:
-            return self.locality.blocks_per_node(pairs)
-        ready = self.directory.ready
-        return self.locality.blocks_per_node(tuple([p for p in pairs if ready(p[0]) is None]))
+        return self.locality.holders(pairs, None if self.router.counts_shared else self.directory.ready)
+
+    def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
+        """:meth:`_holders` as blocks per node index (the exhaustive routers' ``local_blocks``)."""
+        return spread(self._holders(pairs), len(self._members))
 
     def started(self, request_id: str) -> None:
         """The request's node sent its first event (the end of its queueing): measures the node."""
@@ -384,3 +397,4 @@ class ControlPlane:
         for node in self.nodes.values():
             node.local.check_invariants()
         self.requests.check_invariants(list(self.nodes.values()))
+        self.fleet.check_invariants()

@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Collection, Container
 
 from tessera.control.directory import Directory
-from tessera.control.local import AdmittedBlocks, LocalTier
+from tessera.control.local import AdmittedBlocks
 from tessera.control.requests import RequestTable
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.messages import Preparation, ReadLease, RequestPlan, Retention, UnitPlan, WriteGrant
+from tessera.messages import Preparation, RequestPlan, Retention, UnitPlan
 from tessera.wire import WIRE_VERSION
 
 LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
@@ -93,15 +93,33 @@ class Planner:
         # preparation first: every lease exists before any eviction of this plan is decided
         # (the directory refuses revoked units: their entries are gone or draining)
         leases = [None if u in held else self.directory.lease(u, node) for u, _ in r.pairs]
+        # the per-unit steps below are written out in the loop (admission, interned plans): it
+        # runs for every unit of every request, and each call costs as much as the step itself
+        revoked, tokens, interned = self.revoked, r.tokens, self.interned
+        shared = self.shared
         units: list[UnitPlan] = []
         evict: list[str] = []
         for (u, b), lease in zip(r.pairs, leases, strict=True):
-            n = r.tokens[u]
+            n = tokens[u]
             prep = LOCAL if u in held else COMPUTE if lease is None else REMOTE
-            retain = u not in self.revoked
-            keep_local = retain and prep is not LOCAL and self._admit_local(local, u, b, request_id, r.tokens, evict)
-            grant = self._admit_shared(u, n, b, node) if retain and lease is None else None
-            units.append(self._unit_plan(u, n, prep, keep_local, lease, grant))
+            retain = u not in revoked
+            keep_local = False
+            if retain and prep is not LOCAL:
+                # local admission; None also for a unit the view already holds (planned by another request)
+                victims = local.admit(u, b, request_id, tokens)
+                if victims is not None:
+                    self.admitted.admitted(u, b)
+                    evict += victims
+                    keep_local = True
+            grant = None
+            # shared admission (a write grant) for a unit the shared tier has no entry of (pending
+            # or ready: the policy's residents mirror the directory's entries)
+            if retain and lease is None and not shared.resident(u):
+                grant = shared.admit(u, n, b, node)
+            if lease is None and grant is None:
+                units.append(interned.get(u, n, prep, keep_local))
+            else:
+                units.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
         plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict))
         self.stats.count(plan)
         return plan
@@ -112,27 +130,3 @@ class Planner:
         if revoked and any(u in revoked for u in held):
             return {u for u in held if u not in revoked}
         return held if isinstance(held, (set, frozenset)) else set(held)
-
-    def _admit_local(self, local: LocalTier, unit_id: str, n_blocks: int, request_id: str,
-                     pinned: Container[str], evict: list[str]) -> bool:
-        """Local admission for a unit the node will have after this request; its victims join ``evict``."""
-        # None also for a unit the view already holds (planned by another request)
-        victims = local.admit(unit_id, n_blocks, request_id, pinned)
-        if victims is None:
-            return False
-        self.admitted.admitted(unit_id, n_blocks)
-        evict += victims
-        return True
-
-    def _admit_shared(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
-        """Shared admission (a write grant) for a unit the shared tier has no entry of."""
-        # the shared policy's residents mirror the directory's entries (pending or ready)
-        if self.shared.resident(unit_id):
-            return None
-        return self.shared.admit(unit_id, n_tokens, n_blocks, writer)
-
-    def _unit_plan(self, unit_id: str, n_tokens: int, prep: Preparation, keep_local: bool,
-                   lease: ReadLease | None, grant: WriteGrant | None) -> UnitPlan:
-        if lease is None and grant is None:
-            return self.interned.get(unit_id, n_tokens, prep, keep_local)
-        return UnitPlan(unit_id, n_tokens, prep, Retention.of(keep_local, grant is not None), lease, grant)

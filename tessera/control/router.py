@@ -8,6 +8,15 @@ it is only computed for routers that set ``uses_locality``. The router reads eac
 ``inflight`` count; it mutates nothing but its own round-robin cursor, and never raises on
 well-formed input.
 
+The plane calls ``pick(loads, eligible, holders)``, the same decision over bitmasks (node
+``i`` is bit ``1 << i``): ``eligible`` the candidate nodes, ``loads`` their in-flight counts
+(:class:`Loads`, the plane's :class:`~tessera.control.fleet.Fleet`), ``holders`` the
+request's holder masks -> blocks (:meth:`~tessera.control.locality.Locality.holders`). By
+default it lists the candidates and calls ``choose``, so a new router needs only
+``choose``; the built-in ones override it to touch only the nodes holding the request's
+units and the least-loaded ones, never the whole fleet. ``choose`` stays the reference:
+a property test checks that ``pick`` agrees with it (tests/test_router.py).
+
 Shared-tier residency is deliberately left out of the counts: a shared hit is reachable
 from every node (a copy, not a prefill), so it cannot make one node better than another,
 and counting it queued requests behind a busy holder while another node was idle.
@@ -16,9 +25,11 @@ and counting it queued requests behind a busy holder while another node was idle
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Protocol, TypeVar
 
+from tessera.control.fleet import bits, first_after
+from tessera.control.locality import spread
 from tessera.registry import Registry
 
 
@@ -31,6 +42,18 @@ class RoutableNode(Protocol):
 
 
 N = TypeVar("N", bound=RoutableNode)
+
+
+class Loads(Protocol):
+    """In-flight counts of the alive nodes, by bitmask (what :class:`~tessera.control.fleet.Fleet` answers)."""
+
+    def least(self, eligible: int) -> int: ...  # the smallest in-flight count among eligible nodes
+
+    def at(self, load: int) -> int: ...  # the alive nodes with exactly this many in flight
+
+    def inflight(self, index: int) -> int: ...
+
+    def members(self, mask: int) -> Sequence[RoutableNode]: ...  # in config order
 
 
 class Router(ABC):
@@ -55,6 +78,16 @@ class Router(ABC):
 
     @abstractmethod
     def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N: ...
+
+    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int]) -> int:
+        """``choose`` over bitmasks: the index of the chosen node among ``eligible`` (nonzero)."""
+        local_blocks = spread(holders, self.n_nodes) if self.uses_locality else ()
+        return self.choose(loads.members(eligible), local_blocks).index
+
+    def _next_of(self, mask: int) -> int:
+        """The node of ``mask`` first after the last choice in round-robin order, chosen."""
+        self._last = first_after(mask, self._last)
+        return self._last
 
 
 ROUTERS: Registry[type[Router]] = Registry("control.routing")
@@ -98,6 +131,35 @@ class CacheAwareRouter(Router):
                 best, best_blocks, best_load, best_rr = node, blocks, load, rr
         return self._chose(best)
 
+    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int]) -> int:
+        """``choose``'s rule, visiting only the holders within the load bound.
+
+        A node holding a block outranks every node holding none, so when some holder is
+        within the bound the choice is among the holders; otherwise it is the round-robin
+        successor among the least loaded (``choose`` ranks them by load, then round-robin).
+        """
+        least = loads.least(eligible)
+        within = eligible & (loads.at(least) | loads.at(least + 1))
+        counts: dict[int, int] = {}
+        for mask, b in holders.items():
+            for i in bits(mask & within):  # holder sets are small (1-2 nodes of 256 in the bench)
+                counts[i] = counts.get(i, 0) + b
+        if not counts:
+            return self._next_of(loads.at(least) & eligible)
+        n_nodes = self.n_nodes
+        after = self._last + 1
+        inflight = loads.inflight
+        best = best_blocks = best_load = best_rr = -1
+        for i, blocks in counts.items():
+            if blocks < best_blocks:
+                continue
+            load = inflight(i)
+            rr = (i - after) % n_nodes
+            if blocks > best_blocks or load < best_load or (load == best_load and rr < best_rr):
+                best, best_blocks, best_load, best_rr = i, blocks, load, rr
+        self._last = best
+        return best
+
 
 @register_router("cache_aware_all")
 class CacheAwareAllRouter(CacheAwareRouter):
@@ -119,3 +181,7 @@ class LoadRouter(Router):
     def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
         best = min(nodes, key=lambda n: (n.inflight, self._after_last(n.index)))
         return self._chose(best)
+
+    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int]) -> int:
+        """The round-robin successor among the least loaded eligible nodes."""
+        return self._next_of(loads.at(loads.least(eligible)) & eligible)
