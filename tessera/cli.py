@@ -1,4 +1,4 @@
-"""Command line: ``tessera run | up | bench | analyze | eval | verify``."""
+"""Command line: ``tessera run | up | bench | simulate | analyze | eval | verify``."""
 
 from __future__ import annotations
 
@@ -271,6 +271,72 @@ def bench(
                         max_concurrency=max_concurrency, timeout_s=timeout)
     with _usage("bench"):
         run_sweep(cfg, opts)
+
+
+@app.command()
+def simulate(
+    workload: Annotated[WorkloadName, typer.Option(
+        help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.synthetic,
+    systems: Annotated[str, typer.Option(
+        help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
+    rates: Annotated[str, typer.Option(help="Comma-separated aggregate request rates (req/s).")] = "0.1,0.2,0.4",
+    rates_for: Annotated[list[str] | None, typer.Option(
+        help="SYSTEM=R1,R2,...: this system's own rates instead of --rates (repeatable).")] = None,
+    requests: Annotated[int, typer.Option(help="Requests per run (the first --warmup share warms up).")] = 60,
+    warmup: Annotated[float, typer.Option(help="Share of each run's requests excluded as warm-up.")] = 0.5,
+    unloaded: Annotated[int, typer.Option(
+        help="Requests simulated one at a time for the unloaded TTFT (0: skip).")] = 5,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 1,
+    zipf: Annotated[float, typer.Option(help="Zipf exponent of query/unit popularity.")] = 1.0,
+    top_k: Annotated[int | None,
+                     typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
+    unit_words: Annotated[int,
+                          typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
+    placement: Annotated[str, typer.Option(help="locomo: user (OpenViking style) or system (Mem0 style).")] = "user",
+    conversations: Annotated[int, typer.Option(help="locomo: use the first N conversations (0: all 10).")] = 0,
+    data_dir: Annotated[Path | None,
+                        typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder for simulate.json and the plots.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
+    drain_warmup: Annotated[bool, typer.Option(help="Start the measured requests once the warm-up requests have "
+                                               "finished, as tessera bench does.")] = True,
+    trace: Annotated[Path | None, typer.Option(help="Replay this traffic trace (JSONL) instead of --workload.")] = None,
+    time_scale: Annotated[float, typer.Option(help="--trace: multiply recorded arrival times by this.")] = 1.0,
+    cost_model: Annotated[str, typer.Option(
+        help="A shipped cost model (llama3-8b-a100, llama3-8b-h100) or a JSON file; with --calibrate, the file "
+             "to write. Default: results/cost-model.json.")] = "",
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Measure the configured engine's prefill, extend and decode step costs on this "
+                            "machine and write the cost model.")] = False,
+    nodes: Annotated[int, typer.Option(
+        help="Generation nodes (copies of the first configured; 0: as configured).")] = 0,
+    memory_nodes: Annotated[int, typer.Option(help="Memory nodes (0: as configured).")] = 0,
+    local_blocks: Annotated[int, typer.Option(help="Local cache blocks per generation node (0: as configured).")] = 0,
+    shared_blocks: Annotated[int, typer.Option(help="The shared tier's blocks, all memory nodes together "
+                                               "(0: as configured).")] = 0,
+    max_batch_tokens: Annotated[int, typer.Option(help="Batch token budget per node step (0: as configured).")] = 0,
+    prefix_cache_tokens: Annotated[int, typer.Option(
+        help="Exact prefix cache tokens per generation node (0: as configured).")] = 0,
+    compare: Annotated[Path | None, typer.Option(
+        help="A tessera bench report (bench.json) of the same workload and rates: print simulated vs measured "
+             "mean TTFT and the error of each run.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Discrete-event simulation of a cluster whose decisions are made by the real control plane;
+    prints tessera bench's TTFT table, then load imbalance and the plane's CPU time per request."""
+    from tessera.simulate.command import SimulateOptions, run_command
+
+    cfg = _load(config)
+    opts = SimulateOptions(workload=workload, systems=systems, rates=rates, rates_for=tuple(rates_for or ()),
+                           requests=requests, warmup=warmup, unloaded=unloaded, max_tokens=max_tokens, zipf=zipf,
+                           top_k=top_k, unit_words=unit_words, placement=placement, conversations=conversations,
+                           data_dir=data_dir, out=out, seed=seed, drain_warmup=drain_warmup, trace=trace,
+                           time_scale=time_scale, cost_model=cost_model, calibrate=calibrate, nodes=nodes,
+                           memory_nodes=memory_nodes, local_blocks=local_blocks, shared_blocks=shared_blocks,
+                           max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens,
+                           compare=compare)
+    with _usage("simulate"):
+        run_command(cfg, opts)
 
 
 @app.command(name="eval")

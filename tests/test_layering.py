@@ -4,7 +4,8 @@ Layers, lowest first (a module may import its own layer's modules and any lower 
 the base modules at ``tessera/`` top level, ``composition``, ``kernels`` and ``engines``,
 ``transport``, ``control``, the roles (``kvpool``, ``generation``, ``retrieval``, which never
 import each other), ``launcher`` (role processes on one machine) and ``benchmark``, ``hosts``
-(the same across network namespaces: it builds on both), and the entry points (``roles``, ``cli``).
+(the same across network namespaces: it builds on both) and ``simulate`` (the real control plane
+over simulated nodes, with the bench's workloads and report), and the entry points (``roles``, ``cli``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tessera"
 ENTRY = {"roles", "cli", "__main__"}
 LAYERS = {"composition": 1, "kernels": 2, "engines": 2, "transport": 3, "control": 4,
           "kvpool": 5, "generation": 5, "retrieval": 5, "launcher": 6, "benchmark": 6,
-          "hosts": 7}
+          "hosts": 7, "simulate": 7}
 
 
 def _part(module: str) -> str:

@@ -35,6 +35,7 @@ import torch
 from tessera.composition.layout import Placement
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
 from tessera.engines.offline import place_units
+from tessera.generation.batching import take_batch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +64,10 @@ class _Job:
     @property
     def tokens(self) -> int:
         return len(self.item.token_ids)
+
+    def cancelled(self) -> bool:
+        """Its requester went away (client disconnected): the batch drops it."""
+        return self.future.cancelled()
 
 
 class Scheduler:
@@ -180,25 +185,7 @@ class Scheduler:
         self.worker.close()
 
     def _next_batch(self) -> list[_Job]:
-        # drop work whose requester went away (client disconnected)
-        batch = [j for j in self._decodes if not j.future.cancelled()]
-        self._decodes.clear()
-        budget = self.max_batch_tokens - len(batch)
-        # requests' own extends (their first token is next) before unit prefills: a request
-        # whose units are ready must not wait behind the unit prefills of every request that
-        # arrived after it (that made first tokens come late and in bursts under load)
-        for queue in (self._extends, self._prefills):
-            while queue:
-                job = queue[0]
-                if job.future.cancelled():
-                    queue.popleft()
-                    continue
-                # an item larger than the budget still runs, alone with the decodes
-                if job.tokens > budget and any(not j.decode for j in batch):
-                    return batch
-                batch.append(queue.popleft())
-                budget -= job.tokens
-        return batch
+        return take_batch(self._decodes, self._extends, self._prefills, self.max_batch_tokens)
 
     async def _loop(self) -> None:
         while True:

@@ -1,0 +1,53 @@
+"""The continuous-batching rule of a generation node, as a pure function over its queues.
+
+:func:`take_batch` is what the node's :class:`~tessera.generation.scheduler.Scheduler` runs
+before every engine step, and what ``tessera simulate``'s simulated nodes run on a simulated
+clock, so the two batch alike by construction:
+
+    every pending decode (one token each), then
+    requests' own extends, then unit prefills, in arrival order, while the token budget lasts;
+    an item larger than the budget still runs, alone with the decodes.
+
+This module knows nothing about engines, futures or time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol, TypeVar
+
+
+class Queued(Protocol):
+    """One queued piece of work: its new tokens, whether it is a decode, whether it was dropped."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def decode(self) -> bool: ...
+
+    def cancelled(self) -> bool: ...
+
+
+J = TypeVar("J", bound=Queued)
+
+
+def take_batch(decodes: deque[J], extends: deque[J], prefills: deque[J], max_batch_tokens: int) -> list[J]:
+    """Pop the next batch off the three queues (decodes are all taken; cancelled work is dropped)."""
+    batch = [j for j in decodes if not j.cancelled()]
+    decodes.clear()
+    budget = max_batch_tokens - len(batch)
+    # requests' own extends (their first token is next) before unit prefills: a request
+    # whose units are ready must not wait behind the unit prefills of every request that
+    # arrived after it (that made first tokens come late and in bursts under load)
+    for queue in (extends, prefills):
+        while queue:
+            job = queue[0]
+            if job.cancelled():
+                queue.popleft()
+                continue
+            if job.tokens > budget and any(not j.decode for j in batch):
+                return batch
+            batch.append(queue.popleft())
+            budget -= job.tokens
+    return batch

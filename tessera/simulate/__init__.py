@@ -1,0 +1,1 @@
+"""``tessera simulate``: the real control plane over simulated generation and memory nodes."""

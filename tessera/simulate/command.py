@@ -1,0 +1,169 @@
+"""``tessera simulate``: options as typed on the command line, the fleet's shape, the printout.
+
+:func:`fleet` scales the configured cluster to N generation nodes and M memory nodes (copies
+of the first of each, renamed; capacities overridable) so the real plane sees the fleet it
+would run. :func:`run_command` builds the workload exactly as ``tessera bench`` does, loads
+or fits the cost model and prints the bench's table, then the cluster table. Knows nothing
+of typer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.benchmark import options
+from tessera.benchmark.options import say
+from tessera.benchmark.report import format_report
+from tessera.benchmark.runner import SYSTEMS
+from tessera.benchmark.workloads import Workload, WorkloadName, select_workload
+from tessera.config import ClusterConfig
+from tessera.errors import ConfigError
+from tessera.simulate.costs import load_cost_model
+from tessera.simulate.run import SimOptions, run_simulation
+
+DEFAULT_COST_MODEL = Path("results/cost-model.json")  # where --calibrate writes unless told
+
+
+@dataclass(frozen=True)
+class SimulateOptions:
+    workload: WorkloadName
+    systems: str
+    rates: str
+    rates_for: tuple[str, ...]
+    requests: int
+    warmup: float
+    unloaded: int
+    max_tokens: int
+    zipf: float
+    top_k: int | None
+    unit_words: int
+    placement: str
+    conversations: int
+    data_dir: Path | None
+    out: Path | None
+    seed: int
+    drain_warmup: bool
+    trace: Path | None
+    time_scale: float
+    cost_model: str
+    calibrate: bool
+    nodes: int
+    memory_nodes: int
+    local_blocks: int
+    shared_blocks: int
+    max_batch_tokens: int
+    prefix_cache_tokens: int = 0
+    compare: Path | None = None  # a tessera bench report (bench.json) to compare the simulation with
+
+
+def fleet(config: ClusterConfig, nodes: int = 0, memory_nodes: int = 0, local_blocks: int = 0,
+          shared_blocks: int = 0, max_batch_tokens: int = 0, prefix_cache_tokens: int = 0) -> ClusterConfig:
+    """``config`` with N generation nodes and M memory nodes (0: as configured); ``shared_blocks``
+    is the whole shared tier's capacity, split evenly over the memory nodes."""
+    if min(nodes, memory_nodes, local_blocks, shared_blocks, max_batch_tokens, prefix_cache_tokens) < 0:
+        raise ConfigError("--nodes, --memory-nodes, --local-blocks, --shared-blocks, --max-batch-tokens and "
+                          "--prefix-cache-tokens must be >= 0 (0: as configured)")
+    if not config.generation or not config.kvpools:
+        raise ConfigError("tessera simulate needs a config with at least one [[generation]] and one [[kvpools]] node")
+    gen, pool = config.generation[0], config.kvpools[0]
+    if local_blocks:
+        gen = dataclasses.replace(gen, local_capacity_blocks=local_blocks)
+    if max_batch_tokens:
+        gen = dataclasses.replace(gen, max_batch_tokens=max_batch_tokens)
+    if prefix_cache_tokens:
+        gen = dataclasses.replace(gen, prefix_cache_tokens=prefix_cache_tokens)
+    # a fleet's ports are never listened on; they only have to be distinct (kvpools below 20000)
+    generation = (tuple(dataclasses.replace(gen, name=f"gen{i}", port=20000 + i) for i in range(nodes))
+                  if nodes else tuple(dataclasses.replace(g, local_capacity_blocks=gen.local_capacity_blocks,
+                                                          max_batch_tokens=gen.max_batch_tokens,
+                                                          prefix_cache_tokens=gen.prefix_cache_tokens)
+                                      for g in config.generation))
+    m = memory_nodes or len(config.kvpools)
+    total = shared_blocks or sum(k.capacity_blocks for k in config.kvpools[:m]) or pool.capacity_blocks * m
+    kvpools = tuple(dataclasses.replace(pool, name=f"kv{i}", port=10000 + 2 * i, data_port=10001 + 2 * i,
+                                        capacity_blocks=total // m + (1 if i < total % m else 0)) for i in range(m))
+    return dataclasses.replace(config, generation=generation, kvpools=kvpools)
+
+
+def trace_workload_of(config: ClusterConfig, trace: Path, time_scale: float) -> tuple[Workload, list[float] | None]:
+    """A traffic trace as a workload, with its recorded send times (scaled) if it has them."""
+    from tessera.benchmark.traffic import UnitTexts, read_traffic, trace_workload
+    from tessera.engines.checkpoint import resolve
+    from tessera.engines.tokenizer import load_tokenizer
+
+    if not trace.is_file():
+        raise ConfigError(f"--trace {trace} does not exist")
+    requests = read_traffic(trace)
+    wl = trace_workload(trace.stem, requests, UnitTexts(load_tokenizer(resolve(config.model)).encode_plain))
+    recorded = [r.arrival_s for r in requests if r.arrival_s is not None]
+    if len(recorded) != len(requests):
+        return wl, None
+    return wl, [(t - recorded[0]) * time_scale for t in recorded]
+
+
+def _system_rates(specs: tuple[str, ...]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for spec in specs:
+        name, sep, rates = spec.partition("=")
+        if not sep or name.strip() not in SYSTEMS:
+            raise options.OptionError(f"--rates-for takes SYSTEM=R1,R2 with SYSTEM one of {', '.join(SYSTEMS)}; "
+                                      f"got {spec!r}")
+        out[name.strip()] = options.floats(rates, "--rates-for")
+    return out
+
+
+def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
+    if opts.calibrate:
+        from tessera.simulate.calibrate import calibrate
+
+        path = Path(opts.cost_model) if opts.cost_model else DEFAULT_COST_MODEL
+        model = calibrate(config, name=path.stem)
+        model.save(path)
+        say(f"wrote cost model {path}: {model.source}")
+        say(json.dumps(dataclasses.asdict(model)))
+        return
+    costs = load_cost_model(opts.cost_model or str(DEFAULT_COST_MODEL))
+    systems = options.names(opts.systems)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.time_scale <= 0:
+        raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --time-scale > 0")
+    cfg = fleet(config, opts.nodes, opts.memory_nodes, opts.local_blocks, opts.shared_blocks, opts.max_batch_tokens,
+                opts.prefix_cache_tokens)
+    arrivals = None
+    if opts.trace is not None:
+        wl, arrivals = trace_workload_of(cfg, opts.trace, opts.time_scale)
+    else:
+        wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
+                             opts.placement, opts.seed, opts.conversations)
+    sim = SimOptions(systems=systems, rates=options.floats(opts.rates, "--rates"), max_tokens=opts.max_tokens,
+                     warmup_frac=opts.warmup, unloaded_requests=opts.unloaded, seed=opts.seed,
+                     drain_warmup=opts.drain_warmup, system_rates=_system_rates(opts.rates_for), arrivals=arrivals,
+                     out_dir=opts.out)
+    say(f"tessera simulate: {wl.name}, {len(cfg.generation)} generation node(s), {len(cfg.kvpools)} memory node(s) "
+        f"({sum(k.capacity_blocks for k in cfg.kvpools)} shared blocks), cost model {costs.name}", err=True)
+    report = run_simulation(cfg, wl, costs, sim)
+    for line in format_report(report):
+        say(line)
+    say("")
+    say(report["cluster_table"])
+    if opts.compare is not None:
+        from tessera.simulate.validate import compare_runs, comparison_table, plot_comparison
+
+        if not opts.compare.is_file():
+            raise ConfigError(f"--compare {opts.compare} does not exist; pass the bench.json tessera bench wrote")
+        rows = compare_runs(report, json.loads(opts.compare.read_text()))
+        say(f"\nsimulated vs measured ({opts.compare}):")
+        say(comparison_table(rows))
+        if opts.out is not None:
+            (opts.out / "validation.json").write_text(json.dumps(rows, indent=1))
+            say(f"plot: {plot_comparison(rows, opts.out / 'validation.png')}")
+    for name, sysrep in report["systems"].items():
+        for r in sysrep["runs"]:
+            if len(r.get("by_stream", {})) > 1:
+                say(f"[{name}] {r['rate']:g} req/s mean TTFT by stream: "
+                    + ", ".join(f"{s} {t:.3f}s" for s, t in r["by_stream"].items()))

@@ -1,0 +1,189 @@
+"""A simulated generation node's engine thread: the real batching rule, timed by a cost model.
+
+Work is queued as the node's :class:`~tessera.generation.scheduler.Scheduler` queues it
+(decodes, requests' extends in chunks of ``max_batch_tokens``, unit prefills) and each batch
+is taken with the same :func:`~tessera.generation.batching.take_batch`. Engines on one host
+(:class:`Host`) stretch each other's steps as the cost model's ``host_slowdown`` says. Per-request engine
+calls (placing a unit's state) run between batches, in the order they were asked, as they do
+on the node's single engine thread. A step's duration is the cost model's.
+
+This module knows nothing about plans, caches or the control plane.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from tessera.generation.batching import take_batch
+from tessera.simulate.costs import CostModel, StepItem
+from tessera.simulate.events import EventLoop
+
+Done = Callable[[], None]
+
+
+@dataclass
+class Work:
+    """One batch item: ``tokens`` new tokens whose last attends to ``context`` positions."""
+
+    tokens: int
+    context: int
+    decode: bool
+    done: Done
+
+    def cancelled(self) -> bool:
+        return False  # simulated clients never go away
+
+
+class _Running:
+    __slots__ = ("done", "remaining", "since", "version")
+
+    def __init__(self, remaining: float, since: float, done: Done) -> None:
+        self.remaining = remaining  # seconds of work left at full speed, as of ``since``
+        self.since = since
+        self.done = done
+        self.version = 0  # end events of older versions are stale
+
+
+class Host:
+    """The machine some nodes' engines share: steps run at 1 / slowdown(k) speed while k are running.
+
+    Processor sharing: when a step starts or ends and the speed changes, every running step's
+    remaining work is advanced at the old speed and its end rescheduled at the new one (stale
+    end events are ignored), so two steps that overlap for part of their time are stretched
+    for that part only. Without a slowdown (a GPU per node) nothing is ever rescheduled.
+    """
+
+    def __init__(self, loop: EventLoop, costs: CostModel) -> None:
+        self.loop = loop
+        self.costs = costs
+        self._running: list[_Running] = []
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    def run(self, seconds: float, done: Done) -> None:
+        """A step of ``seconds`` at full speed; ``done`` at its (stretched) end."""
+        before = self._speed(len(self._running))
+        r = _Running(seconds, self.loop.now, done)
+        self._running.append(r)
+        if self._speed(len(self._running)) != before:
+            self._reschedule(before)
+        else:
+            self._schedule(r, before)
+
+    def _speed(self, k: int) -> float:
+        return 1.0 / self.costs.slowdown(k)
+
+    def _schedule(self, r: _Running, speed: float) -> None:
+        r.version += 1
+        self.loop.after(r.remaining / speed, partial(self._end, r, r.version))
+
+    def _reschedule(self, old: float) -> None:
+        """The speed changed: advance every step at the ``old`` speed, then schedule its end at the new one."""
+        now, speed = self.loop.now, self._speed(len(self._running))
+        for r in self._running:
+            r.remaining = max(0.0, r.remaining - (now - r.since) * old)
+            r.since = now
+            self._schedule(r, speed)
+
+    def _end(self, r: _Running, version: int) -> None:
+        if version != r.version:
+            return
+        before = self._speed(len(self._running))
+        self._running.remove(r)
+        if self._running and self._speed(len(self._running)) != before:
+            self._reschedule(before)
+        r.done()
+
+
+class SimEngine:
+    def __init__(self, loop: EventLoop, costs: CostModel, max_batch_tokens: int, host: Host | None = None) -> None:
+        self.loop = loop
+        self.costs = costs
+        self.host = host or Host(loop, costs)
+        self.max_batch_tokens = max_batch_tokens
+        self._decodes: deque[Work] = deque()
+        self._extends: deque[Work] = deque()
+        self._prefills: deque[Work] = deque()
+        self._calls: deque[tuple[float, Done]] = deque()
+        self.busy = False
+        self.busy_s = 0.0  # engine time spent (steps and calls): the node's utilisation
+        self.steps = 0
+        self._recent_tokens = 0.0  # decayed sums over batches with prompt work (the load report's speed)
+        self._recent_s = 0.0
+
+    # --- submission (the Scheduler's verbs) ----------------------------------------------
+
+    def extend(self, tokens: int, start: int, done: Done) -> None:
+        """``tokens`` new tokens from position ``start``, in chunks of ``max_batch_tokens`` (chunked prefill)."""
+        step = self.max_batch_tokens
+        chunks = [(s, min(step, tokens - s)) for s in range(0, tokens, step)]
+
+        def submit(i: int) -> None:
+            s, n = chunks[i]
+            last = i == len(chunks) - 1
+            self._extends.append(Work(n, start + s + n, False, done if last else lambda: submit(i + 1)))
+            self._wake()
+
+        submit(0)
+
+    def prefill_unit(self, tokens: int, done: Done) -> None:
+        self._prefills.append(Work(tokens, tokens, False, done))
+        self._wake()
+
+    def decode(self, position: int, done: Done) -> None:
+        self._decodes.append(Work(1, position + 1, True, done))
+        self._wake()
+
+    def call(self, seconds: float, done: Done) -> None:
+        """A per-request engine call (placing a unit's state): runs between batches, FIFO."""
+        self._calls.append((seconds, done))
+        self._wake()
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(w.tokens for w in self._extends) + sum(w.tokens for w in self._prefills) + len(self._decodes)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self._recent_tokens / self._recent_s if self._recent_s > 0 else 0.0
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if not self.busy:
+            self.busy = True
+            self.loop.after(0.0, self._next)
+
+    def _next(self) -> None:
+        if self._calls:
+            seconds, done = self._calls.popleft()
+            self.busy_s += seconds
+            self.loop.after(seconds, lambda: self._finish_call(done))
+            return
+        batch = take_batch(self._decodes, self._extends, self._prefills, self.max_batch_tokens)
+        if not batch:
+            self.busy = False
+            return
+        seconds = self.costs.step_s(StepItem(w.tokens, w.context, w.decode) for w in batch)
+        self.steps += 1
+        # engines sharing a host's cores and memory bandwidth slow each other (CPU nodes)
+        self.host.run(seconds, partial(self._finish_batch, batch, self.loop.now))
+
+    def _finish_call(self, done: Done) -> None:
+        done()
+        self._next()
+
+    def _finish_batch(self, batch: list[Work], started: float) -> None:
+        seconds = self.loop.now - started
+        self.busy_s += seconds
+        if not all(w.decode for w in batch):
+            self._recent_tokens = 0.8 * self._recent_tokens + sum(w.tokens for w in batch)
+            self._recent_s = 0.8 * self._recent_s + seconds
+        for w in batch:
+            w.done()
+        self._next()

@@ -1,0 +1,237 @@
+"""``tessera simulate``: the real control plane over simulated nodes, deterministic per seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from helpers.cluster import REPO, cluster_config, write_config
+
+from tessera.benchmark.runner import system_config
+from tessera.benchmark.workloads import synthetic_workload
+from tessera.config import ClusterConfig
+from tessera.control.router import N, Router, register_router
+from tessera.errors import ConfigError
+from tessera.generation.batching import take_batch
+from tessera.simulate.calibrate import CalibrationPlan, calibrate, fit
+from tessera.simulate.command import fleet
+from tessera.simulate.costs import CostModel, StepItem, builtin_models, load_cost_model
+from tessera.simulate.engine import Host, SimEngine, Work
+from tessera.simulate.events import EventLoop
+from tessera.simulate.run import SimOptions, run_simulation, simulate_run
+from tessera.simulate.validate import compare_runs, comparison_table
+from tessera.simulate.workload import render, unit_texts
+
+COSTS = CostModel("test", "hand-written for the tests", base_s=0.02, per_token_s=0.002, per_attn_s=0.0005,
+                  per_decode_s=0.001, place_per_token_s=1e-5, kv_bytes_per_token=23040, link_latency_s=5e-4,
+                  link_bytes_per_s=2e9, request_overhead_s=0.01)
+
+
+def _work(tokens: int, decode: bool = False) -> Work:
+    return Work(tokens, tokens, decode, lambda: None)
+
+
+def _deterministic(report: dict[str, object]) -> str:
+    """The report without the plane's measured CPU times (real perf_counter readings)."""
+    def strip(x: object) -> object:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.startswith("plane_cpu") and k != "cluster_table"}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    return json.dumps(strip(report), sort_keys=True)
+
+
+def test_a_batch_takes_every_decode_then_extends_before_unit_prefills_within_the_budget() -> None:
+    """The scheduler's batching rule, shared by the real node and the simulated one."""
+    decodes, extends, prefills = deque([_work(1, True)] * 2), deque([_work(300), _work(300)]), deque([_work(50)])
+    batch = take_batch(decodes, extends, prefills, 512)
+    assert [w.tokens for w in batch] == [1, 1, 300] and len(extends) == 1 and len(prefills) == 1
+    assert [w.tokens for w in take_batch(decodes, extends, prefills, 512)] == [300, 50]
+
+
+def test_an_item_larger_than_the_budget_still_runs_alone_with_the_decodes() -> None:
+    decodes, extends = deque([_work(1, True)]), deque([_work(900), _work(10)])
+    assert [w.tokens for w in take_batch(decodes, extends, deque(), 512)] == [1, 900]
+
+
+def test_the_same_seed_gives_the_same_simulated_report() -> None:
+    """Determinism: two runs of one sweep agree on every figure but the plane's measured CPU time."""
+    wl = synthetic_workload(16, n_units=20, seed=1)
+    opts = SimOptions(["prefix", "tessera"], [1.0, 3.0], unloaded_requests=2, seed=1)
+    first = run_simulation(cluster_config(), wl, COSTS, opts, progress=False)
+    second = run_simulation(cluster_config(), wl, COSTS, opts, progress=False)
+    assert _deterministic(first) == _deterministic(second)
+    assert first["systems"]["tessera"]["runs"][0]["ttfts"] != first["systems"]["tessera"]["runs"][1]["ttfts"]
+
+
+def test_every_simulated_request_is_planned_by_the_real_control_plane() -> None:
+    """The plane's own counters see each request's plan, and its LOCAL decisions are served from the node's cache."""
+    config = system_config(cluster_config(), "tessera")
+    wl = synthetic_workload(24, n_units=10, seed=2)
+    requests = render(config, wl, unit_texts(config, wl))
+    run = simulate_run(config, COSTS, requests, 2.0, SimOptions(["tessera"], [2.0]))
+    stats = run.cluster.plane.stats.snapshot()
+    assert stats["plans"] == 24 and stats["units"] == sum(len(r.unit_refs()) for r in requests)
+    local = sum(r.usage["tessera"]["local_tokens"] for r in run.results)
+    assert stats["local"] > 0 and local > 0
+    assert run.cluster.timed.time.calls["route"] == run.cluster.timed.time.calls["complete"] == 24
+
+
+class _FirstNode(Router):
+    """Test router: always the node listed first."""
+
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+        return min(nodes, key=lambda n: n.index)
+
+
+register_router("sim_test_first")(_FirstNode)
+
+
+def test_the_configured_routing_policy_decides_where_simulated_requests_run() -> None:
+    """A router registered with the plane sends every request to gen0: the simulator asks the plane, not itself."""
+    config = system_config(cluster_config(nodes=3), "tessera")
+    config = dataclasses.replace(config, control=dataclasses.replace(config.control, routing="sim_test_first"))
+    wl = synthetic_workload(12, n_units=10, seed=3)
+    run = simulate_run(config, COSTS, render(config, wl, unit_texts(config, wl)), 4.0, SimOptions(["tessera"], [4.0]))
+    assert {n: node.served for n, node in run.cluster.nodes.items()} == {"gen0": 12, "gen1": 0, "gen2": 0}
+
+
+def test_a_cost_model_survives_its_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    COSTS.save(path)
+    assert load_cost_model(str(path)) == COSTS
+    assert COSTS.step_s([StepItem(100, 1000)]) == pytest.approx(0.02 + 0.2 + 0.05)
+
+
+def test_the_shipped_gpu_models_load_and_a_bad_file_says_what_is_wrong(tmp_path: Path) -> None:
+    assert {"llama3-8b-a100", "llama3-8b-h100"} <= set(builtin_models())
+    a100, h100 = load_cost_model("llama3-8b-a100"), load_cost_model("llama3-8b-h100")
+    assert h100.step_s([StepItem(1000, 1000)]) < a100.step_s([StepItem(1000, 1000)])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**dataclasses.asdict(COSTS), "per_tokn_s": 1.0}))
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_cost_model(str(bad))
+    with pytest.raises(ConfigError, match="shipped models are"):
+        load_cost_model("no-such-model")
+
+
+def test_the_fit_recovers_the_step_formula_from_exact_samples() -> None:
+    truth = CostModel("t", "", base_s=0.01, per_token_s=0.001, per_attn_s=0.002, per_decode_s=0.003)
+    batches = [[StepItem(n, c)] for n, c in [(16, 16), (64, 512), (256, 256), (512, 1024)]]
+    batches += [[StepItem(1, 256, decode=True)] * m for m in (1, 4, 16)]
+    coef = fit([(b, truth.step_s(b)) for b in batches])
+    assert coef == pytest.approx((0.01, 0.001, 0.002, 0.003), rel=1e-6, abs=1e-9)
+
+
+def test_calibrate_measures_the_configured_engine(tiny_model: Path) -> None:
+    """A quick calibration of the tiny model: non-negative coefficients, the pool's bytes per token."""
+    config = cluster_config(str(tiny_model), nodes=1)
+    model = calibrate(config, CalibrationPlan().smaller(), name="tiny")
+    assert model.per_token_s + model.base_s > 0 and min(model.base_s, model.per_token_s, model.per_attn_s) >= 0
+    assert model.kv_bytes_per_token > 0 and "step samples" in model.source
+
+
+def test_a_fleet_copies_the_first_nodes_and_splits_the_shared_tier() -> None:
+    cfg = fleet(cluster_config(), nodes=5, memory_nodes=2, shared_blocks=1001, local_blocks=64)
+    assert [g.name for g in cfg.generation] == [f"gen{i}" for i in range(5)]
+    assert {g.local_capacity_blocks for g in cfg.generation} == {64}
+    assert [k.capacity_blocks for k in cfg.kvpools] == [501, 500]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", "tessera", "simulate", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=240, check=False, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    return done
+
+
+def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Path, tmp_path: Path) -> None:
+    """`tessera simulate --calibrate` writes a cost model; `tessera simulate` prints the bench's table with it."""
+    config: ClusterConfig = cluster_config(str(tiny_model), nodes=2)
+    path = write_config(tmp_path, config)
+    model = tmp_path / "cost.json"
+    _cli("--calibrate", "--cost-model", str(model), "--config", str(path))
+    assert load_cost_model(str(model)).name == "cost"
+    out = tmp_path / "sim"
+    done = _cli("--workload", "synthetic", "--requests", "8", "--rates", "1,2", "--unloaded", "2", "--cost-model",
+                str(model), "--config", str(path), "--out", str(out))
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| tessera | 2 |")]
+    assert len(rows) == 2, done.stdout  # the TTFT table's row and the cluster table's
+    assert (out / "simulate.json").is_file() and (out / "ttft_vs_rate.png").is_file()
+    again = _cli("--workload", "synthetic", "--requests", "8", "--rates", "1,2", "--unloaded", "2", "--cost-model",
+                 str(model), "--config", str(path), "--compare", str(out / "simulate.json"))
+    assert "| tessera | unloaded |" in again.stdout and "0 of 6 runs outside ±20%" in again.stdout, again.stdout
+
+
+def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_path: Path) -> None:
+    """`python bench/scale.py` (tiny fleets): one table row per fleet size, the tier sweep, scale.json and plots."""
+    done = subprocess.run([sys.executable, "bench/scale.py", "--nodes", "2,4", "--requests-per-node", "4", "--units",
+                           "30", "--tier-nodes", "2", "--tier-fractions", "0.5,1", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows[:3] == ["nodes", "2", "4"], done.stdout  # the header, then one row per size
+    saved = json.loads((tmp_path / "scale.json").read_text())
+    assert [r["nodes"] for r in saved["nodes"]] == [2, 4] and len(saved["shared_tier"]) == 2
+    assert (tmp_path / "scale_nodes.png").is_file() and (tmp_path / "scale_shared_tier.png").is_file()
+
+
+def test_a_simulation_is_compared_run_by_run_with_a_bench_report() -> None:
+    """--compare: runs matched by system and rate (unloaded too); the error is relative to the measured mean."""
+    def run(rate: float, mean: float) -> dict[str, object]:
+        return {"rate": rate, "mean": mean, "p90": mean, "hit_rate": {"computed": 0.1}}
+
+    measured = {"systems": {"tessera": {"unloaded": run(0.0, 1.0), "runs": [run(1.0, 2.0), run(2.0, 4.0)]}}}
+    simulated = {"systems": {"tessera": {"unloaded": run(0.0, 1.1), "runs": [run(1.0, 1.0)]}}}
+    rows = compare_runs(simulated, measured)
+    assert [(r["rate"], round(r["error"], 3)) for r in rows] == [("unloaded", 0.1), ("1", -0.5)]
+    assert "1 of 2 runs outside ±20%" in comparison_table(rows)
+
+
+def test_engines_of_one_host_stretch_each_others_steps_by_the_models_slowdown() -> None:
+    """Two engines on one host step at once: each step takes host_slowdown[1] × its cost; alone, 1×."""
+    costs = dataclasses.replace(COSTS, host_slowdown=(1.0, 2.0))
+    loop = EventLoop()
+    host = Host(loop, costs)
+    engines = [SimEngine(loop, costs, 512, host) for _ in range(2)]
+    done: list[float] = []
+    t0 = loop.now
+    engines[0].prefill_unit(100, lambda: done.append(loop.now - t0))
+    engines[1].prefill_unit(100, lambda: done.append(loop.now - t0))
+    loop.run()
+    step = costs.step_s([StepItem(100, 100)])
+    assert done == pytest.approx([step * 2.0, step * 2.0]) and host.busy == 0
+    engines[0].prefill_unit(100, lambda: done.append(loop.now - t0))
+    loop.run()
+    assert done[-1] == pytest.approx(step * 3.0)  # alone: its plain cost after the first pair
+
+
+def test_a_simulation_replays_identically_under_another_string_hash_seed(tmp_path: Path) -> None:
+    """Regression: units were prepared in set order, so a process with another PYTHONHASHSEED diverged."""
+    ttfts = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        done = subprocess.run([sys.executable, "-m", "tessera", "simulate", "--workload", "synthetic", "--requests",
+                               "80", "--nodes", "3", "--local-blocks", "64", "--shared-blocks", "256", "--cost-model",
+                               "llama3-8b-a100", "--rates", "20", "--systems", "tessera", "--unloaded", "0", "--out",
+                               str(out)], cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr[-2000:]
+        ttfts.append(json.loads((out / "simulate.json").read_text())["systems"]["tessera"]["runs"][0]["ttfts"])
+    assert ttfts[0] == ttfts[1]
+
+
+def test_a_traffic_trace_replays_at_its_recorded_times() -> None:
+    """`tessera simulate --trace`: one run per system at the trace's own send times, labelled with their mean rate."""
+    done = _cli("--trace", "bench/traces/example.jsonl", "--cost-model", "llama3-8b-a100", "--unloaded", "0")
+    rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith(("| prefix", "| tessera"))]
+    labels = [(r[0].strip(), r[1].strip()) for r in rows[:2]]
+    assert labels == [("prefix", "1.9048"), ("tessera", "1.9048")], done.stdout
