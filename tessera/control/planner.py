@@ -102,7 +102,7 @@ class Planner:
             keep_local = retain and prep is not LOCAL and self._admit_local(local, u, b, request_id, r.tokens, evict)
             grant = self._admit_shared(u, n, b, node) if retain and lease is None else None
             units.append(self._unit_plan(u, n, prep, keep_local, lease, grant))
-        plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict))
+        plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
         self.stats.count(plan)
         return plan
 
