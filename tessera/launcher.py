@@ -374,6 +374,9 @@ def serve(config: ClusterConfig, log_dir: Path | None, log_level: str = "info") 
         return 1
     print(f"tessera is up: OpenAI-compatible API at {config.retrieval_url}/v1 (model {config.model.served_name!r}; "
           f"metrics at {config.retrieval_url}/metrics). Ctrl-C stops every role.", flush=True)
+    for i, (public, _) in enumerate(replica_urls(config)[1:], start=1):
+        print(f"  replica r{i} serves the same API at {public}/v1 (one replica leads the control plane; "
+              "any of them answers)", flush=True)
     supervise_until_signalled(cluster, "stopping tessera (draining in-flight requests)...")
     return 0
 

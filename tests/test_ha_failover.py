@@ -20,10 +20,10 @@ import pytest
 from helpers.cluster import StartCluster
 from helpers.http import call, wait_for
 from helpers.replicated import leader_index, leads, replica_child, replicated_config, start_servers
-from helpers.servers import EtcdServer, PostgresServer
 
 from tessera.config import ClusterConfig
 from tessera.ha.replicas import replica_config
+from tessera.ha.servers import EtcdServer, PostgresServer
 from tessera.launcher import LocalCluster
 from tessera.messages import (
     ExecuteRequest,

@@ -2,7 +2,7 @@
 
 Two retrieval replicas (``[ha]``, ``retrieval.store = "postgres"``), one memory node, one
 generation node, all as child processes of a :class:`~tessera.launcher.LocalCluster`; etcd and
-PostgreSQL as children of this process (:mod:`helpers.servers`).
+PostgreSQL as children of this process (:mod:`tessera.ha.servers`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import urllib.request
 from pathlib import Path
 
 from helpers.cluster import cluster_config, free_port
-from helpers.servers import EtcdServer, PostgresServer
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig, HAConfig
 from tessera.ha.replicas import replica_config
+from tessera.ha.servers import EtcdServer, PostgresServer
 from tessera.launcher import Child, LocalCluster
 
 STRIDE = 7  # replica 1 listens on the ports of replica 0 + STRIDE
@@ -33,7 +33,7 @@ def _free(port: int) -> bool:
         return True
 
 
-def _port_pair() -> int:
+def port_pair() -> int:
     """A free port whose + STRIDE is free too (the second replica's)."""
     while True:
         port = free_port()
@@ -45,7 +45,7 @@ def replicated_config(model: str, etcd: EtcdServer, pg: PostgresServer, *, lease
     cfg = cluster_config(model, nodes=1, kvpools=1, heartbeat_timeout_s=3.0, write_timeout_s=4.0, lease_ttl_s=4.0)
     return dataclasses.replace(
         cfg,
-        retrieval=dataclasses.replace(cfg.retrieval, port=_port_pair(), internal_port=_port_pair(),
+        retrieval=dataclasses.replace(cfg.retrieval, port=port_pair(), internal_port=port_pair(),
                                       store="postgres", postgres_dsn=pg.dsn, max_unit_tokens=256),
         composition=dataclasses.replace(cfg.composition, recompute_tokens=4),
         ha=HAConfig(etcd=etcd.endpoint, election="/test/leader", lease_ttl_s=lease_ttl_s, renew_margin_s=0.5,
