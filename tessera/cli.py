@@ -96,7 +96,8 @@ def run(
     node: Annotated[
         str | None,
         typer.Option("--node", "-n", help="Node name from the config ([[kvpools]] or [[generation]] name). "
-                     "Required for kvpool and generation roles when the config has several."),
+                     "Required for kvpool and generation roles when the config has several. For the "
+                     "retrieval role: the replica, r0 .. r<ha.replicas - 1> (default r0)."),
     ] = None,
     log_level: Annotated[LogLevel, typer.Option("--log-level", help="Log level.")] = LogLevel.info,
 ) -> None:

@@ -74,6 +74,7 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EtcdServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(

@@ -57,14 +57,21 @@ def _grants(plan: RequestPlan) -> tuple[tuple[str, ...], list[CancelRequest]]:
 
 
 class LocalPath:
-    """The plane this process holds; ``plane()`` raises NotLeader once the term ended."""
+    """The plane this process holds; ``plane()`` raises NotLeader once the term ended.
+
+    Only issuing (route, finalize) asks ``plane()``; the bookkeeping of a request already
+    routed (started, suspect, complete, give_back) goes to the plane that routed it, whose
+    term may have ended meanwhile: it issues nothing, and a reply already streamed is not
+    turned into an error by its completion.
+    """
 
     def __init__(self, plane: Callable[[], ControlPlane]) -> None:
         self.plane = plane
+        self.routed_by: ControlPlane | None = None
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
                     prompt_tokens: int) -> tuple[str, Watch]:
-        plane = self.plane()
+        plane = self.routed_by = self.plane()
         target = plane.route(request_id, units, exclude)
         node = plane.generation_node(target)
         deadline_s = first_token_deadline_s(node, prompt_tokens, plane.config.control.first_token_timeout_s)
@@ -74,21 +81,25 @@ class LocalPath:
         return self.plane().finalize(request_id, node, held)
 
     def started(self, request_id: str) -> None:
-        self.plane().started(request_id)
+        if self.routed_by is not None:
+            self.routed_by.started(request_id)
 
     def suspect(self, node: str) -> None:
-        self.plane().suspect(node)
+        if self.routed_by is not None:
+            self.routed_by.suspect(node)
 
     def complete(self, request_id: str) -> None:
-        self.plane().complete(request_id)
+        if self.routed_by is not None:
+            self.routed_by.complete(request_id)
 
     def give_back(self, plan: RequestPlan) -> None:
-        plane = self.plane()
+        if self.routed_by is None:
+            return
         leases, cancels = _grants(plan)
         if leases:
-            plane.release(ReleaseRequest(WIRE_VERSION, leases))
+            self.routed_by.release(ReleaseRequest(WIRE_VERSION, leases))
         for msg in cancels:
-            plane.cancel(msg)
+            self.routed_by.cancel(msg)
 
 
 class RemotePath:
