@@ -175,12 +175,18 @@ def test_killing_the_leader_hands_over_without_connection_errors_or_lost_units(
     wait_for(lambda: indexed(url(cfg, lead), "fo", ids["reef"]), what="the leader's index")
     before = replies(url(cfg, survivor), "fo")
     ranking = [retrieved(url(cfg, survivor), "fo", q) for q in QUESTIONS]
+    other = ingest(url(cfg, survivor), "fo2", {"a": "The morning ferry leaves the harbour at nine.",
+                                              "b": "The harbour master keeps the tide tables."})
 
     load = Load(url(cfg, survivor), "fo")
     load.start()
     wait_for(lambda: len(load.outcomes) >= 3, what="load before the kill")
     killed_at = time.monotonic()
     replica_child(cluster, lead).proc.kill()
+    # writes while no leader is reachable: committed to the store, not lost with the old plane
+    late = ingest(url(cfg, survivor), "fo2", {"late": "The night ferry leaves the harbour at eleven."})
+    status, _ = call(url(cfg, survivor), "/v1/units/delete", {"version": V, "scope": "fo2", "filter": {"name": "a"}})
+    assert status == 200
     wait_leader(cfg, survivor)
     wait_for(lambda: any(t > killed_at and s == 200 for t, s, _ in load.outcomes), timeout=60,
              what="a 200 through the new leader")
@@ -194,6 +200,10 @@ def test_killing_the_leader_hands_over_without_connection_errors_or_lost_units(
     assert [retrieved(url(cfg, survivor), "fo", q) for q in QUESTIONS] == ranking
     assert ids["coffee"] not in {u for q in QUESTIONS for u in retrieved(url(cfg, survivor), "fo", q)}
     assert call(url(cfg, survivor), f"/v1/units/{ids['coffee']}", None)[0] == 404, "the delete was lost"
+    # what was written while no leader was reachable
+    assert call(url(cfg, survivor), f"/v1/units/{late['late']}", None)[0] == 200, "a unit ingested meanwhile was lost"
+    assert call(url(cfg, survivor), f"/v1/units/{other['a']}", None)[0] == 404, "a delete made meanwhile was lost"
+    assert retrieved(url(cfg, survivor), "fo2", "When does the night ferry leave?") == [late["late"], other["b"]]
 
     cluster.restart_child(replica_child(cluster, lead), wait_timeout=120)  # two replicas again
     assert not leads(cfg, lead), "the restarted replica took office from a live leader"
