@@ -81,12 +81,14 @@ class ControlClient:
         if leader is not None:
             self.base_url = leader.value.decode().rstrip("/")
 
-    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    async def _call(self, method: str, path: str, body: Any = None,
+                    timeout_s: float | None = None) -> tuple[int, Any]:
         url = self.base_url + path
         data = None if body is None else encode(body)
         headers = {"Content-Type": "application/json", **self.auth.headers(method, url, data or b"")}
         try:
-            async with self._session.get().request(method, url, data=data, headers=headers,
+            timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+            async with self._session.get().request(method, url, data=data, headers=headers, timeout=timeout,
                                                    ssl=self.auth.client_ssl()) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -103,8 +105,8 @@ class ControlClient:
             return str(payload.get("reason") or payload.get("error") or payload)
         return str(payload)
 
-    async def _ack(self, path: str, body: Any) -> Ack:
-        status, payload = await self._call("POST", path, body)
+    async def _ack(self, path: str, body: Any, timeout_s: float | None = None) -> Ack:
+        status, payload = await self._call("POST", path, body, timeout_s)
         if status != 200:
             raise ControlPlaneError(f"POST {path}: HTTP {status}: {self._reason(payload)}")
         return from_wire(Ack, payload)
@@ -178,10 +180,16 @@ class NodeControl(ControlClient):
         except ControlPlaneError as exc:
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
-    async def load(self, inflight: int, queued_tokens: int, prefill_tokens_per_s: float = 0.0) -> Ack:
-        """The heartbeat; an ack with reason "resync" asks for :meth:`resync`."""
+    async def load(self, inflight: int, queued_tokens: int, prefill_tokens_per_s: float = 0.0,
+                   timeout_s: float | None = None) -> Ack:
+        """The heartbeat; an ack with reason "resync" asks for :meth:`resync`.
+
+        ``timeout_s`` bounds this one call: a heartbeat stuck on a stopped leader would delay the
+        first one to its successor by the whole client timeout.
+        """
         return await self._ack(
-            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s))
+            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s),
+            timeout_s)
 
     async def resync(self, units: Sequence[tuple[str, int]]) -> None:
         """Report the whole local cache, (unit, blocks) each, to a control plane that restarted."""

@@ -142,10 +142,13 @@ class GenerationNode:
         return decision
 
     async def _heartbeat(self) -> None:
+        # one beat waits at most this: a beat stuck on a stopped leader must not hold back the
+        # first one to its successor by the client's whole timeout
+        beat_timeout_s = max(2 * HEARTBEAT_S, self.config.control.heartbeat_timeout_s / 3)
         while True:
             try:
                 ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens,
-                                              self.scheduler.prefill_tokens_per_s)
+                                              self.scheduler.prefill_tokens_per_s, timeout_s=beat_timeout_s)
                 if ack.reason == "resync":
                     await self.control.resync(self.cache.residency())
             except TesseraError as exc:
