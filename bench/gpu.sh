@@ -51,7 +51,13 @@ weights = load_file(str(src / "model.safetensors"))
 save_file({k: v.half() if v.is_floating_point() else v for k, v in weights.items()},
           str(pkg / "model" / "model.safetensors"), metadata={"format": "pt"})
 EOF
-    cp "${TESSERA_DATA:-$ROOT/../shared/data}/locomo/locomo10.json" .gpu/data/locomo/
+    LOCOMO="${TESSERA_DATA:-$ROOT/../shared/data}/locomo/locomo10.json"
+    if [ -f "$LOCOMO" ]; then
+        cp "$LOCOMO" .gpu/data/locomo/
+    else  # the sweep then runs without LoCoMo; say so instead of failing the whole prepare
+        rm -rf .gpu/data
+        echo "bench/gpu.sh prepare: no $LOCOMO (set TESSERA_DATA to the data sets' folder); the sweep will skip LoCoMo" >&2
+    fi
     du -sh .gpu
 }
 

@@ -11,7 +11,8 @@ where ``sig = HMAC(secret, method \\n raw path \\n host:port \\n ts \\n nonce \\
 ``host:port`` is the listener the request is for (as the config names it), ``len`` and
 ``sha256`` describe the body. A request older or newer than ``security.max_clock_skew_s`` is
 refused, and so is a nonce seen within that window (a captured request cannot be replayed at
-its own listener, nor used at any other). Refusal is a 401 from a middleware that runs
+its own listener, nor used at any other), and a request signed before the listener's process
+started (its nonce cache is new: :data:`RESTART_GRACE_S`). Refusal is a 401 from a middleware that runs
 before any handler, so no state is touched, and it is decided from the head alone: the body
 is read only after the signature verified, and must then hash to the signed ``sha256``.
 
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 AUTH_HEADER = "X-Tessera-Auth"
 SECRET_BYTES = 32
 MAX_NONCES = 1 << 20  # bounds the replay cache's memory whatever the request rate
+RESTART_GRACE_S = 2.0  # a signature this much older than its listener's start is still taken
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -144,6 +146,15 @@ class Verifier:
     clock: Callable[[], float] = time.time
     audience: str = ""
     _seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    # when this listener's process began verifying: its nonce cache is empty, so a request
+    # signed earlier may have been accepted by the previous incarnation and is refused. A
+    # captured request could otherwise be replayed once at a restarted node within the skew
+    # window (issue 22). RESTART_GRACE_S covers whole-second timestamps and small clock skew.
+    started: float | None = None  # None: the clock's reading at construction
+
+    def __post_init__(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
 
     def check_head(self, method: str, path: str, header: str | None, content_length: int) -> SignedHead:
         """Verify the signature over the head and the *declared* body; the nonce is spent."""
@@ -164,6 +175,10 @@ class Verifier:
         if not hmac.compare_digest(want, sig):
             raise Unauthorized("bad signature: this process does not hold the cluster secret, "
                                "or the request was signed for another listener")
+        assert self.started is not None
+        if int(ts) < self.started - RESTART_GRACE_S:
+            raise Unauthorized(f"signed {self.started - int(ts):.0f}s before this listener started: a replay "
+                               f"across its restart, or clocks {RESTART_GRACE_S:g}s or more apart (sync them)")
         if length != content_length:
             raise Unauthorized(f"Content-Length {content_length} is not the signed body length {length}")
         now = self.clock()

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, Overloaded, PublishRejected, Unavailable
 from tessera.messages import Ack, check_version
-from tessera.wire import WIRE_VERSION, decode, encode
+from tessera.wire import WIRE_VERSION, encode, from_wire, loads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,9 +64,16 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error(500, f"internal error: {type(exc).__name__}")
 
 
-async def body(request: web.Request, cls: type[T]) -> T:
-    """Decode a typed, versioned message body (400 naming the field when it does not fit)."""
-    msg = decode(cls, await request.read())
+async def body(request: web.Request, cls: type[T], check: Callable[[Any], None] | None = None) -> T:
+    """Decode a typed, versioned message body (400 naming the field when it does not fit).
+
+    ``check`` sees the raw JSON first (bounds that must hold before the typed decode builds
+    anything large, e.g. a query vector's length).
+    """
+    value = loads(await request.read())
+    if check is not None:
+        check(value)
+    msg = from_wire(cls, value)
     check_version(msg.version)  # type: ignore[attr-defined]
     return msg
 

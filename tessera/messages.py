@@ -405,6 +405,8 @@ class RouteRequest:
     exclude: tuple[str, ...] = ()
     # the prompt's tokens: the plane answers the first-token deadline on the chosen node
     prompt_tokens: int = 0
+    # seconds the request spent before routing (retrieval, tokenizing): counts against the queueing bound
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

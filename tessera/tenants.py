@@ -23,6 +23,7 @@ tenants), which the retrieval role allows on a loopback interface only.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -113,7 +114,9 @@ class KeyRing:
         return found[0]
 
 
-TENANT = "tessera.tenant"  # request[TENANT]: the tenant the public middleware authenticated
+# request[TENANT]: the tenant the public middleware authenticated (a typed key: a plain string
+# key made aiohttp warn NotAppKeyWarning on every authenticated request)
+TENANT = web.RequestKey("tessera_tenant", Tenant)
 
 
 def tenant_of(request: web.Request) -> Tenant:
@@ -124,7 +127,7 @@ def tenant_of(request: web.Request) -> Tenant:
 
 def _refuse(request: web.Request, message: str, status: int) -> web.Response:
     if request.path.startswith("/v1/chat"):  # the OpenAI-compatible API keeps OpenAI's error shape
-        kind = "authentication_error" if status == 401 else "permission_error"
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
         body: Any = {"error": {"message": message, "type": kind, "code": status}}
     else:
         body = {"error": message}
@@ -132,8 +135,14 @@ def _refuse(request: web.Request, message: str, status: int) -> web.Response:
 
 
 def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/health",),
-                      admin_paths: tuple[str, ...] = ("/metrics",)) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Authenticate every public request but ``open_paths``; ``admin_paths`` need an admin key."""
+                      admin_paths: tuple[str, ...] = ("/metrics",), *, body_timeout_s: float = 30.0,
+                      ) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Authenticate every public request but ``open_paths``; ``admin_paths`` need an admin key.
+
+    An authenticated request's body must then arrive within ``body_timeout_s`` (408): a client
+    that sends its head and then trickles the body held a handler, and its admission slot,
+    for as long as it liked (issue 22). The body is read here, once; handlers get it cached.
+    """
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -146,6 +155,15 @@ def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/hea
         if request.path in admin_paths and not tenant.admin:
             return _refuse(request, f"{request.path} needs an admin API key", 403)
         request[TENANT] = tenant
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(body_timeout_s):
+                    await request.read()
+            except TimeoutError:
+                refused = _refuse(request, f"the request body did not arrive within {body_timeout_s:g}s "
+                                           "(listener.body_timeout_s)", 408)
+                refused.force_close()  # the rest of a trickled body is not worth reading
+                return refused
         return await handler(request)
 
     return authenticate

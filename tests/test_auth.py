@@ -44,11 +44,26 @@ def test_a_signed_request_verifies_once_and_only_unaltered() -> None:
 def test_signatures_outside_the_skew_window_are_refused() -> None:
     """A signature from 31 s ago (or ahead) is refused with a 30 s window."""
     now = 1_000_000.0
-    v = Verifier(SECRET, max_skew_s=30.0, clock=lambda: now)
+    v = Verifier(SECRET, max_skew_s=30.0, clock=lambda: now, started=now - 3600)  # a listener up for an hour
     for t in (now - 31, now + 31):
         with pytest.raises(Unauthorized, match="off this node's clock"):
             v.verify("GET", "/x", sign(SECRET, "GET", "/x", now=t), b"")
     v.verify("GET", "/x", sign(SECRET, "GET", "/x", now=now - 29), b"")
+
+
+def test_a_request_signed_before_its_listener_restarted_is_refused() -> None:
+    """Regression (issue 22): each process's nonce cache starts empty, so a request captured and
+    accepted before a node restarted was accepted once more by the new process within the skew
+    window. A signature older than the listener's start (less a 2 s grace) is refused."""
+    now = 1_000_000.0
+    before = sign(SECRET, "POST", "/v1/abort", b"{}", now=now - 10)
+    old = Verifier(SECRET, max_skew_s=30.0, clock=lambda: now, started=now - 3600)
+    old.verify("POST", "/v1/abort", before, b"{}")  # accepted by the incarnation that saw it first
+    restarted = Verifier(SECRET, max_skew_s=30.0, clock=lambda: now)  # the same listener, a new process
+    with pytest.raises(Unauthorized, match="before this listener started"):
+        restarted.verify("POST", "/v1/abort", before, b"{}")
+    restarted.verify("POST", "/v1/abort", sign(SECRET, "POST", "/v1/abort", b"{}", now=now - 1), b"{}")  # grace
+    restarted.verify("POST", "/v1/abort", sign(SECRET, "POST", "/v1/abort", b"{}", now=now), b"{}")
 
 
 def test_the_secret_file_is_private_and_checked(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,3 +95,45 @@ def test_the_prefill_section_composes_with_the_served_policy(gpu_bench: ModuleTy
     assert written["composition"] == dataclasses.asdict(load_config(path).composition)
     [row] = written["rows"]
     assert row["engine"] == "reference" and row["units"] == 1 and row["composed_host_s"] > 0
+
+
+def _pypi_reachable() -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _pypi_reachable(), reason="bench/gpu.sh prepare downloads wheels: pypi.org is unreachable")
+def test_gpu_sh_prepare_fills_dot_gpu_with_what_the_gpu_machine_lacks_within_the_carry_limit(tmp_path: Path) -> None:
+    """`bench/gpu.sh prepare` (the README's first GPU step, run here): cp312 wheels of the four packages
+    the GPU machine lacks, SmolLM2's config and tokenizer without weights, a float16 embedder, LoCoMo
+    when the data sets are there; all of it under the device tool's 64 MiB carry limit."""
+    import shutil
+    import subprocess
+
+    from safetensors import safe_open
+
+    (tmp_path / "bench").mkdir()
+    shutil.copy(REPO / "bench" / "gpu.sh", tmp_path / "bench" / "gpu.sh")  # it writes .gpu/ beside bench/
+    data = REPO.parent / "shared" / "data"
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "TESSERA_DATA": str(data)}
+    done = subprocess.run(["bash", str(tmp_path / "bench" / "gpu.sh"), "prepare"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    gpu = tmp_path / ".gpu"
+    wheels = sorted(p.name.split("-")[0].lower() for p in (gpu / "whl").glob("*.whl"))
+    assert wheels == ["gguf", "orjson", "pytest_asyncio", "usearch"], wheels
+    assert all("cp312" in p.name or "py3-none" in p.name for p in (gpu / "whl").glob("*.whl"))
+    assert (gpu / "smollm2" / "config.json").is_file() and (gpu / "smollm2" / "tokenizer.json").is_file()
+    assert not list((gpu / "smollm2").glob("*.gguf")) and not list((gpu / "smollm2").glob("*.safetensors"))
+    (weights,) = (gpu / "site").rglob("model.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        floats = [f.get_slice(k).get_dtype() for k in f.keys()]  # noqa: SIM118 (safe_open is not iterable)
+    assert floats and all(d in ("F16", "I64") for d in floats), set(floats)
+    assert (gpu / "data" / "locomo" / "locomo10.json").is_file() == (data / "locomo" / "locomo10.json").is_file()
+    size = sum(p.stat().st_size for p in gpu.rglob("*") if p.is_file())
+    assert size < 64 << 20, f".gpu is {size / 2**20:.1f} MiB: over the device tool's carry limit"

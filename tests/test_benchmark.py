@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cluster import child_env
+from helpers.http import serving
 
 from tessera.benchmark.client import Result
 from tessera.benchmark.report import compare, summarize, sustained_rate
@@ -174,12 +175,7 @@ async def test_drained_warm_up_finishes_before_the_first_measured_request() -> N
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving(app) as port:
         load = synthetic_workload(8, n_units=10).requests
         opts = BenchOptions(systems=["tessera"], rates=[50.0], progress=False)
         results = await run_phases(f"http://127.0.0.1:{port}", load, 50.0, opts, drain=True)
@@ -191,8 +187,6 @@ async def test_drained_warm_up_finishes_before_the_first_measured_request() -> N
         await run_phases(f"http://127.0.0.1:{port}", load, 50.0, opts, drain=False)
         spans.sort()
         assert max(end for _, end in spans[:4]) > min(start for start, _ in spans[4:])  # the test can fail
-    finally:
-        await runner.cleanup()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from helpers.http import serving
 from helpers.kvpool import PoolConfig
 from helpers.processes import MemoryNodeProcess
 
@@ -181,3 +182,52 @@ def test_listener_limits_are_read_from_the_config_file(tmp_path: Path) -> None:
     path.write_text('base = "default"\n[listener]\nmax_connections = 0\n')
     with pytest.raises(ConfigError, match=r"listener\.max_connections = 0"):
         load_config(path)
+
+
+async def test_an_authenticated_public_body_that_trickles_is_refused_with_408(tmp_path: Path) -> None:
+    """Regression (issue 22): the public API read a body for as long as the client took, so a valid key
+    and a head announcing 100 bytes, then nothing, held a handler (and its admission slot) open-ended.
+    The public middleware, with the real key ring, now gives the body ``body_timeout_s``; without a key
+    the request is refused before any of its body is read."""
+    import asyncio
+    import hashlib
+
+    from aiohttp import web
+
+    from tessera.http import application
+    from tessera.tenants import KeyRing, public_middleware
+
+    keys_path = tmp_path / "keys.toml"
+    digest = hashlib.sha256(b"sk-live-1").hexdigest()
+    keys_path.write_text(f'[[tenants]]\nname = "acme"\nscopes = ["docs"]\nkeys_sha256 = ["{digest}"]\n')
+    keys_path.chmod(0o600)
+    app = application([public_middleware(KeyRing.load(str(keys_path)), body_timeout_s=0.5)])
+    reached: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        reached.append(await request.read())
+        return web.json_response({"ok": True})
+
+    app.router.add_post("/v1/chat/completions", handler)
+    async with serving(app) as port:
+        async def exchange(head: bytes, body: bytes = b"") -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head + body)
+            await writer.drain()
+            async with asyncio.timeout(HANG_GUARD_S):
+                answer = await reader.read()  # until the server closes
+            writer.close()
+            return answer
+
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n")
+        slow = await exchange(head + b"Authorization: Bearer sk-live-1\r\n\r\n", b"{")
+        assert slow.startswith(b"HTTP/1.1 408"), slow[:200]
+        assert b"did not arrive within 0.5s" in slow and b"invalid_request_error" in slow
+        anonymous = await exchange(head + b"\r\n")
+        assert anonymous.startswith(b"HTTP/1.1 401"), anonymous[:200]
+        body = b'{"a": 1}'
+        ok = await exchange(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                            b"Authorization: Bearer sk-live-1\r\nContent-Length: %d\r\n\r\n" % len(body), body)
+        assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
+        assert reached == [body]  # only the complete, authenticated body reached a handler

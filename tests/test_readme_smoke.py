@@ -22,8 +22,11 @@ import pytest
 from helpers.cluster import REPO, cluster_config, write_config
 
 from tessera.config import ClusterConfig
+from tessera.hosts.netns import unavailable
 
 PYTHON = sys.executable
+_NO_HOSTS = unavailable()
+needs_hosts = pytest.mark.skipif(_NO_HOSTS is not None, reason=f"multi-host harness: {_NO_HOSTS}")
 # the console script `pip install -e .` puts beside the interpreter: the README's bare `tessera`
 TESSERA = [str(Path(PYTHON).with_name("tessera"))] if Path(PYTHON).with_name("tessera").is_file() \
     else [PYTHON, "-m", "tessera"]
@@ -119,6 +122,79 @@ def test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c(
     assert not held, f"ports still held after tessera up stopped: {held}"
     for log in logs.glob("*.log"):
         assert "Traceback" not in log.read_text(), log
+
+
+# --- tessera hosts up / clean -----------------------------------------------------------------
+
+
+def _namespaces(pid: int) -> list[str]:
+    """The network namespaces of the harness process ``pid`` (named ``tsr<pid>-<host>``)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(f"tsr{pid}-")]
+
+
+def _hosts_up(cfg_path: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
+    out, err = tmp_path / "hosts.out", tmp_path / "hosts.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        argv = [*TESSERA, "hosts", "up", "--config", str(cfg_path), "--log-dir", str(tmp_path / "logs")]
+        proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=stdout, stderr=stderr, text=True,
+                                start_new_session=True)
+    _wait_for_line(proc, out, "Ctrl-C stops every role and deletes the hosts.", timeout=180)
+    return proc, out, err
+
+
+@needs_hosts
+def test_tessera_hosts_up_serves_through_its_forward_and_ctrl_c_deletes_the_hosts(
+        tiny_cluster: tuple[ClusterConfig, Path], tmp_path: Path) -> None:
+    """`sudo tessera hosts up`: one namespace per role, the printed API URL and key answer the openai
+    client, and Ctrl-C stops every role and deletes every namespace it made (exit 0)."""
+    import openai
+
+    _, path = tiny_cluster
+    proc, out, err = _hosts_up(path, tmp_path)
+    try:
+        text = out.read_text()
+        url = re.search(r"API \(forwarded from host \w+\): (http://127\.0\.0\.1:\d+)/v1/chat/completions", text)
+        key = re.search(r"API key: (\S+)", text)
+        assert url and key, text
+        hosts = _namespaces(proc.pid)
+        assert len(hosts) >= 4, hosts  # cp, kv0, gen0, the client host (+ the bridge's)
+        with openai.OpenAI(base_url=url.group(1) + "/v1", api_key=key.group(1)) as client:
+            assert [m.id for m in client.models.list().data]
+            done = client.chat.completions.create(
+                model="tessera", messages=[{"role": "user", "content": "When does the ferry leave?"}], max_tokens=4,
+                temperature=0, extra_body={"context_units": ["The ferry leaves the harbour at nine every morning."]})
+        assert done.choices[0].finish_reason in ("stop", "length")
+        # the hosts' cluster has API keys: a forged one gets no answer
+        with openai.OpenAI(base_url=url.group(1) + "/v1", api_key="forged") as forged, \
+                pytest.raises(openai.AuthenticationError):
+            forged.models.list()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            subprocess.run([*TESSERA, "hosts", "clean"], cwd=REPO, env=_env(), capture_output=True, check=False)
+    assert proc.returncode == 0, (out.read_text(), err.read_text())
+    assert "Traceback" not in err.read_text(), err.read_text()
+    assert _namespaces(proc.pid) == []
+
+
+@needs_hosts
+def test_tessera_hosts_clean_deletes_what_a_killed_hosts_up_left_behind(
+        tiny_cluster: tuple[ClusterConfig, Path], tmp_path: Path) -> None:
+    """kill -9 of `tessera hosts up` (and its roles) leaves its namespaces; `tessera hosts clean` deletes them."""
+    _, path = tiny_cluster
+    proc, _, _ = _hosts_up(path, tmp_path)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = _namespaces(proc.pid)
+    assert left, "a killed harness cannot have deleted its namespaces"
+    done = _run([*TESSERA, "hosts", "clean"])
+    assert _namespaces(proc.pid) == []
+    assert f"removed {len(left)} namespaces" in done.stdout, done.stdout
+    assert all(name in done.stdout for name in left), done.stdout
 
 
 # --- tessera bench, tessera demo (make demo), tessera eval -------------------------------------

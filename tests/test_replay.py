@@ -86,3 +86,35 @@ async def test_a_request_replayed_elsewhere_before_its_target_sees_it_is_refused
     status, out = await send(listeners.gen1 + "/v1/abort", headers, body)
     assert status == 401 and "another listener" in out["error"]
     assert (await send(listeners.gen0 + "/v1/abort", headers, body))[0] == 200  # the genuine one still works
+
+
+def test_a_request_captured_before_a_node_restarted_is_refused_by_the_new_process(
+        tmp_path: Path, pool_config: PoolConfig) -> None:
+    """Regression: the nonce cache is per process, so a signed request captured (and accepted) before a
+    memory node restarted was accepted again by the restarted node within the 30 s skew window."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    config = pool_config(tmp_path)
+    node = config.kvpools[0]
+    url = f"http://{node.host}:{node.port}/info"
+    headers = ClusterAuth.from_config(config).headers("GET", url)
+
+    def replay() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode()
+
+    signed_at = time.time()
+    with MemoryNodeProcess.started(config, tmp_path):
+        assert replay()[0] == 200  # the genuine request
+        status, out = replay()
+        assert status == 401 and "replayed" in out, out
+    time.sleep(max(0.0, signed_at + 3.0 - time.time()))  # the restart comes later than the grace
+    with MemoryNodeProcess.started(config, tmp_path):
+        status, out = replay()
+        assert status == 401 and "before this listener started" in out, out

@@ -542,6 +542,29 @@ def test_generation_nodes_metrics_take_the_admin_api_key(cluster: tuple[ClusterC
     info.value.close()
 
 
+def test_memory_nodes_serve_metrics_to_the_admin_api_key_and_nothing_else(cluster: tuple[ClusterConfig, Any]) -> None:
+    """Issue 21 item 6: every role is Prometheus-scrapable; a memory node had no /metrics at all.
+    The admin key reads it, a tenant key gets 403, no key 401; /info stays signed-only."""
+    cfg, _ = cluster
+    base = f"http://127.0.0.1:{cfg.kvpools[0].port}"
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": "Bearer key-admin"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    assert f"tessera_kvpool_capacity_blocks {float(cfg.kvpools[0].capacity_blocks)}" in text, text
+    assert "tessera_kvpool_hellos_acked_total" in text and "tessera_kvpool_data_read_bytes_total" in text
+    for headers, code in (({"Authorization": "Bearer key-a"}, 403), ({}, 401)):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(base + "/metrics", headers=headers), timeout=10)
+        assert info.value.code == code, headers
+        info.value.close()
+    for path in ("/info", "/inventory"):  # the admin key is no cluster signature
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(base + path, headers={"Authorization": "Bearer key-admin"}),
+                                   timeout=10)
+        assert info.value.code == 401, path
+        info.value.close()
+
+
 def test_no_tier_counter_depends_on_another_tenants_units(cluster: tuple[ClusterConfig, Any]) -> None:
     """Regression: a guessed record showed up as remote/local tokens in `usage` for another tenant."""
     cfg, _ = cluster

@@ -29,6 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tessera.benchmark.jsonl import records
 from tessera.composition.policies import CompositionPolicy
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, ConfigError
@@ -151,17 +152,13 @@ def classify(stream: StreamState, tokens: Sequence[int], units: Sequence[tuple[i
 
 def read_trace(path: Path) -> Iterator[dict[str, Any]]:
     """A rendered trace's lines: {stream, tokens, units}."""
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                tokens, units, stream = rec["tokens"], rec["units"], str(rec.get("stream", ""))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise BadRequest(f"{path}:{lineno}: expected {{stream, tokens, units}} or a traffic trace line "
-                                 f"{{messages, units, ...}}: {exc}") from None
-            yield {"stream": stream, "tokens": tokens, "units": [tuple(u) for u in units]}
+    for where, rec in records(path):
+        try:
+            tokens, units, stream = rec["tokens"], rec["units"], str(rec.get("stream", ""))
+        except (KeyError, TypeError) as exc:
+            raise BadRequest(f"{where}: expected {{stream, tokens, units}} or a traffic trace line "
+                             f"{{messages, units, ...}}: {exc}") from None
+        yield {"stream": stream, "tokens": tokens, "units": [tuple(u) for u in units]}
 
 
 def _is_traffic(path: Path) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tessera.benchmark.jsonl import records
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.errors import BadRequest
 from tessera.retrieval.chat_request import parse_chat_request
@@ -152,16 +153,7 @@ def is_traffic_line(rec: Any) -> bool:
 
 
 def read_traffic(path: Path) -> list[TraceRequest]:
-    out = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BadRequest(f"{path}:{lineno}: not JSON: {exc}") from None
-            out.append(parse_line(rec, f"{path}:{lineno}"))
+    out = [parse_line(rec, where) for where, rec in records(path)]
     if not out:
         raise BadRequest(f"{path} holds no requests")
     arrivals = [r.arrival_s for r in out]

@@ -237,10 +237,11 @@ class RequestControl(ControlClient):
         return (await self.route_request(request_id, units)).node
 
     async def route_request(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
-                            prompt_tokens: int = 0) -> RouteResponse:
-        """Step 2 in full: never one of ``exclude``; with ``prompt_tokens``, the first-token deadline too."""
+                            prompt_tokens: int = 0, waited_s: float = 0.0) -> RouteResponse:
+        """Step 2 in full: never one of ``exclude``; with ``prompt_tokens``, the first-token deadline too;
+        ``waited_s``: the time the request spent before routing (it counts against the queueing bound)."""
         msg = RouteRequest(WIRE_VERSION, request_id, tuple(RouteUnit(u, n) for u, n in units), tuple(exclude),
-                           prompt_tokens)
+                           prompt_tokens, waited_s)
         return await self._request("/control/route", msg, RouteResponse)
 
     async def units_changed(self, revoked: Sequence[str], reinstated: Sequence[str]) -> None:

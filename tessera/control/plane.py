@@ -113,11 +113,14 @@ class ControlPlane:
 
     # --- the request path ----------------------------------------------------------------
 
-    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = ()) -> str:
+    def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
+              waited_s: float = 0.0) -> str:
         """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
 
-        ``exclude``: nodes this request already tried (a retry goes elsewhere).
-        Raises Overloaded (429) when every node's expected queueing exceeds ``max_queue_wait_s``.
+        ``exclude``: nodes this request already tried (a retry goes elsewhere). ``waited_s``:
+        the time since the request arrived (it counts against the queueing bound).
+        Raises Overloaded (429) when every node's expected queueing exceeds what is left of
+        ``max_queue_wait_s``.
         """
         self.requests.check_new(request_id)
         tokens: dict[str, int] = {}
@@ -131,7 +134,7 @@ class ControlPlane:
         if not live:
             tried = f" (tried: {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no generation node is alive{tried}; retry when one reports in")
-        live = self.queue_bound.admit(live)
+        live = self.queue_bound.admit(live, waited_s)
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         node = self.router.choose(live, self._local_blocks(pairs) if self.router.uses_locality else ())

@@ -82,7 +82,7 @@ async def route(request: web.Request) -> web.Response:
     if any(not u.unit_id for u in msg.units):
         raise BadRequest("units: every unit needs a non-empty unit_id")
     plane = _plane(request)
-    node = plane.route(msg.request_id, [(u.unit_id, u.n_tokens) for u in msg.units], msg.exclude)
+    node = plane.route(msg.request_id, [(u.unit_id, u.n_tokens) for u in msg.units], msg.exclude, msg.waited_s)
     deadline_s = 0.0
     if msg.prompt_tokens > 0:
         deadline_s = first_token_deadline_s(plane.generation_node(node), msg.prompt_tokens,

@@ -118,6 +118,11 @@ class SlowLink:
                 up_writer.close()
                 with contextlib.suppress(OSError, asyncio.CancelledError):
                     await up_writer.wait_closed()
+        except asyncio.CancelledError:
+            # only _shutdown cancels a connection: end it quietly. Re-raised, the stream
+            # protocol's done-callback logs the cancellation as an error with a traceback
+            # (seen on every Ctrl-C of `tessera hosts up` with a client's keep-alive open).
+            pass
         finally:
             writer.close()
             with contextlib.suppress(OSError, asyncio.CancelledError):

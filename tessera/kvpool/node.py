@@ -6,7 +6,9 @@ A memory node owns one block arena in POSIX shared memory and serves it:
 * the ``tcp`` block server on ``data_port`` serves reads and writes of whole slots;
 * with ``[transport] name = "mooncake"`` the arena is also registered with a Mooncake
   Transfer Engine whose session is published in ``GET /info``;
-* ``GET /health`` and ``GET /info`` (a :class:`NodeEndpoint`) on the control port;
+* ``GET /health`` and ``GET /info`` (a :class:`NodeEndpoint`) on the control port, and
+  ``GET /metrics`` (Prometheus text) for a scraper holding an admin API key, as on the
+  other roles;
 * it says hello to the control plane at start and then as a heartbeat. Every start has a
   new random ``boot_id``: a restarted node is empty, and the directory drops what it held.
 * when a control plane answers "joined" (it restarted, or had declared this node dead), the
@@ -31,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from tessera.auth import ClusterAuth
-from tessera.config import ClusterConfig, KVPoolNodeConfig
+from tessera.config import LOOPBACK_HOSTS, ClusterConfig, KVPoolNodeConfig
 from tessera.control.client import ControlClient
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
@@ -39,8 +41,10 @@ from tessera.errors import ControlPlaneError, TesseraError
 from tessera.http import application
 from tessera.kvpool.inventory import scan
 from tessera.messages import MemoryNodeHello, MemoryNodeInventory
+from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.ports import bind_listener
 from tessera.runtime import BackgroundTasks, serve
+from tessera.tenants import KeyRing, admin_middleware
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import ArenaExport, NodeEndpoint, transport_class
 from tessera.transport.blocks import BlockLayout
@@ -74,6 +78,8 @@ class MemoryNode:
         self.hellos_acked = 0
         self.adopted = 0  # units a restarted control plane took back from this arena
         self._inventory: asyncio.Task[None] | None = None
+        self.metrics = Metrics()
+        self.metrics.read_at_scrape(self._scrape)
 
     async def start(self) -> None:
         await self.server.start(self.node.host, self.node.data_port)
@@ -170,15 +176,44 @@ class MemoryNode:
             self.close_arena()
 
     def app(self) -> web.Application:
-        # /info names the shm segment and the data port: cluster processes only
-        app = application([self.auth.middleware(self.node.host, self.node.port,
-                                                body_timeout_s=self.config.listener.body_timeout_s)])
+        # /info names the shm segment and the data port: cluster processes only. /metrics
+        # takes a Prometheus scraper's admin API key instead (a scraper cannot sign), or is
+        # open on a loopback-only node without keys, as on the generation nodes (issue 21)
+        keys = KeyRing.load(self.config.security.keys_file) if self.config.security.keys_file else None
+        scrapable = keys is not None or self.node.host in LOOPBACK_HOSTS
+        open_paths = ("/health", "/metrics") if scrapable else ("/health",)
+        app = application([self.auth.middleware(self.node.host, self.node.port, open_paths=open_paths,
+                                                body_timeout_s=self.config.listener.body_timeout_s),
+                           admin_middleware(keys)])
         app[KVPOOL_NODE] = self
         app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
         app.router.add_get("/inventory", self._inventory_now)  # for checkers (tessera/hosts)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    def _scrape(self) -> list[Metric]:
+        """The arena's and the block server's figures, read at scrape time."""
+        stats = self.server.stats()
+        return [
+            gauge("tessera_kvpool_capacity_blocks", "Slots of the arena", self.node.capacity_blocks),
+            gauge("tessera_kvpool_slot_bytes", "Bytes per slot (one block of one unit, every layer)",
+                  self.layout.slot_bytes),
+            gauge("tessera_kvpool_data_connections", "Open connections to the tcp block server", stats["connections"]),
+            counter("tessera_kvpool_data_requests_total", "Block reads and writes served over tcp", stats["requests"]),
+            counter("tessera_kvpool_data_read_bytes_total", "Bytes read out of the arena over tcp (fetches)",
+                    stats["bytes_read"]),
+            counter("tessera_kvpool_data_written_bytes_total", "Bytes written into the arena over tcp (writebacks)",
+                    stats["bytes_written"]),
+            counter("tessera_kvpool_hellos_acked_total", "Heartbeats the control plane acknowledged",
+                    self.hellos_acked),
+            counter("tessera_kvpool_adopted_units_total", "Units a restarted control plane took back from the arena",
+                    self.adopted),
+        ]
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return self.metrics.response()
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"ok": True, "node": self.node.name, "boot_id": self.boot_id})

@@ -46,7 +46,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 def build_retrieval_app(config: ClusterConfig, node: RetrievalNode | None = None,
                         keys: KeyRing | None = None) -> web.Application:
     """The public application; its state is ``app[RETRIEVAL_NODE]``."""
-    app = application([access_middleware(config.retrieval.access_log), public_middleware(keys)])
+    app = application([access_middleware(config.retrieval.access_log),
+                       public_middleware(keys, body_timeout_s=config.listener.body_timeout_s)])
     node = node or RetrievalNode(config)
     app[RETRIEVAL_NODE] = node
     app.cleanup_ctx.append(_lifecycle)

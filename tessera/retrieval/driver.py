@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Collection
 from typing import Protocol
@@ -68,8 +69,12 @@ Failure = NodeUnavailable | NodeFailed | Overloaded
 class ChatDriver:
     """Drives one request's attempts; ``target`` is the node of the latest one."""
 
-    def __init__(self, node: RetrievalNode, nodes: NodeClients, sampling: SamplingParams, tenant: str = "") -> None:
+    def __init__(self, node: RetrievalNode, nodes: NodeClients, sampling: SamplingParams, tenant: str = "",
+                 arrived: float | None = None) -> None:
         self.path = node.office.path()  # the leader's plane: in this process, or over its RPCs
+        # perf_counter at the request's arrival: the time before routing counts against the
+        # queueing bound (control/overload.py)
+        self.arrived = time.perf_counter() if arrived is None else arrived
         self.control = node.config.control
         self.nodes = nodes
         self.sampling = sampling
@@ -130,7 +135,8 @@ class ChatDriver:
                      prompt_tokens: int) -> tuple[str, Watch]:
         """The attempt's node and its watch (its first-token deadline: the prompt's work there)."""
         try:
-            return await self.path.route(self.request_id, list(refs.items()), tried, prompt_tokens)
+            return await self.path.route(self.request_id, list(refs.items()), tried, prompt_tokens,
+                                         waited_s=time.perf_counter() - self.arrived)
         except Unavailable:
             if isinstance(failed, Overloaded):
                 raise failed from None  # every node that could serve is full: 429, not 503

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class RequestPath(Protocol):
     async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
-                    prompt_tokens: int) -> tuple[str, Watch]: ...
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]: ...
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan: ...
 
@@ -70,9 +70,9 @@ class LocalPath:
         self.routed_by: ControlPlane | None = None
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
-                    prompt_tokens: int) -> tuple[str, Watch]:
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
         plane = self.routed_by = self.plane()
-        target = plane.route(request_id, units, exclude)
+        target = plane.route(request_id, units, exclude, waited_s)
         node = plane.generation_node(target)
         deadline_s = first_token_deadline_s(node, prompt_tokens, plane.config.control.first_token_timeout_s)
         return target, NodeWatch(node, plane.clock, deadline_s)
@@ -115,9 +115,9 @@ class RemotePath:
                          "a new leader takes over within ha.lease_ttl_s: retry", self.retry_after_s)
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
-                    prompt_tokens: int) -> tuple[str, Watch]:
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
         try:
-            routed = await self.control.route_request(request_id, units, exclude, prompt_tokens)
+            routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
         except ControlPlaneError as exc:
             raise self._unreachable(exc) from None
         return routed.node, RemoteWatch(routed.node, routed.first_token_s)

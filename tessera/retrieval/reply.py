@@ -71,7 +71,7 @@ async def answer(request: web.Request, serving: Serving, node: RetrievalNode, ch
                  tenant: Tenant) -> tuple[web.StreamResponse, str]:
     """Reply to an admitted request: the response and its request status (``200``, ``stream-error``)."""
     started = time.perf_counter()
-    driver = ChatDriver(node, serving.nodes, chat.sampling, tenant.name)
+    driver = ChatDriver(node, serving.nodes, chat.sampling, tenant.name, arrived=started)
     built = await chat_layout(serving, node, chat, tenant)
     trace = trace_record(built.served, chat.retrieval.scope if chat.retrieval else "") if chat.return_layout else None
     reply = Reply(serving.metrics, node.tokenizer, chat, driver, built, serving.composition, started)

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
-from tessera.messages import MemoryNodeInventory, check_version
+from tessera.messages import MemoryNodeInventory
 from tessera.retrieval import api
 from tessera.retrieval.limits import (
     MAX_RETRIEVE_BODY_BYTES,
@@ -42,7 +42,7 @@ from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.store import StoredUnit
 from tessera.tenants import tenant_of
 from tessera.units import UNIT_ID_PATTERN
-from tessera.wire import WIRE_VERSION, from_wire, loads
+from tessera.wire import WIRE_VERSION
 
 RETRIEVAL_NODE = web.AppKey("retrieval_node", RetrievalNode)
 # only a unit id matches, so /v1/units/delete is not a unit path (GET on it is a 405, not "no such unit")
@@ -72,14 +72,8 @@ async def checked_body(request: web.Request, cls: type[T], check: Callable[[Any]
     """
     if limit is not None:
         check_body_size(request.content_length, limit, fix)
-    raw = await request.read()
-    if limit is not None:
-        check_body_size(len(raw), limit, fix)  # a chunked body has no Content-Length
-    value = loads(raw)
-    check(value)
-    msg = from_wire(cls, value)
-    check_version(msg.version)  # type: ignore[attr-defined]
-    return msg
+        check_body_size(len(await request.read()), limit, fix)  # a chunked body has no Content-Length
+    return await body(request, cls, check)
 
 
 def _ingest_bounds(dim: int) -> Callable[[Any], None]:

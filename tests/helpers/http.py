@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
+
+from aiohttp import web
 
 from helpers.cluster import signed_get
 from tessera.auth import ClusterAuth
@@ -69,3 +73,16 @@ def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> 
             return
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[int]:
+    """Serve ``app`` in this event loop on a free loopback port (yielded) until the block ends."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
