@@ -96,7 +96,8 @@ def run(
     node: Annotated[
         str | None,
         typer.Option("--node", "-n", help="Node name from the config ([[kvpools]] or [[generation]] name). "
-                     "Required for kvpool and generation roles when the config has several."),
+                     "Required for kvpool and generation roles when the config has several. For the "
+                     "retrieval role: the replica, r0 .. r<ha.replicas - 1> (default r0)."),
     ] = None,
     log_level: Annotated[LogLevel, typer.Option("--log-level", help="Log level.")] = LogLevel.info,
 ) -> None:
@@ -127,16 +128,26 @@ def up(
     data_dir: Annotated[Path | None, typer.Option(
         "--data-dir", help="Where units and indexes persist (default: retrieval.data_dir, else "
         "$XDG_DATA_HOME/tessera/default or ~/.local/share/tessera/default).")] = None,
+    replicas: Annotated[int | None, typer.Option(
+        "--replicas", help="Retrieval replicas (ha.replicas); more than one elects a leader on etcd and keeps "
+        "units in PostgreSQL, each started here unless --ha-etcd / --store-dsn name one.")] = None,
+    ha_etcd: Annotated[str | None, typer.Option("--ha-etcd", help="etcd endpoint host:port (ha.etcd).")] = None,
+    store_dsn: Annotated[str | None, typer.Option(
+        "--store-dsn", help="PostgreSQL DSN of the unit store (retrieval.postgres_dsn; sets retrieval.store = "
+        "postgres).")] = None,
 ) -> None:
     """Start every role of the config on this machine (retrieval, kvpool, generation) and wait for Ctrl-C."""
+    from tessera.ha.local import replicated
     from tessera.launcher import serve, with_overrides, with_persistent_data
 
     try:
         cfg = with_overrides(_load(config), host=host, port=port, model=model, served_name=served_model_name)
+        with replicated(with_persistent_data(cfg, data_dir), replicas, ha_etcd, store_dsn) as cfg:
+            code = serve(cfg, log_dir, log_level=log_level.value)
     except ConfigError as exc:
         typer.echo(f"tessera up: {exc}", err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(serve(with_persistent_data(cfg, data_dir), log_dir, log_level=log_level.value))
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -451,6 +462,9 @@ def chaos(
     hosts: Annotated[int, typer.Option(help="Run on N hosts (network namespaces; needs root): the retrieval role, "
                                        "one memory node, N-2 generation nodes, network faults mixed in. "
                                        "0: every role on this host.")] = 0,
+    replicas: Annotated[int, typer.Option(
+        "--replicas", help="Retrieval replicas (ha.replicas; local etcd and PostgreSQL unless the config names "
+        "them): the retrieval restart becomes leader kill -9 and leader SIGSTOP past its lease.")] = 1,
 ) -> None:
     """Faults under load, as real processes: kill -9 / SIGSTOP nodes, corrupt a block, restart retrieval.
 
@@ -467,6 +481,12 @@ def chaos(
 
         with _usage("chaos"):
             report = run_on_hosts(cfg, opts, log_dir, hosts)
+    elif replicas > 1 or cfg.ha.replicas > 1:
+        from tessera.benchmark.chaos_replicas import ReplicatedChaosRun
+        from tessera.ha.local import replicated
+
+        with _usage("chaos"), replicated(cfg, replicas if replicas > 1 else None) as ha_cfg:
+            report = ReplicatedChaosRun(ha_cfg, opts, log_dir).run()
     else:
         report = ChaosRun(cfg, opts, log_dir).run()
     typer.echo(report.render())

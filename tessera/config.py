@@ -463,6 +463,8 @@ class ClusterConfig:
             names = [n.name for n in nodes]
             dupes = sorted({n for n in names if names.count(n) > 1})
             _check(not dupes, kind, dupes, "node names must be unique")
+        _check(not self.ha.enabled or self.retrieval.store == "postgres", "retrieval.store", self.retrieval.store,
+               "expected 'postgres' with [ha] (every replica reads the same units)")
         endpoints = [(self.retrieval.host, self.retrieval.port, "retrieval")]
         endpoints += [(self.retrieval.internal_host, self.retrieval.internal_port, "retrieval.internal_port")]
         stride = self.ha.replica_port_stride

@@ -49,6 +49,15 @@ class Unavailable(TesseraError):
 
     status = 503
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # sent as Retry-After when known
+
+
+class NotLeader(Unavailable):
+    """This retrieval replica does not hold the control plane now (``[ha]``): no leader is known,
+    the leader cannot be reached, or this replica's term ended (HTTP 503 with Retry-After)."""
+
 
 class IntegrityError(TesseraError):
     """Stored or transferred state failed a consistency check (epoch, writer, blocks, checksum)."""

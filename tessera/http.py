@@ -48,7 +48,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except PublishRejected as exc:
         return reply(Ack(WIRE_VERSION, False, str(exc)), status=409)
     except (Overloaded, Unavailable) as exc:
-        return error(exc.status, str(exc))
+        refused = error(exc.status, str(exc))
+        if exc.retry_after_s is not None:
+            refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return refused
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -36,6 +36,7 @@ from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml
 from tessera.engines.checkpoint import resolve
 from tessera.errors import TesseraError
+from tessera.ha.replicas import replica_config, replica_index, replica_name, replica_urls
 from tessera.ports import check_free, holds_port
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -172,7 +173,7 @@ class LocalCluster:
     def _spawn(self, role: str, node: str, host: str, port: int, append: bool = False) -> Child:
         # a supervised restart appends to the role's log (a fresh start begins a new one);
         # the child dies with the launcher
-        child = spawn_role(role, None if role == "retrieval" else node, self.config_path,
+        child = spawn_role(role, None if role == "retrieval" and node == "main" else node, self.config_path,
                            self.log_dir / f"{role}-{node}.log", f"{self.config.scheme}://{host}:{port}",
                            append=append, die_with_parent=True, log_level=self.log_level,
                            prefix=self._prefix(role, node))
@@ -194,17 +195,29 @@ class LocalCluster:
         except ClusterError as exc:
             raise ClusterError(f"{exc}; logs in {self.log_dir}") from None
 
-    def _wait_heard(self, names: list[str], timeout: float) -> None:
-        """Until the control plane heard every generation node (only those are routed to)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            url = self.config.control_url + "/control/stats"
+    def leader_url(self) -> str | None:
+        """The internal URL of the replica whose control plane answers (the leader's; 503 elsewhere)."""
+        for _, internal in replica_urls(self.config):
+            url = internal + "/control/stats"
             # the control plane's stats are internal: the launcher signs like any role
             req = urllib.request.Request(url, headers=self._auth.headers("GET", url))
             with contextlib.suppress(OSError, urllib.error.URLError, ValueError), \
                     urllib.request.urlopen(req, timeout=1.0, context=self._tls) as resp:
+                if resp.status == 200:
+                    return internal
+        return None
+
+    def _wait_heard(self, names: list[str], timeout: float) -> None:
+        """Until the control plane (the leader's, with replicas) heard every generation node."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leader = self.leader_url()
+            url = f"{leader}/control/stats"
+            req = urllib.request.Request(url, headers=self._auth.headers("GET", url))
+            with contextlib.suppress(OSError, urllib.error.URLError, ValueError), \
+                    urllib.request.urlopen(req, timeout=1.0, context=self._tls) as resp:
                 nodes = json.loads(resp.read()).get("nodes", {})
-                if all(nodes.get(name, {}).get("alive") for name in names):
+                if leader is not None and all(nodes.get(name, {}).get("alive") for name in names):
                     return
             if time.monotonic() > deadline:
                 raise ClusterError(f"the control plane has not heard from {', '.join(names)} after {timeout:.0f}s; "
@@ -225,7 +238,8 @@ class LocalCluster:
             self._say(f"  no API keys (security.keys_file): the API at {cfg.retrieval_url} is open to every "
                       "process on this machine; set keys before exposing it")
         try:
-            self._wait([self._spawn("retrieval", "main", cfg.retrieval.host, cfg.retrieval.port)], timeout)
+            self._wait([self._spawn("retrieval", name, *self._endpoint("retrieval", name))
+                        for name in self.replicas()], timeout)
             self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)
             self._wait([self._spawn("generation", n.name, n.host, n.port) for n in cfg.generation], timeout)
             self._wait_heard([n.name for n in cfg.generation], timeout)
@@ -244,13 +258,7 @@ class LocalCluster:
             old.proc.wait(timeout)
         old.log_file.close()
         self.children.remove(old)
-        cfg = self.config
-        if role == "retrieval":
-            host, port = cfg.retrieval.host, cfg.retrieval.port
-        elif role == "kvpool":
-            host, port = cfg.kvpool_node(node).host, cfg.kvpool_node(node).port
-        else:
-            host, port = cfg.generation_node(node).host, cfg.generation_node(node).port
+        host, port = self._endpoint(role, node)
         old.log_path.rename(old.log_path.with_suffix(f".{len(self.children)}.{time.monotonic_ns()}.log"))
         child = self._spawn(role, node, host, port)
         child.restarts = old.restarts + 1
@@ -260,9 +268,15 @@ class LocalCluster:
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is None]
 
+    def replicas(self) -> list[str]:
+        """The retrieval processes' node names: "main" alone, or r0, r1, ... with ``ha.replicas`` > 1."""
+        n = self.config.ha.replicas
+        return ["main"] if n == 1 else [replica_name(i) for i in range(n)]
+
     def _endpoint(self, role: str, node: str) -> tuple[str, int]:
         if role == "retrieval":
-            return self.config.retrieval.host, self.config.retrieval.port
+            r = replica_config(self.config, replica_index(self.config, node)).retrieval
+            return r.host, r.port
         n = self.config.kvpool_node(node) if role == "kvpool" else self.config.generation_node(node)
         return n.host, n.port
 
@@ -360,6 +374,9 @@ def serve(config: ClusterConfig, log_dir: Path | None, log_level: str = "info") 
         return 1
     print(f"tessera is up: OpenAI-compatible API at {config.retrieval_url}/v1 (model {config.model.served_name!r}; "
           f"metrics at {config.retrieval_url}/metrics). Ctrl-C stops every role.", flush=True)
+    for i, (public, _) in enumerate(replica_urls(config)[1:], start=1):
+        print(f"  replica r{i} serves the same API at {public}/v1 (one replica leads the control plane; "
+              "any of them answers)", flush=True)
     supervise_until_signalled(cluster, "stopping tessera (draining in-flight requests)...")
     return 0
 

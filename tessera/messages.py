@@ -127,6 +127,8 @@ class RequestPlan:
     units: tuple[UnitPlan, ...]
     # units the node should drop from its local cache to make room for local retention
     local_evict: tuple[str, ...] = ()
+    # the leader term (incarnation) that issued the plan: a node that saw a newer one refuses it
+    term: int = 0
 
 
 # --- prompt layout -------------------------------------------------------------------------
@@ -400,6 +402,12 @@ class RouteRequest:
     version: int
     request_id: str
     units: tuple[RouteUnit, ...] = ()
+    # nodes this request already failed on (a retry): routed elsewhere
+    exclude: tuple[str, ...] = ()
+    # the prompt's tokens: the plane answers the first-token deadline on the chosen node
+    prompt_tokens: int = 0
+    # seconds the request spent before routing (retrieval, tokenizing): counts against the queueing bound
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +415,17 @@ class RouteResponse:
     version: int
     request_id: str
     node: str
+    # seconds the chosen node may take to the first token (tessera.control.pace); 0: not asked
+    first_token_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class UnitsChanged:
+    """A replica that does not lead changed the store: the leader's plane revokes or reinstates."""
+
+    version: int
+    revoked: tuple[str, ...] = ()
+    reinstated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

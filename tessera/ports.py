@@ -119,6 +119,10 @@ def listeners(config: ClusterConfig) -> list[tuple[str, int, str]]:
     """Every (host, port, what) a cluster of ``config`` listens on."""
     r = config.retrieval
     out = [(r.host, r.port, "retrieval"), (r.internal_host, r.internal_port, "retrieval internal")]
+    for i in range(1, config.ha.replicas):  # replica i: the same ports + i x stride (tessera.ha.replicas)
+        step = i * config.ha.replica_port_stride
+        out += [(r.host, r.port + step, f"retrieval replica r{i}"),
+                (r.internal_host, r.internal_port + step, f"retrieval replica r{i} internal")]
     for kv in config.kvpools:
         out += [(kv.host, kv.port, f"kvpool {kv.name}"), (kv.host, kv.data_port, f"kvpool {kv.name} data")]
     out += [(g.host, g.port, f"generation {g.name}") for g in config.generation]

@@ -57,7 +57,7 @@ def run_role(role: str, config: ClusterConfig, node: str | None) -> int:
     if role == "retrieval":
         from tessera.retrieval.app import run_retrieval_role
 
-        return run_retrieval_role(config)
+        return run_retrieval_role(config, node)
     if role == "kvpool":
         from tessera.kvpool.node import run_memory_node
 

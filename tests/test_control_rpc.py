@@ -144,3 +144,25 @@ async def test_remote_refusals_raise_what_the_in_process_plane_raises(
         served.plane.suspect(n)
     with pytest.raises(Unavailable, match="no generation node is alive"):
         await remote.route("r3", [("a", 8)])
+
+
+async def test_a_remote_route_avoids_excluded_nodes_and_answers_the_first_token_deadline(
+        listener: tuple[str, Cluster], remote: RequestControl, config: ClusterConfig) -> None:
+    """A retry routed remotely never lands on a node it failed on, and carries the deadline the plane computed."""
+    first = await remote.route_request("x1", [("a", 8)], prompt_tokens=100)
+    assert first.first_token_s >= config.control.first_token_timeout_s
+    retry = await remote.route_request("x2", [("a", 8)], exclude=(first.node,), prompt_tokens=100)
+    assert retry.node != first.node
+    assert (await remote.route_request("x3", [("a", 8)])).first_token_s == 0.0  # not asked: not computed
+    for rid in ("x1", "x2", "x3"):
+        assert await remote.complete(rid)
+
+
+async def test_a_replicas_revocation_reaches_the_leaders_plane(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """POST /control/units: revoked units are planned from text from then on, until they are reinstated."""
+    _, served = listener
+    await remote.units_changed(["a"], [])
+    assert "a" in served.plane.revoked
+    await remote.units_changed([], ["a"])
+    assert "a" not in served.plane.revoked

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import aetcd
 import pytest
-from helpers.servers import EtcdServer
 
 from tessera.ha.election import Election, Leader, connect
+from tessera.ha.servers import EtcdServer
 
 TTL = 2  # etcd with a 500 ms election timeout grants leases of at least ~1 s
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.servers import PostgresServer
 from helpers.store import DOCS, QUERIES, store_parts
 
 from tessera.config import RetrievalConfig
+from tessera.ha.servers import PostgresServer
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.follow import IndexFollower
 from tessera.retrieval.records_pg import PgUnitRecords

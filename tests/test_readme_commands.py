@@ -17,17 +17,19 @@ SHORT_CHAOS = "tests/test_chaos.py::test_a_short_chaos_run_answers_every_request
 SMOKE = "tests/test_readme_smoke.py::"
 DEMO = SMOKE + "test_tessera_demo_compares_prefix_caching_and_tessera_on_a_tiny_run"
 THIS = "tests/test_readme_commands.py::"
+HA_UP = "tests/test_ha_up.py::"
 # a key's tests together run its command: `make demo` is the Makefile's `$(BIN)/tessera demo`
 COVERED: dict[str, str | tuple[str, ...]] = {
     "make demo": (THIS + "test_make_demo_runs_exactly_tessera_demo", DEMO),
     "make test": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_the_suite",
     "tessera trace": "tests/test_traffic_trace.py::test_tessera_trace_from_workload_writes_a_trace_that_analyze_reads",
     "pytest tests/test_hosts.py": "tests/test_hosts.py::test_a_short_multi_host_chaos_run_keeps_every_invariant",
+    "tessera up": (SMOKE + "test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c",
+                   HA_UP + "test_tessera_up_with_two_replicas_serves_chat_on_both_and_stops_on_ctrl_c"),
     "tessera hosts": (SMOKE + "test_tessera_hosts_up_serves_through_its_forward_and_ctrl_c_deletes_the_hosts",
                       SMOKE + "test_tessera_hosts_clean_deletes_what_a_killed_hosts_up_left_behind"),
     "bench/gpu.sh prepare": "tests/test_bench_gpu.py::"
                             "test_gpu_sh_prepare_fills_dot_gpu_with_what_the_gpu_machine_lacks_within_the_carry_limit",
-    "tessera up": SMOKE + "test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c",
     "tessera run": "tests/test_security.py::test_control_rpcs_do_not_exist_on_the_public_port",
     "python bench/control_plane.py": SMOKE + "test_bench_control_plane_plans_requests_and_prints_its_rates",
     "valgrind --tool=callgrind": SMOKE + "test_bench_control_plane_under_callgrind_counts_only_the_plans",
@@ -38,7 +40,7 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "tessera analyze": "tests/test_benchmark.py::test_analyze_cli_prints_the_classification",
     "tessera eval": SMOKE + "test_tessera_eval_scores_each_policy_against_gold_answers_and_full",
     "tessera verify": "tests/test_verify.py::test_a_missed_threshold_exits_non_zero",
-    "tessera chaos": SHORT_CHAOS,
+    "tessera chaos": (SHORT_CHAOS, "tests/test_chaos.py::test_a_replicated_chaos_run_survives_leader_kills_and_pauses"),
     "pytest tests/test_chaos.py": SHORT_CHAOS,
     "python bench/overload.py": SMOKE + "test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99",
     "python bench/engine.py": SMOKE + "test_bench_engine_times_full_and_composed_prefill_on_smollm2",
@@ -50,6 +52,9 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "bench/gpu.sh smoke": "tests/test_first_hour.py::test_gpu_sh_smoke_runs_on_a_fresh_clone",
     "pytest tests/test_ha_election.py":
         "tests/test_ha_election.py::test_a_leader_that_cannot_renew_stops_before_its_successor_starts",
+    "pytest tests/test_ha_failover.py":
+        "tests/test_ha_failover.py::test_killing_the_leader_hands_over_without_connection_errors_or_lost_units",
+    "python bench/failover.py": HA_UP + "test_bench_failover_kills_the_leader_and_prints_its_figures",
 }
 
 SETUP = {"source .venv/bin/activate"}  # shell set-up, not a command with output of its own

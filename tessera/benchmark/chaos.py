@@ -65,6 +65,7 @@ class Reply:
     latency_s: float
     body: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    replica: int = 0  # which retrieval replica it was sent to (tessera.benchmark.chaos_replicas)
 
 
 @dataclass
@@ -139,8 +140,9 @@ class ChaosRun:
         self.cluster = LocalCluster(config, log_dir=log_dir, quiet=True)
         self.rng = random.Random(options.seed)
         self.report = ChaosReport()
-        self.retrieval_down: list[tuple[float, float]] = []  # (from, to) in run time
+        self.retrieval_down: list[tuple[float, float, int]] = []  # (from, to) in run time, replica
         self.fault_kinds: tuple[str, ...] = FAULTS  # a subclass adds kinds of its own (tessera/hosts)
+        self.replicas = 1  # retrieval replicas the load is spread over (round robin)
         self.headers: dict[str, str] = {}  # sent with every API request (an API key)
         self.corrupted: list[tuple[str, int]] = []  # (memory node, slot) a fault flipped a byte in
         self.t0 = 0.0
@@ -190,11 +192,15 @@ class ChaosRun:
                 "context_units": picks, "max_tokens": self.options.max_tokens, "temperature": 0,
                 "return_layout": True, "logprobs": True, "top_logprobs": 0}
 
-    async def _send(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> Reply:
+    def _url(self, replica: int) -> str:
+        """The public API of retrieval replica ``replica`` (one replica here)."""
+        return self.config.retrieval_url
+
+    async def _send(self, session: aiohttp.ClientSession, body: dict[str, Any], replica: int = 0) -> Reply:
         sent = time.monotonic() - self.t0
         start = time.perf_counter()
         try:
-            async with session.post(self.config.retrieval_url + "/v1/chat/completions", json=body, headers=self.headers,
+            async with session.post(self._url(replica) + "/v1/chat/completions", json=body, headers=self.headers,
                                     timeout=aiohttp.ClientTimeout(total=self.deadline_s)) as resp:
                 try:
                     payload = await resp.json(content_type=None)
@@ -202,11 +208,11 @@ class ChaosRun:
                     payload = {}
                 self.answered += 1
                 return Reply(resp.status, sent, time.perf_counter() - start,
-                             payload if isinstance(payload, dict) else {})
+                             payload if isinstance(payload, dict) else {}, replica=replica)
         except TimeoutError:
-            return Reply(-1, sent, time.perf_counter() - start, error="no reply within the deadlines")
+            return Reply(-1, sent, time.perf_counter() - start, error="no reply within the deadlines", replica=replica)
         except aiohttp.ClientError as exc:
-            return Reply(0, sent, time.perf_counter() - start, error=repr(exc))
+            return Reply(0, sent, time.perf_counter() - start, error=repr(exc), replica=replica)
 
     async def _warm_up(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -227,7 +233,7 @@ class ChaosRun:
                 if at >= opts.duration_s:
                     break
                 await asyncio.sleep(max(0.0, at - (time.monotonic() - self.t0)))
-                pending.append(asyncio.create_task(self._send(session, self._body(i))))
+                pending.append(asyncio.create_task(self._send(session, self._body(i), i % self.replicas)))
                 i += 1
             await faults
             return list(await asyncio.gather(*pending))
@@ -296,7 +302,7 @@ class ChaosRun:
         new = self.cluster.restart_child(child)
         await asyncio.to_thread(self.cluster._wait, [new], 120.0)
         await asyncio.to_thread(self.cluster._wait_heard, [g.name for g in self.config.generation], 60.0)
-        self.retrieval_down.append((down, time.monotonic() - self.t0))
+        self.retrieval_down.append((down, time.monotonic() - self.t0, 0))
         assert new.proc.poll() is None
 
     # --- afterwards ----------------------------------------------------------------------
@@ -357,4 +363,5 @@ class ChaosRun:
 
     def _during_retrieval_restart(self, reply: Reply) -> bool:
         end = reply.sent_at + reply.latency_s
-        return any(reply.sent_at <= to and end >= down - 0.5 for down, to in self.retrieval_down)
+        return any(reply.sent_at <= to and end >= down - 0.5 and replica == reply.replica
+                   for down, to, replica in self.retrieval_down)

@@ -6,6 +6,7 @@ Other roles call the control plane only through these classes (JSON over aiohttp
     POST /control/route          RouteRequest    -> RouteResponse  (step 2: the chosen node)
     POST /control/plan           PlanRequest     -> RequestPlan    (step 4: finalize)
     POST /control/complete       CompleteRequest -> Ack            (ok: it was outstanding)
+    POST /control/units          UnitsChanged    -> Ack            (a replica revoked / re-ingested)
     POST /control/publish        PublishRequest  -> Ack   (409 + reason: PublishRejected)
     POST /control/cancel         CancelRequest   -> Ack
     POST /control/release        ReleaseRequest  -> Ack
@@ -27,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import aiohttp
 import orjson
@@ -52,9 +53,13 @@ from tessera.messages import (
     RouteRequest,
     RouteResponse,
     RouteUnit,
+    UnitsChanged,
     WriteGrant,
 )
 from tessera.wire import WIRE_VERSION, encode, from_wire
+
+if TYPE_CHECKING:
+    from tessera.ha.election import Leader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,12 +76,19 @@ class ControlClient:
     async def close(self) -> None:
         await self._session.close()
 
-    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    def point_at(self, leader: Leader | None) -> None:
+        """Call the elected leader's internal plane from now on (``[ha]``); None keeps the last one."""
+        if leader is not None:
+            self.base_url = leader.value.decode().rstrip("/")
+
+    async def _call(self, method: str, path: str, body: Any = None,
+                    timeout_s: float | None = None) -> tuple[int, Any]:
         url = self.base_url + path
         data = None if body is None else encode(body)
         headers = {"Content-Type": "application/json", **self.auth.headers(method, url, data or b"")}
         try:
-            async with self._session.get().request(method, url, data=data, headers=headers,
+            timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+            async with self._session.get().request(method, url, data=data, headers=headers, timeout=timeout,
                                                    ssl=self.auth.client_ssl()) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -93,8 +105,8 @@ class ControlClient:
             return str(payload.get("reason") or payload.get("error") or payload)
         return str(payload)
 
-    async def _ack(self, path: str, body: Any) -> Ack:
-        status, payload = await self._call("POST", path, body)
+    async def _ack(self, path: str, body: Any, timeout_s: float | None = None) -> Ack:
+        status, payload = await self._call("POST", path, body, timeout_s)
         if status != 200:
             raise ControlPlaneError(f"POST {path}: HTTP {status}: {self._reason(payload)}")
         return from_wire(Ack, payload)
@@ -168,10 +180,16 @@ class NodeControl(ControlClient):
         except ControlPlaneError as exc:
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
-    async def load(self, inflight: int, queued_tokens: int, prefill_tokens_per_s: float = 0.0) -> Ack:
-        """The heartbeat; an ack with reason "resync" asks for :meth:`resync`."""
+    async def load(self, inflight: int, queued_tokens: int, prefill_tokens_per_s: float = 0.0,
+                   timeout_s: float | None = None) -> Ack:
+        """The heartbeat; an ack with reason "resync" asks for :meth:`resync`.
+
+        ``timeout_s`` bounds this one call: a heartbeat stuck on a stopped leader would delay the
+        first one to its successor by the whole client timeout.
+        """
         return await self._ack(
-            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s))
+            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s),
+            timeout_s)
 
     async def resync(self, units: Sequence[tuple[str, int]]) -> None:
         """Report the whole local cache, (unit, blocks) each, to a control plane that restarted."""
@@ -216,8 +234,19 @@ class RequestControl(ControlClient):
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]]) -> str:
         """Step 2: the generation node chosen for a request's (unit_id, n_tokens) list."""
-        msg = RouteRequest(WIRE_VERSION, request_id, tuple(RouteUnit(u, n) for u, n in units))
-        return (await self._request("/control/route", msg, RouteResponse)).node
+        return (await self.route_request(request_id, units)).node
+
+    async def route_request(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
+                            prompt_tokens: int = 0, waited_s: float = 0.0) -> RouteResponse:
+        """Step 2 in full: never one of ``exclude``; with ``prompt_tokens``, the first-token deadline too;
+        ``waited_s``: the time the request spent before routing (it counts against the queueing bound)."""
+        msg = RouteRequest(WIRE_VERSION, request_id, tuple(RouteUnit(u, n) for u, n in units), tuple(exclude),
+                           prompt_tokens, waited_s)
+        return await self._request("/control/route", msg, RouteResponse)
+
+    async def units_changed(self, revoked: Sequence[str], reinstated: Sequence[str]) -> None:
+        """This replica revoked or re-ingested units: the leader's plane follows (``/control/units``)."""
+        await self._request("/control/units", UnitsChanged(WIRE_VERSION, tuple(revoked), tuple(reinstated)), Ack)
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
         """Step 4: the per-unit plan against ``node``'s snapshot ``held``."""

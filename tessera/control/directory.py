@@ -39,6 +39,7 @@ from tessera.auth import CapabilityIssuer
 from tessera.control.allocator import BlockAllocator
 from tessera.errors import PublishRejected
 from tessera.messages import BlockRef, ReadLease, WriteGrant
+from tessera.transport.terms import term_of
 
 
 class EntryState(enum.Enum):
@@ -91,6 +92,7 @@ class Directory:
         self._entries: dict[str, Entry] = {}
         self._leases: dict[str, Lease] = {}
         self._epochs = itertools.count(1)
+        self.term = 0  # the incarnation (leader term) every epoch from begin_epochs carries
         self._lease_ids = itertools.count(1)
         # (free_at, seq, blocks): blocks that may still receive a stale write
         self._quarantine: list[tuple[float, int, tuple[BlockRef, ...]]] = []
@@ -283,6 +285,7 @@ class Directory:
         """Epochs from now on are > ``base`` (a new incarnation never repeats an old epoch)."""
         assert not self._entries, "begin_epochs before any reservation"
         self._epochs = itertools.count(base + 1)
+        self.term = term_of(base)
 
     def fence(self, node: str, until: float) -> None:
         """No slot of ``node`` is handed out before ``until`` (a write granted elsewhere may land)."""

@@ -35,7 +35,7 @@ def plane_state(plane: ControlPlane) -> dict[str, Any]:
 
 
 async def state(request: web.Request) -> web.Response:
-    return web.Response(body=orjson.dumps(plane_state(request.app[CONTROL_PLANE])), content_type="application/json")
+    return web.Response(body=orjson.dumps(plane_state(request.app[CONTROL_PLANE]())), content_type="application/json")
 
 
 def add_observe_routes(app: web.Application) -> None:

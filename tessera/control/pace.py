@@ -14,12 +14,17 @@ wait began is slow (its request fails, the node keeps serving the others and sta
 routing); a node not heard since is gone (its request is retried elsewhere). A node the
 plane declared dead meanwhile (missed heartbeats) ends the wait at once.
 
+A replica that does not lead (``[ha]``) hears no heartbeats: its :class:`RemoteWatch` takes
+the deadline the leader computed and counts a node that missed it as slow (the request fails
+with a 503, it is not retried; a node that broke the connection still fails at once).
+
 This module knows nothing of HTTP; the retrieval role's node client applies the watch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from tessera.control.membership import GenerationMember
 
@@ -29,6 +34,22 @@ def first_token_deadline_s(node: GenerationMember, prompt_tokens: int, slack_s: 
     rate = node.prefill_tokens_per_s
     work_s = (prompt_tokens + node.queued_tokens) / rate if rate > 0 else 0.0
     return slack_s + work_s + node.expected_wait_s()
+
+
+class Watch(Protocol):
+    """What a wait on a node looks at (see :class:`NodeWatch`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def first_token_s(self) -> float: ...
+
+    def alive(self) -> bool: ...
+
+    def mark(self) -> None: ...
+
+    def heard_since_mark(self) -> bool: ...
 
 
 class NodeWatch:
@@ -59,3 +80,23 @@ class NodeWatch:
         """The node reported in (a heartbeat) after the current wait began: it is alive, only slow."""
         seen = self._node.last_seen
         return seen is not None and seen >= self._since
+
+
+class RemoteWatch:
+    """A node routed by another process's plane: its deadline from the leader, no heartbeats here.
+
+    Never declared dead (only the leader could); past a deadline it is slow, not gone.
+    """
+
+    def __init__(self, name: str, first_token_s: float) -> None:
+        self.name = name
+        self.first_token_s = first_token_s
+
+    def alive(self) -> bool:
+        return True
+
+    def mark(self) -> None:
+        pass
+
+    def heard_since_mark(self) -> bool:
+        return True

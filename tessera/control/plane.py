@@ -60,6 +60,7 @@ from tessera.messages import (
     ResidencyReport,
 )
 from tessera.metrics import Metric, gauge
+from tessera.transport.terms import TERM_SHIFT
 from tessera.wire import WIRE_VERSION
 
 
@@ -283,7 +284,7 @@ class ControlPlane:
         its grants and leases can still be in flight.
         """
         directory = self.directory
-        directory.begin_epochs(incarnation << 32)
+        directory.begin_epochs(incarnation << TERM_SHIFT)
         if incarnation > 1:
             until = self.clock() + max(directory.write_timeout_s, directory.lease_ttl_s) + directory.reclaim_grace_s
             for k in self.config.kvpools:

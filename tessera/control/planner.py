@@ -120,7 +120,7 @@ class Planner:
                 units.append(interned.get(u, n, prep, keep_local))
             else:
                 units.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
-        plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict))
+        plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
         self.stats.count(plan)
         return plan
 

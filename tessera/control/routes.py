@@ -7,6 +7,7 @@ wrong type is a 400 naming the field; every error body is ``{"error": message}``
 POST /control/route    step 2: choose the generation node (paper Fig. 10)
 POST /control/plan     step 4: finalize the per-unit plan against the node's snapshot
 POST /control/complete the request finished (in-flight accounting)
+POST /control/units    another replica revoked / re-ingested units (``[ha]``)
 POST /control/publish  writer finished a shared entry (409 + reason when rejected)
 POST /control/cancel   writer gives up a reservation
 POST /control/release  reader releases read leases
@@ -37,6 +38,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tessera.control.pace import first_token_deadline_s
 from tessera.control.plane import ControlPlane
 from tessera.errors import BadRequest
 from tessera.http import body, reply
@@ -54,10 +56,14 @@ from tessera.messages import (
     ResidencyReport,
     RouteRequest,
     RouteResponse,
+    UnitsChanged,
 )
 from tessera.wire import WIRE_VERSION
 
-CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
+# the plane the routes serve, asked per request: a replica that does not lead (or no longer
+# leads) raises Unavailable (503), so nothing is issued under a term it does not hold
+PlaneSource = Callable[[], ControlPlane]
+CONTROL_PLANE: web.AppKey[PlaneSource] = web.AppKey("control_plane")
 StatsExtra = Callable[[], dict[str, Any]]
 STATS_EXTRA: web.AppKey[StatsExtra] = web.AppKey("control_stats_extra")
 
@@ -65,7 +71,7 @@ routes = web.RouteTableDef()
 
 
 def _plane(request: web.Request) -> ControlPlane:
-    return request.app[CONTROL_PLANE]
+    return request.app[CONTROL_PLANE]()
 
 
 @routes.post("/control/route")
@@ -75,8 +81,13 @@ async def route(request: web.Request) -> web.Response:
         raise BadRequest("request_id is empty")
     if any(not u.unit_id for u in msg.units):
         raise BadRequest("units: every unit needs a non-empty unit_id")
-    node = _plane(request).route(msg.request_id, [(u.unit_id, u.n_tokens) for u in msg.units])
-    return reply(RouteResponse(WIRE_VERSION, msg.request_id, node))
+    plane = _plane(request)
+    node = plane.route(msg.request_id, [(u.unit_id, u.n_tokens) for u in msg.units], msg.exclude, msg.waited_s)
+    deadline_s = 0.0
+    if msg.prompt_tokens > 0:
+        deadline_s = first_token_deadline_s(plane.generation_node(node), msg.prompt_tokens,
+                                            plane.config.control.first_token_timeout_s)
+    return reply(RouteResponse(WIRE_VERSION, msg.request_id, node, deadline_s))
 
 
 @routes.post("/control/plan")
@@ -112,6 +123,16 @@ _rpc("/control/load", LoadReport, "load")
 _rpc("/control/kvpool/hello", MemoryNodeHello, "hello")
 
 
+@routes.post("/control/units")
+async def units(request: web.Request) -> web.Response:
+    """Another replica revoked or re-ingested units in the shared store: this plane follows."""
+    msg = await body(request, UnitsChanged)
+    plane = _plane(request)
+    plane.revoke(msg.revoked)
+    plane.reinstate(msg.reinstated)
+    return reply(Ack(WIRE_VERSION, True))
+
+
 @routes.get("/control/kvpool")
 async def kvpool(request: web.Request) -> web.Response:
     return reply(MemoryNodeList(WIRE_VERSION, tuple(_plane(request).memory_nodes())))
@@ -126,6 +147,7 @@ async def stats(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(out), content_type="application/json")
 
 
-def add_control_routes(app: web.Application, plane: ControlPlane) -> None:
-    app[CONTROL_PLANE] = plane
+def add_control_routes(app: web.Application, plane: ControlPlane | PlaneSource) -> None:
+    """The routes on ``app``, serving ``plane`` (or, asked per request, the plane ``plane()`` holds now)."""
+    app[CONTROL_PLANE] = (lambda: plane) if isinstance(plane, ControlPlane) else plane
     app.add_routes(routes)

@@ -35,7 +35,7 @@ from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
-from tessera.errors import BadRequest, TesseraError
+from tessera.errors import BadRequest, TesseraError, Unavailable
 from tessera.generation.executor import Executor
 from tessera.generation.memory import IdleTrim
 from tessera.generation.prefills import PrefillCoalescer
@@ -57,6 +57,7 @@ from tessera.messages import (
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.tenants import KeyRing, admin_middleware
+from tessera.transport.terms import TermFence
 from tessera.wire import WIRE_VERSION, decode, encode
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class GenerationNode:
         self.pin_timeout_s = control.connect_timeout_s + control.first_token_timeout_s
         self.background = BackgroundTasks(f"generation {name}")
         self.trim = IdleTrim()
+        self.terms = TermFence()  # the newest leader term of a plan this node executed
         self.metrics = Metrics()
         self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome",
                                                ["outcome"])
@@ -115,6 +117,10 @@ class GenerationNode:
             self.control.release_later, policy_from_config(self._gate().served), self.config.control.mode,
         )
         self.background.spawn(self._heartbeat(), name="heartbeat")
+        if self.config.ha.enabled:  # the control plane is wherever the election says
+            from tessera.ha.discovery import follow_leader
+
+            self.background.spawn(follow_leader(self.config.ha, self.control.point_at), name="leader-watch")
         self.ready = True
         try:
             yield
@@ -136,10 +142,13 @@ class GenerationNode:
         return decision
 
     async def _heartbeat(self) -> None:
+        # one beat waits at most this: a beat stuck on a stopped leader must not hold back the
+        # first one to its successor by the client's whole timeout
+        beat_timeout_s = max(2 * HEARTBEAT_S, self.config.control.heartbeat_timeout_s / 3)
         while True:
             try:
                 ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens,
-                                              self.scheduler.prefill_tokens_per_s)
+                                              self.scheduler.prefill_tokens_per_s, timeout_s=beat_timeout_s)
                 if ack.reason == "resync":
                     await self.control.resync(self.cache.residency())
             except TesseraError as exc:
@@ -178,6 +187,10 @@ class GenerationNode:
         check_version(msg.version)
         if msg.plan.node != self.name:
             raise BadRequest(f"plan is for node {msg.plan.node!r}, this is {self.name!r}")
+        stale = self.terms.term_refusal(msg.plan.term)
+        if stale is not None:  # a deposed leader's plan: its grants and leases may be reused already
+            raise Unavailable(f"plan {msg.request_id} is of {stale}; ask the current leader")
+        self.terms.observe_term(msg.plan.term)
         self._admit(msg.request_id)
         timer = self._pin_timers.pop(msg.request_id, None)
         if timer is not None:

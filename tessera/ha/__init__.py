@@ -1,5 +1,11 @@
-"""High availability of the retrieval role: leader election, term fencing, replicated unit store.
+"""High availability of the retrieval role: election, leader discovery, replicas, local servers.
 
-Everything here is opt-in (``[ha]`` in the config); the default single-process cluster imports
-none of it and needs neither etcd nor PostgreSQL.
+``election`` (etcd's Election recipe: lease, campaign, observe, resign), ``campaign`` (a
+replica's terms, one after another), ``discovery`` (follow the election key), ``replicas``
+(replica *i*'s ports and folder), ``servers`` and ``local`` (single-member etcd and
+PostgreSQL for ``tessera up --replicas`` and the tests). The term fence is in
+``tessera/transport/terms.py``; which plane a replica uses, in ``tessera/retrieval/office.py``.
+
+Everything is opt-in (``[ha]`` in the config): the default single-process cluster needs
+neither etcd nor PostgreSQL and imports only ``replicas`` (port arithmetic) from here.
 """

@@ -166,6 +166,10 @@ class MemoryNode:
                  self.node.name, self.node.capacity_blocks, self.layout.slot_bytes, self.arena.nbytes / 2**20,
                  self.arena.name, self.node.host, self.server.port, self.config.transport.name)
         self.tasks.spawn(self.heartbeat(), name=f"hello-{self.node.name}")
+        if self.config.ha.enabled:  # hello to whichever replica the election says leads
+            from tessera.ha.discovery import follow_leader
+
+            self.tasks.spawn(follow_leader(self.config.ha, self.control.point_at), name="leader-watch")
         try:
             yield
         finally:

@@ -24,6 +24,7 @@ from tessera.config import LOOPBACK_HOSTS, ClusterConfig
 from tessera.control.observe import add_observe_routes
 from tessera.control.routes import STATS_EXTRA, add_control_routes
 from tessera.errors import ConfigError
+from tessera.ha.replicas import replica_config, replica_index
 from tessera.http import application
 from tessera.retrieval.access_log import access_middleware
 from tessera.retrieval.chat import add_chat_routes
@@ -68,7 +69,7 @@ def build_control_app(node: RetrievalNode, auth: ClusterAuth) -> web.Application
     app[RETRIEVAL_NODE] = node  # the memory nodes' inventories are checked against the unit store
     app.router.add_get("/health", _internal_health)
     app.add_routes(internal_routes)
-    add_control_routes(app, node.plane)
+    add_control_routes(app, node.office.held)  # 503 on a replica that does not lead
     add_observe_routes(app)  # GET /control/state, for checkers
     return app
 
@@ -90,8 +91,9 @@ def check_exposure(config: ClusterConfig, keys: KeyRing | None, auth: ClusterAut
                     r.internal_host, r.internal_port)
 
 
-def run_retrieval_role(config: ClusterConfig) -> int:
-    """Entry point of ``tessera run --role retrieval``."""
+def run_retrieval_role(config: ClusterConfig, replica: str | None = None) -> int:
+    """Entry point of ``tessera run --role retrieval [--node rI]`` (replica I of ``[ha]``)."""
+    config = replica_config(config, replica_index(config, replica))
     auth = ClusterAuth.from_config(config)
     keys = KeyRing.load(config.security.keys_file) if config.security.keys_file else None
     check_exposure(config, keys, auth)

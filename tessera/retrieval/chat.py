@@ -8,7 +8,8 @@
 
 Request flow (paper §4): retrieve (or take the caller's units) → identify → render the
 layout → route → snapshot of the chosen node → finalize the per-unit plan → execute on
-the node, relaying its tokens. The control plane runs in this process.
+the node, relaying its tokens. The control plane runs in this process (with ``[ha]``, in the
+leader's; a replica that does not lead goes through its RPCs: :mod:`tessera.retrieval.office`).
 
 The chat handler only admits (the cluster's capacity), parses and maps errors to HTTP
 replies, and counts each admitted request's status once. It calls one way down:
@@ -27,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from tessera.config import ClusterConfig
-from tessera.errors import BadRequest, Overloaded, TesseraError
+from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
 from tessera.retrieval.chat_request import parse_chat_request
 from tessera.retrieval.chat_response import error_body, openapi_document, to_json
 from tessera.retrieval.generation_client import NodeUnavailable
@@ -108,6 +109,10 @@ async def _chat(request: web.Request, serving: Serving, node: RetrievalNode) -> 
         if exc.retry_after_s is not None:
             refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
         return refused, "429"
+    except Unavailable as exc:  # no node alive, or (with [ha]) no leader reachable: retry shortly
+        unavailable = _json_error(str(exc), 503)
+        unavailable.headers["Retry-After"] = str(max(1, round(exc.retry_after_s or node.config.ha.retry_after_s)))
+        return unavailable, "503"
     except (NodeUnavailable, TesseraError) as exc:
         return _json_error(str(exc), 503), "503"
     finally:
@@ -138,7 +143,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 def add_chat_routes(app: web.Application, config: ClusterConfig) -> None:
     """The chat API on ``app``; call after the retrieval node's lifecycle is in ``app.cleanup_ctx``."""
-    app[SERVING] = Serving(config, app[RETRIEVAL_NODE].plane)
+    node = app[RETRIEVAL_NODE]
+    app[SERVING] = Serving(config, lambda: node.plane)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

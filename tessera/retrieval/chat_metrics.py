@@ -10,6 +10,7 @@ This module knows nothing about HTTP or the request path; it only names and coun
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +23,8 @@ from tessera.metrics import Metrics
 class ChatMetrics:
     """The retrieval role's registry: chat requests, their tokens and units, the plane at scrape time."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: Callable[[], ControlPlane]) -> None:
+        """``plane()``: the plane whose figures a scrape reads (the current term's, with ``[ha]``)."""
         m = self.registry = Metrics()
         self._requests = m.counter("tessera_requests_total", "Chat requests by HTTP status", ["status"])
         self._ttft = m.histogram("tessera_ttft_seconds", "Time to first token at the server")
@@ -46,7 +48,7 @@ class ChatMetrics:
         self._composed = m.counter("tessera_composition_requests_total", "Replies by served composition policy "
                                    "and calibration status (exact, calibrated, uncalibrated, below-target, "
                                    "fallback-full)", ["policy", "calibration"])
-        m.read_at_scrape(plane.metrics)
+        m.read_at_scrape(lambda: plane().metrics())
 
     def request(self, status: str) -> None:
         """One admitted request ended with this status: an HTTP code, ``stream-error`` or ``cancelled``."""

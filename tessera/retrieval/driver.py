@@ -28,15 +28,13 @@ import uuid
 from collections.abc import AsyncGenerator, Collection
 from typing import Protocol
 
-from tessera.control.pace import NodeWatch, first_token_deadline_s
+from tessera.control.pace import Watch
 from tessera.errors import Overloaded, TesseraError, Unavailable
 from tessera.messages import (
-    CancelRequest,
     DoneEvent,
     ErrorEvent,
     ExecuteRequest,
     PromptLayout,
-    ReleaseRequest,
     RequestPlan,
     SamplingParams,
     SegmentKind,
@@ -73,7 +71,7 @@ class ChatDriver:
 
     def __init__(self, node: RetrievalNode, nodes: NodeClients, sampling: SamplingParams, tenant: str = "",
                  arrived: float | None = None) -> None:
-        self.plane = node.plane
+        self.path = node.office.path()  # the leader's plane: in this process, or over its RPCs
         # perf_counter at the request's arrival: the time before routing counts against the
         # queueing bound (control/overload.py)
         self.arrived = time.perf_counter() if arrived is None else arrived
@@ -92,15 +90,15 @@ class ChatDriver:
         failed: Failure | None = None
         attempts = self.control.max_attempts
         for attempt in range(1, attempts + 1):
-            self.target = self._route(refs, tried, failed)
             self.plan = None
             delivered = finished = False
+            self.target, watch = await self._route(refs, tried, failed, layout.n_tokens)
             try:
-                watch, msg = await self._plan(layout, refs)
+                msg = await self._plan(watch, layout, refs)
                 async with contextlib.aclosing(self.nodes.execute(watch, msg)) as node_events:
                     async for event in node_events:
                         if not delivered:
-                            self.plane.started(self.request_id)  # its queueing ended: overload control measures it
+                            self.path.started(self.request_id)  # its queueing ended: overload control measures it
                         delivered = True
                         if isinstance(event, ErrorEvent):
                             raise NodeFailed(f"generation node {self.target} failed: {event.message}")
@@ -110,7 +108,7 @@ class ChatDriver:
                 return
             except (NodeUnavailable, NodeFailed, Overloaded) as exc:
                 if isinstance(exc, NodeUnavailable):
-                    self.plane.suspect(self.target)
+                    self.path.suspect(self.target)
                 if not delivered:
                     self._return_grants()
                 if receiver.committed() or attempt == attempts:
@@ -133,26 +131,22 @@ class ChatDriver:
                     refs.setdefault(seg.unit_id, len(seg.token_ids))
         return refs
 
-    def _route(self, refs: dict[str, int], tried: Collection[str], failed: Failure | None) -> str:
+    async def _route(self, refs: dict[str, int], tried: Collection[str], failed: Failure | None,
+                     prompt_tokens: int) -> tuple[str, Watch]:
+        """The attempt's node and its watch (its first-token deadline: the prompt's work there)."""
         try:
-            return self.plane.route(self.request_id, list(refs.items()), tried,
-                                    waited_s=time.perf_counter() - self.arrived)
+            return await self.path.route(self.request_id, list(refs.items()), tried, prompt_tokens,
+                                         waited_s=time.perf_counter() - self.arrived)
         except Unavailable:
             if isinstance(failed, Overloaded):
                 raise failed from None  # every node that could serve is full: 429, not 503
             raise
 
-    async def _plan(self, layout: PromptLayout, refs: dict[str, int]) -> tuple[NodeWatch, ExecuteRequest]:
-        """Snapshot the routed node (it pins what it holds) and finalize the plan against it.
-
-        The watch carries the attempt's first-token deadline: the prompt's work on this node.
-        """
-        node = self.plane.generation_node(self.target)
-        deadline_s = first_token_deadline_s(node, layout.n_tokens, self.control.first_token_timeout_s)
-        watch = NodeWatch(node, self.plane.clock, deadline_s)
+    async def _plan(self, watch: Watch, layout: PromptLayout, refs: dict[str, int]) -> ExecuteRequest:
+        """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
         snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
-        self.plan = self.plane.finalize(self.request_id, self.target, snap.held)
-        return watch, ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant)
+        self.plan = await self.path.finalize(self.request_id, self.target, snap.held)
+        return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant)
 
     def _complete(self, finished: bool) -> None:
         """The attempt is over: an unfinished run is aborted on its node, and its route completed."""
@@ -160,15 +154,9 @@ class ChatDriver:
             # deadline, broken stream, stop string or a client that went away: the node
             # may still be working on it (or hold its pins); tell it to stop
             self.nodes.abort_later(self.target, self.request_id)
-        self.plane.complete(self.request_id)
+        self.path.complete(self.request_id)
 
     def _return_grants(self) -> None:
         """The node never got the plan: give its leases and reservations back at once."""
-        if self.plan is None:
-            return
-        leases = tuple(u.lease.lease_id for u in self.plan.units if u.lease is not None)
-        if leases:
-            self.plane.release(ReleaseRequest(WIRE_VERSION, leases))
-        for u in self.plan.units:
-            if u.grant is not None:
-                self.plane.cancel(CancelRequest(WIRE_VERSION, u.grant.unit_id, u.grant.epoch, u.grant.writer, 0.0))
+        if self.plan is not None:
+            self.path.give_back(self.plan)

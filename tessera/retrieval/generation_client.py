@@ -26,7 +26,7 @@ import orjson
 
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
-from tessera.control.pace import NodeWatch
+from tessera.control.pace import Watch
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.http import LazySession
 from tessera.messages import (
@@ -99,12 +99,12 @@ class NodeClients:
         except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} is unreachable: {exc!r}") from None
 
-    async def snapshot(self, watch: NodeWatch, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
+    async def snapshot(self, watch: Watch, request_id: str, unit_ids: Sequence[str]) -> SnapshotResponse:
         """The node's snapshot (it pins what it holds); given up when the node is declared dead."""
         return await _watched(self._snapshot(watch.name, request_id, unit_ids), watch, self.first_token_timeout_s,
                               "the snapshot", "control.first_token_timeout_s")
 
-    async def execute(self, watch: NodeWatch, msg: ExecuteRequest) -> AsyncGenerator[ExecuteEvent, None]:
+    async def execute(self, watch: Watch, msg: ExecuteRequest) -> AsyncGenerator[ExecuteEvent, None]:
         """Yield the node's events; the last one is a ``DoneEvent`` (or an ``ErrorEvent``)."""
         node = watch.name
         wait, what = watch.first_token_s, "its first token"
@@ -146,7 +146,7 @@ class NodeClients:
         self.aborts.spawn(self.abort(node, request_id), name=f"abort-{request_id[-8:]}")
 
 
-async def _watched(step: Awaitable[T], watch: NodeWatch, deadline_s: float, what: str, key: str) -> T:
+async def _watched(step: Awaitable[T], watch: Watch, deadline_s: float, what: str, key: str) -> T:
     """Await one step of a call toward ``watch``'s node, within ``deadline_s``, while the node lives.
 
     Past the deadline the heartbeat decides: a node heard since the wait began is slow

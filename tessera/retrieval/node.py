@@ -6,9 +6,10 @@ the event loop (its calls are microseconds); tokenizing, embedding and index sea
 on one worker thread so that control RPCs never wait behind a model forward.
 
 Lifecycle: ``start()`` loads the served model's tokenizer, the embedder and the unit store
-(its data directory), hands the store's revoked ids and incarnation to the control plane,
-and starts the periodic tick (lease/reservation expiry, heartbeats, index saves);
-``stop()`` reverses it (saving the changed indexes).
+(its data directory), hands the store's revoked ids and incarnation to the control plane
+(with ``[ha]``: campaigns, and does so only once elected: :class:`~tessera.retrieval.office.Office`),
+follows the PostgreSQL store's change sequence into its index, and starts the periodic tick
+(lease/reservation expiry, heartbeats, index saves); ``stop()`` reverses it (saving the changed indexes).
 
 Deletes and updates go store first (committed), then the plane (no new plan uses the unit),
 then the generation nodes (they drop their copies); only then does the caller get its reply.
@@ -26,7 +27,10 @@ from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
 from tessera.messages import InventoryResult, MemoryNodeInventory
 from tessera.retrieval.embedder import Embedder
+from tessera.retrieval.follow import IndexFollower
 from tessera.retrieval.limits import INGEST_CHUNK_UNITS
+from tessera.retrieval.office import Office
+from tessera.retrieval.records_pg import PgUnitRecords
 from tessera.retrieval.revocation import Revoker
 from tessera.retrieval.store import Deleted, Hit, Ingested, Owner, StoredUnit, UnitStore
 from tessera.runtime import BackgroundTasks
@@ -34,6 +38,7 @@ from tessera.units import ContextUnit, ServingFingerprint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FOLLOW_S = 0.25  # how often a replica reads the PostgreSQL store's change sequence
 
 
 class RetrievalNode:
@@ -41,7 +46,8 @@ class RetrievalNode:
 
     def __init__(self, config: ClusterConfig, plane: ControlPlane | None = None) -> None:
         self.config = config
-        self.plane = plane or ControlPlane(config)
+        self.office = Office(config, plane or ControlPlane(config))
+        self.follower: IndexFollower | None = None  # the PostgreSQL store's change sequence, followed
         self.pool: UnitStore | None = None
         self.fingerprint: ServingFingerprint | None = None
         self.tokenizer: Any = None  # tessera.engines.tokenizer.Tokenizer once started
@@ -54,15 +60,51 @@ class RetrievalNode:
     def ready(self) -> bool:
         return self.pool is not None
 
+    @property
+    def plane(self) -> ControlPlane:
+        """The current plane (with ``[ha]``: this term's; a follower's is idle, see :class:`Office`)."""
+        return self.office.plane
+
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
         self.pool = await self._run(self._load)
-        self.plane.revoked.update(await self._run(self.pool.revoked))
-        self.plane.begin_incarnation(self.pool.incarnation)
+        if isinstance(self.pool.records, PgUnitRecords):
+            self.follower = IndexFollower(self.pool, self.pool.change_cursor)
+            self.tasks.spawn(self._follow(), name="index-follower")
+        if self.config.ha.enabled:
+            self.office.start(self._take_office)
+        else:
+            self.plane.revoked.update(await self._run(self.pool.revoked))
+            self.plane.begin_incarnation(self.pool.incarnation)
         self.tasks.spawn(self._ticker(), name="control-tick")
         self.tasks.spawn(self._index_saver(), name="index-saver")
 
+    async def _take_office(self, term: int) -> ControlPlane | None:
+        """A plane for ``term``, rebuilt as after a restart; None if the store knows a newer term."""
+        pool = self._pool()
+        assert isinstance(pool.records, PgUnitRecords), "[ha] needs retrieval.store = 'postgres'"
+        if not await self._run(pool.records.record_term, term):
+            log.error("refusing to lead under term %d: the store recorded a newer term (%d); was etcd reset?",
+                      term, await self._run(pool.records.term))
+            return None
+        plane = ControlPlane(self.config)
+        plane.revoked.update(await self._run(pool.revoked))
+        plane.begin_incarnation(term)  # every epoch and plan of this term carries it
+        return plane
+
+    async def _follow(self) -> None:
+        """Keep this replica's index up to date with what the other replicas wrote."""
+        assert self.follower is not None
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                await self._run(self.follower.step)
+            except Exception as exc:  # the database restarts or is unreachable: keep trying
+                log.warning("following the unit store's changes failed (retrying): %s", exc)
+                await asyncio.sleep(1.0)
+
     async def stop(self) -> None:
+        await self.office.stop()
         await self.tasks.drain(timeout=0.0)  # the ticker has nothing to finish
         await self.revoker.close()
         if self.pool is not None:
@@ -128,7 +170,7 @@ class RetrievalNode:
             units += part.units
             revoked += part.revoked
         done = Ingested(units, tuple(revoked))
-        self.plane.reinstate([u.unit_id for u, _ in done.units])
+        await self.office.units_changed([], [u.unit_id for u, _ in done.units])
         await self._revoke(done.revoked)
         return done
 
@@ -141,10 +183,11 @@ class RetrievalNode:
 
     async def adopt(self, msg: MemoryNodeInventory) -> InventoryResult:
         """A memory node's inventory after this role restarted: entries of units that still exist."""
-        if self.plane.directory.fenced_for(msg.name) > 0:
-            return self.plane.adopt(msg, {})  # answers "retry later" without reading the store
+        plane = self.office.held()
+        if plane.directory.fenced_for(msg.name) > 0:
+            return plane.adopt(msg, {})  # answers "retry later" without reading the store
         units = await self._run(self._pool().by_digest, sorted({b.unit_key for b in msg.blocks}))
-        return self.plane.adopt(msg, units)
+        return self.office.held().adopt(msg, units)  # held again: the term may have ended meanwhile
 
     async def delete(self, unit_ids: Sequence[str], owns: Owner | None = None) -> Deleted:
         done = await self._run(self._pool().delete, unit_ids, owns)
@@ -158,7 +201,7 @@ class RetrievalNode:
 
     async def _revoke(self, unit_ids: Sequence[str]) -> None:
         if unit_ids:
-            self.plane.revoke(unit_ids)
+            await self.office.units_changed(list(unit_ids), [])
             await self.revoker.broadcast(unit_ids)
 
     async def retrieve(self, scope: str, *, query: str | None = None, embedding: Sequence[float] | None = None,

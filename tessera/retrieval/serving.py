@@ -19,6 +19,7 @@ driver and the reply layer read this state; it never calls them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from tessera.composition.calibration import decide
 from tessera.composition.policies import policy_from_config
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 class Serving:
     """The chat API's state in one retrieval process."""
 
-    def __init__(self, config: ClusterConfig, plane: ControlPlane) -> None:
+    def __init__(self, config: ClusterConfig, plane: Callable[[], ControlPlane]) -> None:
         self.config = config
         self.nodes = NodeClients(config)
         self.policy = policy_from_config(config.composition)  # until start(): the fidelity gate may replace it

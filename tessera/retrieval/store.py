@@ -46,6 +46,7 @@ from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.index import IndexCorrupt, UnitIndex, check_scope, index_path
 from tessera.retrieval.prompt_path import identify_unit
 from tessera.retrieval.records import Existing, NewRecord, Record
+from tessera.retrieval.records_pg import PgUnitRecords
 from tessera.units import ContextUnit, UnitFactory
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ class UnitStore:
         fp = factory.fingerprint
         self.records = open_records(config, self.directory, fp.digest.hex(),
                                     f"model {fp.model}, tokenizer {fp.tokenizer}, kv {fp.kv_dtype}")
+        # where a follower of the PostgreSQL change sequence starts: read before the indexes are
+        # opened, so every change they miss comes after it (applying one twice is harmless)
+        self.change_cursor = self.records.last_change() if isinstance(self.records, PgUnitRecords) else 0
         self.index = UnitIndex(embedder.dim, config.hnsw_connectivity, config.hnsw_expansion_search)
         self._index_dir = private_dir(self.directory / "index")
         self._dirty: set[str] = set()  # scopes whose index changed since it was saved

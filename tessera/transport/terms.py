@@ -7,6 +7,9 @@ capability of term T, no capability of a term < T is served: a deposed leader th
 (paused past its lease, partitioned) cannot get a write into a slot that the new leader may
 have handed to another unit, nor have a stale lease read.
 
+Generation nodes apply the same rule to plans (``RequestPlan.term``): a plan of an older term
+than one a node has executed is refused (HTTP 503), so a stale plan never runs.
+
 What this cannot cover: a node that has not yet seen the new term (the new leader has not
 talked to it). The control plane keeps its time fence for exactly those nodes.
 
@@ -30,11 +33,17 @@ class TermFence:
         self.newest = 0  # the newest term this node has seen under a valid capability
 
     def refusal(self, epoch: int) -> str | None:
-        term = term_of(epoch)
-        if term < self.newest:
-            return (f"epoch {epoch} is of leader term {term}, older than term {self.newest} seen here: "
-                    "a deposed control plane issued it")
-        return None
+        refused = self.term_refusal(term_of(epoch))
+        return None if refused is None else f"epoch {epoch} is of {refused}"
 
     def observe(self, epoch: int) -> None:
-        self.newest = max(self.newest, term_of(epoch))
+        self.observe_term(term_of(epoch))
+
+    def term_refusal(self, term: int) -> str | None:
+        """The same rule for a message that carries its term itself (a generation node's plan)."""
+        if term < self.newest:
+            return f"leader term {term}, older than term {self.newest} seen here: a deposed control plane issued it"
+        return None
+
+    def observe_term(self, term: int) -> None:
+        self.newest = max(self.newest, term)

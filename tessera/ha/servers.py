@@ -1,8 +1,13 @@
-"""Real etcd and PostgreSQL servers for the high-availability tests: temp dirs, free loopback ports.
+"""Local etcd and PostgreSQL servers for a replicated retrieval role on one machine: free loopback ports.
 
-Each class starts its server as a child process, waits until it answers, and stops it (or
-kills, pauses and resumes it, for the fault tests). ``missing()`` says why a server cannot be
-started here, so the fixtures skip with that reason instead of failing.
+Used by ``tessera up --replicas N`` when the config names no etcd / PostgreSQL (their data in
+the data directory), by the HA tests and by ``bench/failover.py`` (in temporary folders).
+Each class starts its server as a child process (the distribution's binaries: ``etcd`` from
+``etcd-server``, ``initdb``/``postgres`` from the PostgreSQL server package), waits until it
+answers, and stops it. ``missing()`` says why a server cannot be started here, so the tests
+skip with that reason and ``tessera up`` says what to install. These are single-member,
+unreplicated servers: fine to try failover of the retrieval role on one machine, not a
+production etcd or database.
 """
 
 from __future__ import annotations
@@ -17,11 +22,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers.cluster import free_port
-
 ETCD = "etcd"
 PG_BINARIES = ("initdb", "pg_ctl", "postgres")
 PG_USER = "postgres"  # PostgreSQL refuses to run as root; tests running as root start it as this user
+
+
+_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A free loopback port not handed out before by this process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def _answers(port: int) -> bool:
@@ -57,6 +74,7 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EtcdServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -66,7 +84,8 @@ class EtcdServer:
                  "--initial-cluster", f"t0={peer}", "--initial-cluster-state", "new",
                  # a short election timeout keeps the minimum lease TTL (1.5 x of it) at 1 s
                  "--heartbeat-interval", "100", "--election-timeout", "500"],
-                stdout=out, stderr=subprocess.STDOUT)
+                stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)  # Ctrl-C of `tessera up` reaches the roles; stop() ends this
         proc = self.proc
         _wait_until(lambda: _answers(self.port) and b"ready to serve client requests" in self.log.read_bytes(),
                     proc, "etcd", self.log)
@@ -98,9 +117,10 @@ class PostgresServer:
                 return f"running as root and there is no {PG_USER!r} user to start PostgreSQL as"
         return None
 
-    def __init__(self) -> None:
-        # not under pytest's tmp_path: that is root-only (0700), and PostgreSQL may run as another user
-        self.directory = Path(tempfile.mkdtemp(prefix="tessera-pg-"))
+    def __init__(self, directory: Path | None = None) -> None:
+        # by default not under pytest's tmp_path: that is root-only (0700), and PostgreSQL may
+        # run as another user
+        self.directory = directory or Path(tempfile.mkdtemp(prefix="tessera-pg-"))
         self.data = self.directory / "pgdata"
         self.port = free_port()
         self.log = self.directory / "postgres.log"
@@ -125,7 +145,8 @@ class PostgresServer:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [*self._as_user(), "postgres", "-D", str(self.data), "-p", str(self.port), "-h", "127.0.0.1",
-                 "-k", str(self.directory), "-c", "fsync=off"], stdout=out, stderr=subprocess.STDOUT)
+                 "-k", str(self.directory), "-c", "fsync=off"], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)  # Ctrl-C of `tessera up` reaches the roles; stop() ends this
         proc = self.proc
         _wait_until(lambda: b"ready to accept connections" in self.log.read_bytes(), proc, "postgres", self.log)
         import psycopg

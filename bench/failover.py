@@ -1,0 +1,230 @@
+"""Failover of the replicated retrieval role under load: kill -9 (and SIGSTOP) the leader, measure.
+
+Starts etcd and PostgreSQL (tessera.ha.servers, temporary folders) and a cluster of two
+retrieval replicas, one memory node and one generation node (``tessera.launcher``), ingests a
+few units, then sends Poisson chat requests with retrieval (``--rate`` per second, greedy,
+``--max-tokens``) to the replica that does not lead. Each round kills the leader (SIGKILL; with
+``--pause``, SIGSTOP past its lease then SIGCONT), waits for the first 200 served after the
+fault, keeps the load on for ``--settle`` more seconds, then starts the killed replica again.
+
+Prints, per round and as medians: seconds from the fault to the first 200 through the new
+leader, the share of requests sent in that window that were refused (503 + Retry-After),
+the share refused over the whole round, connection errors or hangs from the survivor (must be
+0), 503s without Retry-After (must be 0) and replies that differ from the pre-fault reply to
+the same question (must be 0).
+
+    PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/failover.py [--rounds 3] [--rate 2] [--pause]
+
+Prints numbers; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tessera.auth import ClusterAuth
+from tessera.config import ClusterConfig, HAConfig
+from tessera.config_file import load_config
+from tessera.ha.replicas import replica_config
+from tessera.ha.servers import EtcdServer, PostgresServer, free_port
+from tessera.launcher import Child, LocalCluster
+
+STRIDE = 7
+DOCS = {
+    "reef": "The Great Barrier Reef is the largest coral reef system in the world, off Queensland.",
+    "chip": "A transistor is a semiconductor device used to amplify or switch electronic signals.",
+    "coffee": "Espresso is coffee brewed by forcing hot water through finely ground coffee beans.",
+    "peak": "Mount Everest is the highest mountain above sea level, on the border of Nepal and China.",
+}
+QUESTIONS = ["Where is the largest reef?", "How is espresso brewed?", "Which mountain is highest?",
+             "What does a transistor do?"]
+
+
+def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int) -> ClusterConfig:
+    base = load_config()
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, source=model),
+        control=dataclasses.replace(base.control, heartbeat_timeout_s=3.0),
+        retrieval=dataclasses.replace(base.retrieval, port=free_port(), internal_port=free_port(), store="postgres",
+                                      postgres_dsn=pg.dsn),
+        kvpools=(dataclasses.replace(base.kvpools[0], port=free_port(), data_port=free_port()),),
+        generation=(dataclasses.replace(base.generation[0], port=free_port()),),
+        ha=HAConfig(etcd=etcd.endpoint, election="/bench/leader", lease_ttl_s=ttl, renew_margin_s=0.5, replicas=2,
+                    replica_port_stride=STRIDE))
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[int, Any, Any]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read() or b"null")
+
+
+def leads(cfg: ClusterConfig, i: int) -> bool:
+    url = replica_config(cfg, i).control_url + "/control/stats"
+    req = urllib.request.Request(url, headers=ClusterAuth.from_config(cfg).headers("GET", url))
+    try:
+        with urllib.request.urlopen(req, timeout=2.0) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def leader(cfg: ClusterConfig, timeout: float = 60.0) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for i in (0, 1):
+            if leads(cfg, i):
+                return i
+        time.sleep(0.05)
+    raise TimeoutError("no leader")
+
+
+def chat(base: str, question: str, max_tokens: int) -> tuple[int, Any, Any]:
+    return post(base + "/v1/chat/completions", {
+        "model": "tessera", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+        "temperature": 0, "retrieval": {"scope": "bench", "query": question, "top_k": 2}})
+
+
+@dataclasses.dataclass
+class Outcome:
+    sent: float
+    status: int  # 0: a connection error or a timeout
+    retry_after: bool
+    text: str
+    question: str
+
+
+def load(base: str, rate: float, stop: threading.Event, max_tokens: int, seed: int) -> list[Outcome]:
+    rng = random.Random(seed)
+    out: list[Outcome] = []
+    lock = threading.Lock()
+
+    def one(q: str) -> None:
+        sent = time.monotonic()
+        try:
+            status, headers, body = chat(base, q, max_tokens)
+            text = body["choices"][0]["message"]["content"] if status == 200 else ""
+            got = Outcome(sent, status, "Retry-After" in headers, text, q)
+        except Exception:
+            got = Outcome(sent, 0, False, "", q)
+        with lock:
+            out.append(got)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        while not stop.is_set():
+            pool.submit(one, rng.choice(QUESTIONS))
+            time.sleep(rng.expovariate(rate))
+    return out
+
+
+def child(cluster: LocalCluster, i: int) -> Child:
+    return next(c for c in cluster.children if c.role == "retrieval" and c.node == f"r{i}")
+
+
+def round_(cfg: ClusterConfig, cluster: LocalCluster, args: argparse.Namespace, n: int,
+           expected: dict[str, str]) -> dict[str, float]:
+    lead = leader(cfg)
+    survivor = 1 - lead
+    base = replica_config(cfg, survivor).retrieval_url
+    stop = threading.Event()
+    results: list[Outcome] = []
+    runner = threading.Thread(target=lambda: results.extend(load(base, args.rate, stop, args.max_tokens, n)))
+    runner.start()
+    time.sleep(args.settle)
+    proc = child(cluster, lead).proc
+    fault = time.monotonic()
+    proc.send_signal(signal.SIGSTOP if args.pause else signal.SIGKILL)
+    first_ok = None
+    while first_ok is None and time.monotonic() - fault < 120:
+        if leads(cfg, survivor):
+            status, _, _ = chat(base, QUESTIONS[0], args.max_tokens)
+            if status == 200:
+                first_ok = time.monotonic()
+        time.sleep(0.05)
+    if args.pause:
+        proc.send_signal(signal.SIGCONT)
+    time.sleep(args.settle)
+    stop.set()
+    runner.join()
+    if not args.pause:
+        cluster.restart_child(child(cluster, lead), wait_timeout=180)
+    # the load's own first 200 after the fault may come earlier than the probe's
+    oks = [r.sent for r in results if r.sent > fault and r.status == 200]
+    recovered = min([*oks, first_ok or float("inf")])
+    window = [r for r in results if fault <= r.sent <= recovered]
+    after = [r for r in results if r.sent >= fault]
+    return {
+        "fault_to_first_200_s": recovered - fault,
+        "requests": len(results),
+        "in_window": len(window),
+        "refused_in_window": sum(r.status == 503 for r in window) / max(1, len(window)),
+        "refused_after_fault": sum(r.status == 503 for r in after) / max(1, len(after)),
+        "connection_errors": sum(r.status == 0 for r in results),
+        "other_status": sum(r.status not in (0, 200, 503) for r in results),
+        "503_without_retry_after": sum(r.status == 503 and not r.retry_after for r in results),
+        "wrong_replies": sum(r.status == 200 and r.text != expected[r.question] for r in results),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=2.0, help="chat requests per second to the surviving replica")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--lease-ttl", type=int, default=2, help="ha.lease_ttl_s")
+    ap.add_argument("--settle", type=float, default=4.0, help="seconds of load before the fault and after recovery")
+    ap.add_argument("--pause", action="store_true", help="SIGSTOP the leader past its lease instead of kill -9")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="tessera-failover-"))
+    etcd, pg = EtcdServer(root / "etcd").start(), PostgresServer().start()
+    try:
+        cfg = config(args.model, etcd, pg, args.lease_ttl)
+        cluster = LocalCluster(cfg, log_dir=root / "logs", quiet=True)
+        cluster.start(timeout=300)
+        cfg = cluster.config
+        try:
+            base = replica_config(cfg, leader(cfg)).retrieval_url
+            status, _, out = post(base + "/v1/units", {"version": 1, "units": [
+                {"scope": "bench", "text": t, "metadata": {"name": k}} for k, t in DOCS.items()]})
+            assert status == 200, out
+            time.sleep(1.0)  # the other replica's index follows the store
+            expected = {q: chat(base, q, args.max_tokens)[2]["choices"][0]["message"]["content"] for q in QUESTIONS}
+            rounds = [round_(cfg, cluster, args, n, expected) for n in range(args.rounds)]
+        finally:
+            cluster.stop()
+    finally:
+        etcd.stop()
+        pg.remove()
+    fault = "SIGSTOP past the lease" if args.pause else "kill -9"
+    print(f"failover ({fault} of the leader), model {args.model}, {args.rate} req/s Poisson to the other replica, "
+          f"max_tokens {args.max_tokens}, ha.lease_ttl_s {args.lease_ttl}, control.heartbeat_timeout_s 3")
+    for n, r in enumerate(rounds):
+        cells = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
+        print(f"  round {n}: " + ", ".join(cells))
+    for key in ("fault_to_first_200_s", "refused_in_window", "refused_after_fault"):
+        print(f"  median {key}: {statistics.median(r[key] for r in rounds):.2f}")
+    for key in ("connection_errors", "other_status", "503_without_retry_after", "wrong_replies"):
+        print(f"  total {key}: {sum(int(r[key]) for r in rounds)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The chat driver's way to the control plane: the plane in this process, or the leader's over RPC.
+
+Without ``[ha]`` the retrieval process hosts the plane and every request uses
+:class:`LocalPath`. With it, the replica that leads uses its own plane (:class:`LocalPath`,
+which asks the :class:`~tessera.retrieval.office.Office` for the plane at every verb, so a
+term that ended mid-request issues nothing more), and every other replica goes through the
+leader's ``/control/route|plan|complete`` (:class:`RemotePath`). Both take the same verbs:
+
+``route`` (the node and the attempt's :class:`~tessera.control.pace.Watch`), ``finalize``,
+``started``, ``suspect``, ``complete`` and ``give_back`` (an unused plan's leases and grants).
+
+A remote leader that cannot be reached (killed, paused, partitioned) is a
+:class:`~tessera.errors.NotLeader`: the client gets a 503 with ``Retry-After``, never a
+connection error. ``complete`` and ``give_back`` are best effort on a remote leader (sent in
+the background; what is lost expires there on its own: request TTL, lease and write timeouts).
+A remote path does not measure queueing (``started``) nor suspect nodes: only the leader
+hears heartbeats, and a node that broke a connection is found by its missing ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Protocol
+
+from tessera.control.client import RequestControl
+from tessera.control.pace import NodeWatch, RemoteWatch, Watch, first_token_deadline_s
+from tessera.control.plane import ControlPlane
+from tessera.errors import ControlPlaneError, NotLeader
+from tessera.messages import CancelRequest, ReleaseRequest, RequestPlan
+from tessera.runtime import BackgroundTasks
+from tessera.wire import WIRE_VERSION
+
+log = logging.getLogger(__name__)
+
+
+class RequestPath(Protocol):
+    async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]: ...
+
+    async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan: ...
+
+    def started(self, request_id: str) -> None: ...
+
+    def suspect(self, node: str) -> None: ...
+
+    def complete(self, request_id: str) -> None: ...
+
+    def give_back(self, plan: RequestPlan) -> None: ...
+
+
+def _grants(plan: RequestPlan) -> tuple[tuple[str, ...], list[CancelRequest]]:
+    leases = tuple(u.lease.lease_id for u in plan.units if u.lease is not None)
+    cancels = [CancelRequest(WIRE_VERSION, u.grant.unit_id, u.grant.epoch, u.grant.writer, 0.0)
+               for u in plan.units if u.grant is not None]
+    return leases, cancels
+
+
+class LocalPath:
+    """The plane this process holds; ``plane()`` raises NotLeader once the term ended.
+
+    Only issuing (route, finalize) asks ``plane()``; the bookkeeping of a request already
+    routed (started, suspect, complete, give_back) goes to the plane that routed it, whose
+    term may have ended meanwhile: it issues nothing, and a reply already streamed is not
+    turned into an error by its completion.
+    """
+
+    def __init__(self, plane: Callable[[], ControlPlane]) -> None:
+        self.plane = plane
+        self.routed_by: ControlPlane | None = None
+
+    async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
+        plane = self.routed_by = self.plane()
+        target = plane.route(request_id, units, exclude, waited_s)
+        node = plane.generation_node(target)
+        deadline_s = first_token_deadline_s(node, prompt_tokens, plane.config.control.first_token_timeout_s)
+        return target, NodeWatch(node, plane.clock, deadline_s)
+
+    async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        return self.plane().finalize(request_id, node, held)
+
+    def started(self, request_id: str) -> None:
+        if self.routed_by is not None:
+            self.routed_by.started(request_id)
+
+    def suspect(self, node: str) -> None:
+        if self.routed_by is not None:
+            self.routed_by.suspect(node)
+
+    def complete(self, request_id: str) -> None:
+        if self.routed_by is not None:
+            self.routed_by.complete(request_id)
+
+    def give_back(self, plan: RequestPlan) -> None:
+        if self.routed_by is None:
+            return
+        leases, cancels = _grants(plan)
+        if leases:
+            self.routed_by.release(ReleaseRequest(WIRE_VERSION, leases))
+        for msg in cancels:
+            self.routed_by.cancel(msg)
+
+
+class RemotePath:
+    """The leader's plane over its signed RPCs (``control.base_url`` follows the election)."""
+
+    def __init__(self, control: RequestControl, tasks: BackgroundTasks, retry_after_s: float) -> None:
+        self.control = control
+        self.tasks = tasks
+        self.retry_after_s = retry_after_s
+
+    def _unreachable(self, exc: ControlPlaneError) -> NotLeader:
+        return NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
+                         "a new leader takes over within ha.lease_ttl_s: retry", self.retry_after_s)
+
+    async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
+        try:
+            routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
+        except ControlPlaneError as exc:
+            raise self._unreachable(exc) from None
+        return routed.node, RemoteWatch(routed.node, routed.first_token_s)
+
+    async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        try:
+            return await self.control.finalize(request_id, node, held)
+        except ControlPlaneError as exc:
+            raise self._unreachable(exc) from None
+
+    def started(self, request_id: str) -> None:
+        pass  # queueing is measured where the heartbeats arrive, on the leader
+
+    def suspect(self, node: str) -> None:
+        pass  # the leader finds a dead node by its missed heartbeats
+
+    def complete(self, request_id: str) -> None:
+        self.tasks.spawn(self._best_effort(self.control.complete(request_id), f"complete {request_id}"),
+                         name=f"complete-{request_id[-8:]}")
+
+    def give_back(self, plan: RequestPlan) -> None:
+        leases, cancels = _grants(plan)
+        if leases:
+            self.tasks.spawn(self._best_effort(self.control.release(leases), f"release {len(leases)} leases"),
+                             name=f"release-{plan.request_id[-8:]}")
+        for msg in cancels:
+            self.tasks.spawn(self._best_effort(self.control.cancel(msg), f"cancel {msg.unit_id}"),
+                             name=f"cancel-{msg.unit_id[:8]}")
+
+    @staticmethod
+    async def _best_effort(call: Awaitable[object], what: str) -> None:
+        try:
+            await call
+        except ControlPlaneError as exc:
+            log.info("%s on the leader failed (it expires there on its own): %s", what, exc)
