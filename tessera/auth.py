@@ -308,6 +308,11 @@ def client_context(cafile: str) -> ssl.SSLContext:
         raise ConfigError(f"security.tls_ca_file = {cafile!r} cannot be loaded: {exc}") from None
 
 
+def term_notice(secret: bytes, node: str, boot_id: str, term: int) -> str:
+    """MAC of a control plane telling memory node ``node`` (this boot) that its leader term is ``term``."""
+    return hmac.new(secret, f"tessera-term\n{node}\n{boot_id}\n{term}".encode(), hashlib.sha256).hexdigest()
+
+
 def capability(secret: bytes, op: str, node: str, holder: str, slots: Iterable[int], epoch: int,
                expires: int) -> bytes:
     """Token that lets ``holder`` ``op`` ("read"/"write") exactly ``slots`` of ``node`` until ``expires``.

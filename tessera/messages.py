@@ -343,6 +343,25 @@ class MemoryNodeHello:
     shm_name: str
     data_host: str
     data_port: int
+    # the newest leader term the data port has seen, once no request of an older term is still
+    # in progress there (0: none yet); lets the plane end its restart fence early (term_settled)
+    term_settled: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNodeHelloAck:
+    """The plane's answer to a hello: ``ok``/``reason`` as an :class:`Ack`, plus its term.
+
+    ``term_mac`` is an HMAC of the cluster secret over (memory node, boot id, term)
+    (:func:`tessera.auth.term_notice`): a node accepts the term only with a valid one, so a
+    forged answer cannot raise its term and fence out the real leader. Empty without a secret.
+    """
+
+    version: int
+    ok: bool
+    reason: str = ""
+    term: int = 0
+    term_mac: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,3 +90,41 @@ async def test_a_forged_high_term_write_leaves_the_fence_where_it_was(node: tupl
         await t.close()
     assert server.terms.newest == 0
     await write(ep, 6, OLD, 1)
+
+
+async def test_the_term_is_settled_only_once_no_older_write_is_still_arriving(
+        node: tuple[BlockServer, NodeEndpoint]) -> None:
+    """Issue 24: the plane ends a memory node's restart fence when the node reports the new term
+    settled. A deposed leader's write whose payload is still arriving when the new term is learned
+    could land after that report, so the term is not settled until that write ends (or its
+    connection does); a new request of the old term is refused meanwhile."""
+    import asyncio
+
+    from tessera.transport.frames import HELLO, RESPONSE, Op, Status, pack_request
+    from tessera.transport.handshake import pack_auth, proof
+
+    server, ep = node
+    blocks = (BlockRef("kv0", 7),)
+    epoch = OLD << TERM_SHIFT | 3
+    token = CapabilityIssuer(SECRET).issue("write", blocks, epoch, 30.0, holder="gen0")
+    cap = capabilities(blocks, epoch, token)["kv0"]
+    reader, writer = await asyncio.open_connection(ep.data_host, ep.data_port)
+    hello = HELLO.unpack(await reader.readexactly(HELLO.size))
+    nonce = hello[-1]
+    writer.write(pack_auth("gen0", proof(SECRET, "kv0", ep.boot_id, nonce, "gen0")))
+    assert RESPONSE.unpack(await reader.readexactly(RESPONSE.size))[0] == Status.OK
+    payload = b"p" * 64
+    writer.write(pack_request(Op.WRITE, 1, [(7, len(payload))], cap) + payload[:10])  # the rest withheld
+    await writer.drain()
+    for _ in range(200):  # until the server has checked the capability and is taking the payload
+        if any(c.writing_term == OLD for c in server.connections):
+            break
+        await asyncio.sleep(0.01)
+    server.terms.observe_term(NEW)  # the new leader's signed term arrives (a hello answer)
+    assert server.settled_term() == 0  # the old write may still land
+    with pytest.raises(TransferError, match="older than term 57"):
+        await write(ep, 8, OLD, 4)
+    writer.write(payload[10:])
+    assert RESPONSE.unpack(await reader.readexactly(RESPONSE.size))[0] == Status.OK
+    assert server.settled_term() == NEW
+    writer.close()

@@ -6,7 +6,9 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -15,7 +17,11 @@ from helpers.cluster import child_env, write_config
 from helpers.kvpool import PoolConfig, tiny_layout
 from helpers.processes import MemoryNodeProcess, StartMemoryNode
 
+from tessera.auth import ClusterAuth, term_notice
 from tessera.config import ControlConfig
+from tessera.control.plane import ControlPlane
+from tessera.control.routes import add_control_routes
+from tessera.http import application
 from tessera.messages import MemoryNodeHello
 from tessera.transport.arena import ARENA_HEADER_BYTES, SHM_DIR
 from tessera.wire import from_wire
@@ -131,3 +137,90 @@ async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_pat
     finally:
         if runner is not None:
             await runner.cleanup()
+
+
+# --- the leader's term, from the hello answer (issue 24: the restart fence ends by term) ----------
+
+
+async def _serve(app: web.Application, config: Any) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, config.retrieval.internal_host, config.retrieval.internal_port).start()
+    return runner
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(600):  # a guard against hanging only; never a time being measured
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_memory_node_takes_the_leader_term_only_under_a_valid_mac(tmp_path: Path,
+        pool_config: PoolConfig, memory_node: StartMemoryNode) -> None:
+    """An answer forging a term (no secret, so no valid MAC) is ignored: the node reports no settled
+    term; the plane's signed term (the MAC of its node and boot) is taken and reported back."""
+    hellos: list[MemoryNodeHello] = []
+    config = pool_config(tmp_path)
+    config = dataclasses.replace(config, control=ControlConfig(heartbeat_timeout_s=0.3))
+    secret = ClusterAuth.from_config(config).secret
+    assert secret is not None
+    term = 7
+    forged = {"on": True}
+
+    async def hello(request: web.Request) -> web.Response:
+        msg = from_wire(MemoryNodeHello, orjson.loads(await request.read()))
+        hellos.append(msg)
+        mac = "00" * 32 if forged["on"] else term_notice(secret, msg.name, msg.boot_id, term)
+        return web.json_response({"version": 1, "ok": True, "reason": "heartbeat", "term": term, "term_mac": mac})
+
+    app = application([ClusterAuth.from_config(config).middleware(
+        config.retrieval.internal_host, config.retrieval.internal_port, body_timeout_s=5.0)])
+    app.router.add_post("/control/kvpool/hello", hello)
+    runner = await _serve(app, config)
+    try:
+        with memory_node(config, tmp_path) as node:
+            await _until(lambda: len(hellos) >= 4, "four hellos")
+            assert {h.term_settled for h in hellos} == {0}
+            assert "does not verify" in node.proc.log()
+            forged["on"] = False
+            seen = len(hellos)
+            await _until(lambda: any(h.term_settled == term for h in hellos[seen:]), "the term reported settled")
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_restarted_planes_fence_ends_once_the_memory_node_refuses_older_terms(
+        tmp_path: Path, transport: str, pool_config: PoolConfig, memory_node: StartMemoryNode) -> None:
+    """Regression (issue 24): after a restart or a failover the plane fenced every memory node for the
+    longest lifetime of an earlier grant (~40 s here): no shared-tier write, no re-adoption. On tcp with a
+    secret the node refuses every capability of an older term once the new plane's signed term reached
+    it and no older write is still arriving: its next hello says so and the fence ends, every slot free.
+    On shm the writer touches the arena itself, nothing checks terms there, and the fence stays."""
+    config = pool_config(tmp_path, transport=transport)
+    config = dataclasses.replace(config, control=ControlConfig(heartbeat_timeout_s=0.3, write_timeout_s=30.0,
+                                                               lease_ttl_s=30.0))
+    plane = ControlPlane(config)
+    plane.begin_incarnation(2)  # the second start of this data directory: a term above the first's
+    app = application([ClusterAuth.from_config(config).middleware(
+        config.retrieval.internal_host, config.retrieval.internal_port, body_timeout_s=5.0)])
+    add_control_routes(app, plane)
+    runner = await _serve(app, config)
+    try:
+        with memory_node(config, tmp_path) as node:
+            await _until(lambda: "kv0" in {h.name for h in plane.memory_nodes()}, "kv0 joined")
+            if transport == "tcp":
+                await _until(lambda: plane.report()["fences_lifted_by_term"] == 1, "the fence lifted by term")
+                assert plane.directory.fenced_for("kv0") == 0
+                assert plane.allocator.free_blocks == plane.allocator.capacity  # every slot back
+                assert "refused hello" not in node.proc.log() and "unreachable" not in node.proc.log()
+            else:
+                hellos = plane.memory.hellos  # the plane keeps beating with it: still fenced
+                await asyncio.sleep(1.0)
+                assert hellos() and plane.report()["fences_lifted_by_term"] == 0
+                assert plane.directory.fenced_for("kv0") > 20
+                assert plane.allocator.free_blocks == 0
+    finally:
+        await runner.cleanup()

@@ -44,6 +44,7 @@ from tessera.messages import (
     InventoryResult,
     LoadReport,
     MemoryNodeHello,
+    MemoryNodeHelloAck,
     MemoryNodeInventory,
     PlanRequest,
     PublishRequest,
@@ -136,8 +137,11 @@ class ControlClient:
         except ControlPlaneError as exc:
             log.warning("could not report corrupt unit %s epoch %d: %s", unit_id, epoch, exc)
 
-    async def hello(self, msg: MemoryNodeHello) -> Ack:
-        return await self._ack("/control/kvpool/hello", msg)
+    async def hello(self, msg: MemoryNodeHello) -> MemoryNodeHelloAck:
+        status, payload = await self._call("POST", "/control/kvpool/hello", msg)
+        if status != 200:
+            raise ControlPlaneError(f"POST /control/kvpool/hello: HTTP {status}: {self._reason(payload)}")
+        return from_wire(MemoryNodeHelloAck, payload)
 
     async def inventory(self, msg: MemoryNodeInventory) -> InventoryResult:
         """A memory node's verified blocks after the control plane restarted (recovery)."""

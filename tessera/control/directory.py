@@ -98,6 +98,7 @@ class Directory:
         self._quarantine: list[tuple[float, int, tuple[BlockRef, ...]]] = []
         # memory node -> until when writes under grants of its lost incarnation may land
         self._fences: dict[str, float] = {}
+        self._fence_seqs: dict[str, int] = {}  # memory node -> the quarantine item of its restart fence
         self._fenced_until: dict[str, float] = {}  # the same, kept after the node joined (recovery waits)
         self._qseq = itertools.count()
 
@@ -316,7 +317,35 @@ class Directory:
         until = self._fences.pop(node, None)
         now = self.clock()
         if until is not None and until > now:
-            self._quarantine_blocks(self.allocator.take_all(node), until)
+            blocks = self.allocator.take_all(node)
+            if blocks:
+                self._fence_seqs[node] = next(self._qseq)
+                heapq.heappush(self._quarantine, (until, self._fence_seqs[node], blocks))
+
+    def lift_fence(self, node: str) -> int:
+        """End ``node``'s restart fence now; the number of blocks it gives back.
+
+        Only for a node that refuses every capability of an earlier term and has nothing of one
+        in progress (:meth:`ControlPlane.hello`): no stale write can land there any more. Only
+        the fence's own quarantine ends; blocks quarantined for this term's writes stay.
+        """
+        now = self.clock()
+        self._fences.pop(node, None)
+        if self._fenced_until.get(node, 0.0) > now:
+            self._fenced_until[node] = now
+        seq = self._fence_seqs.pop(node, None)
+        released = 0
+        if seq is not None:
+            kept = []
+            for t, s, blocks in self._quarantine:
+                if s == seq:
+                    self.allocator.free(blocks)
+                    released = len(blocks)
+                else:
+                    kept.append((t, s, blocks))
+            self._quarantine = kept
+            heapq.heapify(self._quarantine)
+        return released
 
     def drop_node(self, node: str) -> list[str]:
         """A memory node died or restarted empty: every entry with a block there is gone."""
@@ -346,6 +375,7 @@ class Directory:
             kept.append((t, s, tuple(b for b in blocks if b.node != node)))
         self._quarantine = kept
         heapq.heapify(self._quarantine)
+        self._fence_seqs.pop(node, None)
         if fence > now:
             self._fences[node] = max(fence, self._fences.get(node, fence))
             self._fenced_until[node] = self._fences[node]

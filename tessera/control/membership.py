@@ -16,6 +16,7 @@ directory and the caches.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import deque
 from collections.abc import Mapping
@@ -182,7 +183,8 @@ class MemoryNodes:
         if known_node.hello.boot_id != msg.boot_id:
             self._nodes[msg.name] = MemoryMember(msg, now)
             return HelloOutcome.RESTARTED
-        if known_node.hello != msg:
+        # the arena is fixed for a boot; term_settled is news, not layout
+        if dataclasses.replace(known_node.hello, term_settled=msg.term_settled) != msg:
             raise BadRequest(
                 f"memory node {msg.name!r} changed its arena (capacity, block size or address) "
                 "without a new boot_id; restart it to change its layout", 409

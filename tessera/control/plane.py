@@ -26,10 +26,11 @@ decoded (and their version checked) where the bytes arrived: :func:`tessera.http
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from tessera.auth import CapabilityIssuer, ClusterAuth
+from tessera.auth import CapabilityIssuer, ClusterAuth, term_notice
 from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
@@ -53,6 +54,7 @@ from tessera.messages import (
     InventoryResult,
     LoadReport,
     MemoryNodeHello,
+    MemoryNodeHelloAck,
     MemoryNodeInventory,
     PublishRequest,
     ReleaseRequest,
@@ -63,6 +65,7 @@ from tessera.metrics import Metric, gauge
 from tessera.transport.terms import TERM_SHIFT
 from tessera.wire import WIRE_VERSION
 
+log = logging.getLogger(__name__)
 
 class ControlPlane:
     """Facade over directory, tiers, router and membership. See the module docstring."""
@@ -94,6 +97,10 @@ class ControlPlane:
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
         self.queue_bound = QueueBound(control.max_queue_wait_s)
+        # memory nodes refuse older terms only where every read and write passes their tcp data
+        # port's capability check: with shm or mooncake the writer touches the arena itself
+        self._terms_enforced = config.transport.name == "tcp" and self.directory.capabilities is not None
+        self.fences_lifted = 0  # restart fences ended early by term (hello with term_settled)
         # alive nodes by in-flight count and expected wait, as bitmasks: routing walks no list of nodes
         self.fleet = Fleet(len(config.generation), control.max_queue_wait_s)
         self.nodes: dict[str, GenerationMember] = {
@@ -298,14 +305,31 @@ class ControlPlane:
 
     # --- memory nodes --------------------------------------------------------------------
 
-    def hello(self, msg: MemoryNodeHello) -> Ack:
-        """Register a memory node's arena; a new boot id means it restarted empty."""
+    def hello(self, msg: MemoryNodeHello) -> MemoryNodeHelloAck:
+        """Register a memory node's arena; a new boot id means it restarted empty.
+
+        The answer carries this plane's term, signed for that node and boot. A node whose data
+        port refuses every older term (tcp with a secret) and reports that no request of an
+        older term is still in progress there (``term_settled``) cannot receive a stale write or
+        serve a stale read any more: its restart fence ends at once instead of after the last
+        grant of the earlier incarnation could have expired (~40 s by default; issue 24).
+        """
+        directory = self.directory
         outcome = self.memory.hello(msg, self.clock())
         if outcome is HelloOutcome.RESTARTED:
-            self.shared.forget(self.directory.drop_node(msg.name))
+            self.shared.forget(directory.drop_node(msg.name))
         if outcome is not HelloOutcome.HEARTBEAT:
-            self.directory.add_node(msg.name, msg.capacity_blocks)
-        return Ack(WIRE_VERSION, True, outcome.value)
+            directory.add_node(msg.name, msg.capacity_blocks)
+        term = directory.term
+        if (self._terms_enforced and term and msg.term_settled >= term
+                and directory.fenced_for(msg.name) > 0):
+            released = directory.lift_fence(msg.name)
+            self.fences_lifted += 1
+            log.info("memory node %s refuses every term before %d: its restart fence ends now "
+                     "(%d blocks back)", msg.name, term, released)
+        issuer = directory.capabilities
+        mac = term_notice(issuer.secret, msg.name, msg.boot_id, term) if issuer is not None and term else ""
+        return MemoryNodeHelloAck(WIRE_VERSION, True, outcome.value, term, mac)
 
     def adopt(self, msg: MemoryNodeInventory, units: Mapping[str, tuple[str, int]]) -> InventoryResult:
         """Recovery: rebuild READY entries from the verified blocks a memory node still holds.
@@ -372,6 +396,7 @@ class ControlPlane:
             "expired_requests": self.requests.expired,
             "invalidated_entries": self.invalidated,
             "refused_overload": self.queue_bound.refused,
+            "fences_lifted_by_term": self.fences_lifted,
             "nodes": {
                 n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
                          "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}

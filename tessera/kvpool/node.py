@@ -24,6 +24,7 @@ to start rather than fail later when /dev/shm runs out.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tessera.auth import ClusterAuth
+from tessera.auth import ClusterAuth, term_notice
 from tessera.config import LOOPBACK_HOSTS, ClusterConfig, KVPoolNodeConfig
 from tessera.control.client import ControlClient
 from tessera.engines.checkpoint import resolve
@@ -40,7 +41,7 @@ from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import ControlPlaneError, TesseraError
 from tessera.http import application
 from tessera.kvpool.inventory import scan
-from tessera.messages import MemoryNodeHello, MemoryNodeInventory
+from tessera.messages import MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.ports import bind_listener
 from tessera.runtime import BackgroundTasks, serve
@@ -109,7 +110,23 @@ class MemoryNode:
     def hello(self) -> MemoryNodeHello:
         ep = self.endpoint()
         return MemoryNodeHello(WIRE_VERSION, ep.name, ep.boot_id, ep.capacity_blocks, ep.slot_bytes, ep.shm_name,
-                               ep.data_host, ep.data_port)
+                               ep.data_host, ep.data_port, self.server.settled_term())
+
+    def learn_term(self, ack: MemoryNodeHelloAck) -> None:
+        """The control plane's term from its hello answer, if its MAC verifies for this node and boot.
+
+        From then on the data port refuses capabilities of older terms even before one of the
+        new term arrives, and the next hello says so (``term_settled``): the plane can end its
+        restart fence instead of waiting out every earlier grant (issue 24).
+        """
+        secret = self.auth.secret
+        if secret is None or not ack.term or not ack.term_mac:
+            return
+        if hmac.compare_digest(term_notice(secret, self.node.name, self.boot_id, ack.term), ack.term_mac):
+            self.server.terms.observe_term(ack.term)
+        else:
+            log.warning("kvpool %s: a hello answer claimed leader term %d with a MAC that does not verify; ignored",
+                        self.node.name, ack.term)
 
     async def heartbeat(self) -> None:
         """Hello now and every heartbeat_timeout_s / 3; a control plane that is down is retried."""
@@ -118,6 +135,7 @@ class MemoryNode:
         while True:
             try:
                 ack = await self.control.hello(self.hello())
+                self.learn_term(ack)
                 if not ack.ok:
                     log.warning("control plane refused hello of %s: %s", self.node.name, ack.reason)
                 elif ack.reason == "joined" and (self._inventory is None or self._inventory.done()):
@@ -156,7 +174,9 @@ class MemoryNode:
                     log.info("kvpool %s: control plane took back %d units from %d verified blocks",
                              self.node.name, adopted, len(blocks))
                 return
-            await asyncio.sleep(retry + 0.05)
+            # not the whole fence: it ends early once this node reports the plane's term settled
+            # (a hello, every heartbeat interval)
+            await asyncio.sleep(min(retry, self.config.control.heartbeat_timeout_s / 3) + 0.05)
 
     # --- control endpoints ---------------------------------------------------------------
 

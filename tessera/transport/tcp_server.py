@@ -44,7 +44,7 @@ from tessera.transport.frames import (
     unpack_blocks,
 )
 from tessera.transport.handshake import AUTH, AUTH_MAGIC, NONCE_BYTES, proof
-from tessera.transport.terms import TermFence
+from tessera.transport.terms import TermFence, term_of
 from tessera.transport.writes import WriteLedger
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._blocks: list[tuple[int, int]] = []
         self._next = 0
         self._closing = False
+        self.writing_term: int | None = None  # the term of the write whose payload is arriving
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -86,6 +87,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.writing_term = None  # no byte of its payload lands any more
 
     def pause_writing(self) -> None:
         assert self.transport is not None
@@ -209,6 +211,7 @@ class _Connection(asyncio.BufferedProtocol):
                 if reason is not None:
                     return self._refuse(reason)
                 self.server.writes.record(written, epoch, expires, mac)
+                self.writing_term = term_of(epoch)
         return self._dispatch()
 
     def _dispatch(self) -> None:
@@ -230,6 +233,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _respond_ok(self) -> None:
         assert self.transport is not None
+        self.writing_term = None
         self.server.requests += 1
         self.transport.write(RESPONSE.pack(Status.OK, 0, 0, self._req_id, 0))
         self._expect(memoryview(self._header), "header")
@@ -290,6 +294,18 @@ class BlockServer:
                     conn.transport.abort()
             await self._server.wait_closed()
             self._server = None
+
+    def settled_term(self) -> int:
+        """The newest term seen here once no write of an older term is still arriving (else 0).
+
+        From then on nothing an earlier leader granted or leased can touch the arena: every
+        new request of an older term is refused at its capability check. Reads are served the
+        moment they pass it, so only writes can still be in progress.
+        """
+        newest = self.terms.newest
+        if any(c.writing_term is not None and c.writing_term < newest for c in self.connections):
+            return 0
+        return newest
 
     def stats(self) -> dict[str, Any]:
         return {"connections": len(self.connections), "requests": self.requests,
