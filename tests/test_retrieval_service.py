@@ -139,7 +139,7 @@ async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(s
              "shm_name": "tessera-kv0", "data_host": "127.0.0.1", "data_port": 9999}
     assert (await call(service, "POST", "/control/kvpool/hello", hello))[1]["ok"] is True
     status, pools = await call(service, "GET", "/control/kvpool")
-    assert status == 200 and pools["nodes"] == [hello]
+    assert status == 200 and pools["nodes"] == [{**hello, "term_settled": 0}]  # the optional field, defaulted
     for node in ("gen0", "gen1"):
         assert (await call(service, "POST", "/control/load", {"version": V, "node": node, "inflight": 0}))[0] == 200
 
