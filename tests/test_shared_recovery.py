@@ -127,3 +127,31 @@ def test_a_generation_node_re_reports_its_cache_to_a_restarted_plane() -> None:
     c.caches["gen0"].update({"a", "b"})
     assert preps(c.plan([("a", 8), ("b", 12)])) == {"a": Preparation.LOCAL, "b": Preparation.LOCAL}
     plane.check_invariants()
+
+
+
+def test_a_fence_for_this_terms_own_stale_writes_is_not_ended_by_term() -> None:
+    """The term rule ends only the fence that guards an earlier incarnation's grants (issue 24). A
+    memory node that died with a write of this term still pending is fenced for that write; its
+    new boot reporting the term settled must not lift that fence (the same term is not refused)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from helpers.kvpool import build_pool_config
+
+    from tessera.control.plane import ControlPlane
+
+    d = Path(tempfile.mkdtemp())
+    secret = d / "secret"
+    secret.write_text("s" * 64)
+    os.chmod(secret, 0o600)
+    plane = ControlPlane(build_pool_config(d, secret_file=secret, transport="tcp"))
+    directory = plane.directory
+    directory.fence("kv0", plane.clock() + 30.0)  # an earlier incarnation's grants: the term rule may end it
+    directory.add_node("kv0", 64)
+    assert directory.lift_fence("kv0") == 64 and directory.fenced_for("kv0") == 0
+    assert directory.reserve("u" * 32, 32, 2, "gen0") is not None  # a write of this term, pending
+    directory.drop_node("kv0")  # the memory node died under it
+    assert directory.fenced_for("kv0") > 0
+    assert directory.lift_fence("kv0") is None and directory.fenced_for("kv0") > 0

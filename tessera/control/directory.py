@@ -99,6 +99,9 @@ class Directory:
         # memory node -> until when writes under grants of its lost incarnation may land
         self._fences: dict[str, float] = {}
         self._fence_seqs: dict[str, int] = {}  # memory node -> the quarantine item of its restart fence
+        # nodes whose fence only guards an earlier term's grants (the term rule can end it early);
+        # a fence for this term's own stale writes (drop_node) is not among them
+        self._term_fenced: set[str] = set()
         self._fenced_until: dict[str, float] = {}  # the same, kept after the node joined (recovery waits)
         self._qseq = itertools.count()
 
@@ -289,7 +292,11 @@ class Directory:
         self.term = term_of(base)
 
     def fence(self, node: str, until: float) -> None:
-        """No slot of ``node`` is handed out before ``until`` (a write granted elsewhere may land)."""
+        """No slot of ``node`` is handed out before ``until``: a write an earlier incarnation granted may land.
+
+        Only such fences may end early by term (:meth:`lift_fence`).
+        """
+        self._term_fenced.add(node)
         self._fences[node] = max(until, self._fences.get(node, until))
         self._fenced_until[node] = self._fences[node]
 
@@ -322,13 +329,18 @@ class Directory:
                 self._fence_seqs[node] = next(self._qseq)
                 heapq.heappush(self._quarantine, (until, self._fence_seqs[node], blocks))
 
-    def lift_fence(self, node: str) -> int:
-        """End ``node``'s restart fence now; the number of blocks it gives back.
+    def lift_fence(self, node: str) -> int | None:
+        """End ``node``'s restart fence now; the number of blocks it gives back (None: no such fence).
 
         Only for a node that refuses every capability of an earlier term and has nothing of one
         in progress (:meth:`ControlPlane.hello`): no stale write can land there any more. Only
-        the fence's own quarantine ends; blocks quarantined for this term's writes stay.
+        the fence's own quarantine ends; blocks quarantined for this term's writes stay, and a
+        fence that also guards this term's writes (:meth:`drop_node`) is not lifted: the term
+        rule cannot cover those.
         """
+        if node not in self._term_fenced:
+            return None
+        self._term_fenced.discard(node)
         now = self.clock()
         self._fences.pop(node, None)
         if self._fenced_until.get(node, 0.0) > now:
@@ -377,6 +389,7 @@ class Directory:
         heapq.heapify(self._quarantine)
         self._fence_seqs.pop(node, None)
         if fence > now:
+            self._term_fenced.discard(node)  # this term's own writes may land: only time ends it
             self._fences[node] = max(fence, self._fences.get(node, fence))
             self._fenced_until[node] = self._fences[node]
         self.allocator.remove_node(node)

@@ -324,9 +324,10 @@ class ControlPlane:
         if (self._terms_enforced and term and msg.term_settled >= term
                 and directory.fenced_for(msg.name) > 0):
             released = directory.lift_fence(msg.name)
-            self.fences_lifted += 1
-            log.info("memory node %s refuses every term before %d: its restart fence ends now "
-                     "(%d blocks back)", msg.name, term, released)
+            if released is not None:
+                self.fences_lifted += 1
+                log.info("memory node %s refuses every term before %d: its restart fence ends now "
+                         "(%d blocks back)", msg.name, term, released)
         issuer = directory.capabilities
         mac = term_notice(issuer.secret, msg.name, msg.boot_id, term) if issuer is not None and term else ""
         return MemoryNodeHelloAck(WIRE_VERSION, True, outcome.value, term, mac)
