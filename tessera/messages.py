@@ -260,6 +260,10 @@ class ExecuteRequest:
     plan: RequestPlan
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = ""  # the namespace of the node's exact-prefix cache (no cross-tenant hits)
+    # what is left of control.max_queue_wait_s when the plan is sent (None: no bound): the
+    # node refuses the request if its first-token step has not begun within it (see
+    # tessera.generation.scheduler, "late starts")
+    queue_budget_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,6 +555,10 @@ class ErrorEvent:
     version: int
     message: str
     kind: str = "error"
+    # the node refused the request before any of its work reached the client (its queueing
+    # bound ran out): the caller treats it as a 429 (another node may still take it), not as a
+    # failed node
+    refused: bool = False
 
 
 ExecuteEvent = TokenEvent | DoneEvent | ErrorEvent

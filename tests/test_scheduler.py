@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tessera.engines.base import KVSlots
-from tessera.generation.scheduler import Scheduler
+from tessera.errors import Overloaded
+from tessera.generation.scheduler import Scheduler, StartDeadline
 
 
 @contextlib.asynccontextmanager
@@ -107,3 +109,67 @@ async def test_stopping_fails_queued_work_and_frees_the_engine_thread(fake_engin
     await s.stop()
     with pytest.raises(RuntimeError, match="shutting down"):
         await task
+
+
+def _passed() -> StartDeadline:
+    """A start deadline that has already passed."""
+    return StartDeadline(time.monotonic() - 1.0)
+
+
+async def test_a_request_passed_over_beyond_its_start_deadline_is_refused_before_it_costs_a_step(
+        fake_engine: Any) -> None:
+    """Regression (issue 22): at 3x saturation accepted requests reached their first token at
+    p99 1.14-1.74x the overload control's promise, because the plane's estimate of a node's
+    queue was short and nothing on the node held the bound. A request still queued behind a
+    batch that left it out when its start deadline passed is refused with Overloaded (429);
+    it never reaches the engine, and the request ahead of it is served."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        first = _extend(s, await _slots(s), 8)
+        late = asyncio.ensure_future(s.extend(await _slots(s), [1] * 8, range(8), _passed()))
+        await _queued(first, late)
+        s.start()
+        await first
+        with pytest.raises(Overloaded, match="queueing bound"):
+            await late
+    assert fake_engine.batches == [[8]]
+    assert s.late_refused == 1
+
+
+async def test_a_late_request_that_no_batch_passed_over_still_starts(fake_engine: Any) -> None:
+    """The plane may send a request whose bound ran out before routing to an idle node; it
+    waited for nothing on the node, so it starts."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        task = asyncio.ensure_future(s.extend(await _slots(s), [1] * 5, range(5), _passed()))
+        await _queued(task)
+        s.start()
+        await task
+    assert fake_engine.batches == [[5]]
+    assert s.late_refused == 0
+
+
+async def test_once_a_requests_unit_prefill_began_its_extend_is_never_refused_for_time(fake_engine: Any) -> None:
+    """The deadline bounds queueing only: a request whose first step began (its unit prefill)
+    is no longer queued, so its extend runs even after the deadline and a pass-over."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        deadline = _passed()
+        prefill = asyncio.ensure_future(s.prefill_unit([1] * 4, deadline))
+        await _queued(prefill)
+        s.start()
+        await prefill
+        assert deadline.started
+        ahead = _extend(s, await _slots(s), 8)
+        extend = asyncio.ensure_future(s.extend(await _slots(s), [1] * 8, range(8), deadline))
+        await asyncio.gather(ahead, extend)
+    assert fake_engine.batches == [[4], [8], [8]]
+    assert s.late_refused == 0
+
+
+async def test_a_request_within_its_start_deadline_waits_its_turn(fake_engine: Any) -> None:
+    """A deadline that has not passed changes nothing: passed over, the request still runs."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        first = _extend(s, await _slots(s), 8)
+        second = asyncio.ensure_future(s.extend(await _slots(s), [1] * 8, range(8), s.deadline(60.0)))
+        await _queued(first, second)
+        s.start()
+        await asyncio.gather(first, second)
+    assert fake_engine.batches == [[8], [8]]

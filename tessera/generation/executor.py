@@ -30,7 +30,7 @@ from tessera.engines.sampling import Sampler
 from tessera.errors import Overloaded, PlacementError, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import Scheduler
+from tessera.generation.scheduler import Scheduler, StartDeadline
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import (
     DoneEvent,
@@ -63,6 +63,7 @@ class Run:
     slots: KVSlots
     received_at: float  # when the plan arrived: lease TTLs and grant deadlines count from here
     stats: RequestStats
+    deadline: StartDeadline | None  # its work must begin by then (the queueing bound), or it is refused
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
 
@@ -96,10 +97,12 @@ class Executor:
 
     async def run(self, req: ExecuteRequest) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         received_at = time.monotonic()
+        deadline = self.scheduler.deadline(req.queue_budget_s)  # from receipt: waiting for KV pages counts
         sp = req.sampling
         sampler = Sampler(sp, self.scheduler.eos_token_ids)
         slots = await self._allocate(req.layout.n_tokens + sp.max_tokens)
         run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
+                  deadline,
                   {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
             logits = await self._prefill(run)
@@ -151,7 +154,7 @@ class Executor:
             matched = await self.scheduler.match_prefix(slots, prompt[:-1], run.req.tenant)
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
-            logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)))
+            logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline)
             await self.scheduler.insert_prefix(slots, prompt, run.req.tenant)
             return logits
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
@@ -170,7 +173,7 @@ class Executor:
                                for uid, unit_spans in spans.items()))
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
         stats.recomputed_tokens = len(token_ids)
-        logits = await self.scheduler.extend(slots, token_ids, positions)
+        logits = await self.scheduler.extend(slots, token_ids, positions, run.deadline)
         if lead and matched < len(lead):
             await self.scheduler.insert_prefix(slots, lead, run.req.tenant)
         return logits
@@ -212,7 +215,7 @@ class Executor:
             stats.unit_sources[plan.unit_id] = "local"
             local = False
         else:
-            state, coalesced = await self.prefills.state(plan.unit_id, token_ids)
+            state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.coalesced_units += int(coalesced)

@@ -35,7 +35,7 @@ from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
-from tessera.errors import BadRequest, TesseraError, Unavailable
+from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
 from tessera.generation.executor import Executor
 from tessera.generation.memory import IdleTrim
 from tessera.generation.prefills import PrefillCoalescer
@@ -216,6 +216,13 @@ class GenerationNode:
             outcome = "cancelled"
             log.info("%s: request %s: the caller closed the stream", self.name, msg.request_id)
             return resp
+        except Overloaded as exc:
+            # refused before its work began (late start, or no KV pages): nothing reached the
+            # caller, which answers 429 or tries another node; this node is not failing
+            outcome = "refused"
+            log.info("%s: request %s refused: %s", self.name, msg.request_id, exc)
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write(encode(ErrorEvent(WIRE_VERSION, str(exc), refused=True)) + b"\n")
         except Exception as exc:
             log.exception("%s: request %s failed", self.name, msg.request_id)
             with contextlib.suppress(ConnectionError, RuntimeError):

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 
 from tessera.engines.base import UnitState
-from tessera.generation.scheduler import Scheduler
+from tessera.generation.scheduler import Scheduler, StartDeadline
 
 
 class PrefillCoalescer:
@@ -28,7 +28,8 @@ class PrefillCoalescer:
         if self._waiters.get(unit_id, 0) == 0 and self._inflight.get(unit_id) is task:
             del self._inflight[unit_id]
 
-    async def state(self, unit_id: str, token_ids: Sequence[int]) -> tuple[UnitState, bool]:
+    async def state(self, unit_id: str, token_ids: Sequence[int],
+                    deadline: StartDeadline | None = None) -> tuple[UnitState, bool]:
         """The unit's reusable form, computing it unless an identical prefill is in flight.
 
         Returns (state, coalesced). The shared prefill is shielded: one waiter going away
@@ -39,7 +40,9 @@ class PrefillCoalescer:
         task = self._inflight.get(unit_id)
         coalesced = task is not None
         if task is None:
-            task = asyncio.ensure_future(self.scheduler.prefill_unit(token_ids))
+            # a new prefill carries its first requester's start deadline: refused as a late
+            # start, it fails for whoever joined it too (they queued behind the same work)
+            task = asyncio.ensure_future(self.scheduler.prefill_unit(token_ids, deadline))
             self._inflight[unit_id] = task
             self.started += 1
             # forgets a prefill whose waiters all went away (cancelled) once it finishes

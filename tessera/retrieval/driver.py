@@ -101,6 +101,8 @@ class ChatDriver:
                             self.path.started(self.request_id)  # its queueing ended: overload control measures it
                         delivered = True
                         if isinstance(event, ErrorEvent):
+                            if event.refused:  # its queueing bound ran out there: busy, not failed
+                                raise Overloaded(f"generation node {self.target}: {event.message}")
                             raise NodeFailed(f"generation node {self.target} failed: {event.message}")
                         finished = isinstance(event, DoneEvent)
                         yield event
@@ -146,7 +148,12 @@ class ChatDriver:
         """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
         snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
         self.plan = await self.path.finalize(self.request_id, self.target, snap.held)
-        return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant)
+        bound = self.control.max_queue_wait_s
+        # what is left of the queueing bound: the node refuses the request if its work cannot
+        # begin within it (tessera.generation.scheduler, late starts)
+        budget = max(0.0, bound - (time.perf_counter() - self.arrived)) if bound > 0 else None
+        return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant,
+                              queue_budget_s=budget)
 
     def _complete(self, finished: bool) -> None:
         """The attempt is over: an unfinished run is aborted on its node, and its route completed."""
