@@ -17,12 +17,14 @@ import asyncio
 import random
 import statistics
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import aiohttp
 import orjson
 
+from tessera.auth import ClusterAuth
 from tessera.benchmark.chaos import rss_mb
 from tessera.config_file import load_config
 from tessera.launcher import LocalCluster
@@ -59,13 +61,29 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs or [float("nan")])[0]
 
 
-def rss(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
-    """(RSS, of which shared memory) of every role process, MB, by role (and node).
+def rss(cluster: LocalCluster) -> dict[str, tuple[float, float, float]]:
+    """(RSS, of which shared memory, of which the local unit cache) of every role process, MB.
 
     A generation node's RSS counts the pages of the memory node's ``/dev/shm`` arena it wrote
-    or read (RssShmem): the shared tier, bounded by the arena, not the node's own memory.
+    or read (RssShmem): the shared tier, bounded by the arena, not the node's own memory. Its
+    local unit cache holds the states it kept (``tessera_node_local_cache_bytes``), bounded by
+    ``local_capacity_blocks``: what is left is the node's own working memory, which must go
+    back to its unloaded level once the load is over.
     """
-    return {f"{c.role}:{c.node}": (rss_mb(c.proc.pid), _status_mb(c.proc.pid, "RssShmem:")) for c in cluster.children}
+    return {f"{c.role}:{c.node}": (rss_mb(c.proc.pid), _status_mb(c.proc.pid, "RssShmem:"),
+                                   _cache_mb(cluster, c.node) if c.role == "generation" else 0.0)
+            for c in cluster.children}
+
+
+def _cache_mb(cluster: LocalCluster, node: str) -> float:
+    cfg = cluster.config
+    port = next(g.port for g in cfg.generation if g.name == node)
+    url = f"http://127.0.0.1:{port}/metrics"
+    req = urllib.request.Request(url, headers=ClusterAuth.from_config(cfg).headers("GET", url, b""))
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("tessera_node_local_cache_bytes "))
+    return float(line.split()[1]) / 2**20
 
 
 def _status_mb(pid: int, key: str) -> float:
@@ -73,9 +91,19 @@ def _status_mb(pid: int, key: str) -> float:
         return next((int(line.split()[1]) / 1024 for line in fh if line.startswith(key)), 0.0)
 
 
-def print_rss(when: str, figures: dict[str, tuple[float, float]]) -> None:
-    print(f"RSS {when}: " + ", ".join(f"{k} {v:.0f} MB (shm {s:.0f})" for k, (v, s) in figures.items())
-          + f"; total {sum(v for v, _ in figures.values()):.0f} MB")
+def print_rss(when: str, figures: dict[str, tuple[float, float, float]]) -> None:
+    print(f"RSS {when}: " + ", ".join(f"{k} {v:.0f} MB (shm {s:.0f}, local cache {c:.0f}, own {v - s - c:.0f})"
+                                      for k, (v, s, c) in figures.items())
+          + f"; total {sum(v for v, _, _ in figures.values()):.0f} MB")
+
+
+def print_own(before: dict[str, tuple[float, float, float]], after: dict[str, tuple[float, float, float]]) -> None:
+    """Each process's own memory (RSS less the shared arena and the bounded local cache), before vs after."""
+    def own(f: tuple[float, float, float]) -> float:
+        return f[0] - f[1] - f[2]
+
+    print("own memory before the load -> after the settle: " + ", ".join(
+        f"{k} {own(b):.0f} -> {own(after[k]):.0f} MB ({own(after[k]) - own(b):+.0f})" for k, b in before.items()))
 
 
 async def measure(cluster: LocalCluster, factor: float, duration: float, max_tokens: int, settle: float) -> None:
@@ -91,7 +119,8 @@ async def measure(cluster: LocalCluster, factor: float, duration: float, max_tok
         rate = factor * saturation
         print(f"unloaded: TTFT p50 {pct(ttft0, 50) * 1000:.0f} ms, p99 {pct(ttft0, 99) * 1000:.0f} ms; "
               f"service {service * 1000:.0f} ms; saturation ~{saturation:.2f} req/s; driving {rate:.2f} req/s")
-        print_rss("before the load", rss(cluster))
+        before = rss(cluster)
+        print_rss("before the load", before)
         rng = random.Random(0)
         tasks, at, t0, i = [], 0.0, time.monotonic(), 0
         while at < duration:
@@ -110,7 +139,9 @@ async def measure(cluster: LocalCluster, factor: float, duration: float, max_tok
         print(f"bound: control.max_queue_wait_s {bound:g} s + one service time = {(bound + service) * 1000:.0f} ms; "
               f"accepted p99 is {pct(ttft, 99) / (bound + service):.2f}x that")
     await asyncio.sleep(settle)
-    print_rss(f"{settle:g} s after the load", rss(cluster))
+    settled = rss(cluster)
+    print_rss(f"{settle:g} s after the load", settled)
+    print_own(before, settled)
 
 
 def main() -> None:

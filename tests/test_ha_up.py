@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers.cluster import REPO, cluster_config, write_config
 from helpers.http import call
+from helpers.processes import process_group
 from helpers.replicated import STRIDE, port_pair
 
 from tessera.config import HAConfig
@@ -45,7 +45,7 @@ def test_tessera_up_with_two_replicas_serves_chat_on_both_and_stops_on_ctrl_c(ti
         proc = subprocess.Popen([sys.executable, "-m", "tessera", "up", "--config", str(path), "--replicas", "2",
                                  "--data-dir", str(tmp_path / "data"), "--log-dir", str(tmp_path / "logs")],
                                 cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
-    try:
+    with process_group(proc, ctrl_c_wait_s=90):
         _wait_for_line(proc, out, "replica r1 serves the same API")
         assert "started a local etcd" in out.read_text() and "started a local PostgreSQL" in out.read_text()
         body = {"model": "tessera", "messages": [{"role": "user", "content": "When does the ferry leave?"}],
@@ -54,12 +54,6 @@ def test_tessera_up_with_two_replicas_serves_chat_on_both_and_stops_on_ctrl_c(ti
         answers = [call(replica_config(cfg, i).retrieval_url, "/v1/chat/completions", body) for i in (0, 1)]
         assert [s for s, _ in answers] == [200, 200], answers
         assert answers[0][1]["choices"][0]["message"] == answers[1][1]["choices"][0]["message"]
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert proc.returncode == 0, (out.read_text(), err.read_text())
     assert "Traceback" not in err.read_text(), err.read_text()
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()

@@ -8,6 +8,7 @@ each README command to its test.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cluster import REPO, cluster_config, write_config
+from helpers.processes import process_group
 
 from tessera.config import ClusterConfig
 from tessera.hosts.netns import unavailable
@@ -101,7 +103,7 @@ def test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c(
         proc = subprocess.Popen([*TESSERA, "up", "--config", str(path), "--data-dir", str(tmp_path / "data"),
                                  "--log-dir", str(logs)], cwd=REPO, env=_env(), stdout=stdout, stderr=stderr,
                                 text=True, start_new_session=True)
-    try:
+    with process_group(proc, ctrl_c_wait_s=60):
         _wait_for_line(proc, out, f"tessera is up: OpenAI-compatible API at {cfg.retrieval_url}/v1")
         client = openai.OpenAI(base_url=cfg.retrieval_url + "/v1", api_key="unused")
         done = client.chat.completions.create(
@@ -109,12 +111,6 @@ def test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c(
             temperature=0, extra_body={"context_units": ["The ferry leaves the harbour at nine every morning."]})
         assert done.choices[0].finish_reason in ("stop", "length")
         assert done.usage is not None and done.usage.prompt_tokens > 0 and done.usage.completion_tokens > 0
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert proc.returncode == 0, (out.read_text(), err.read_text())
     assert "stopping tessera" in err.read_text() and "Traceback" not in err.read_text(), err.read_text()
     with pytest.raises(ProcessLookupError):  # every role of its process group has exited
@@ -153,7 +149,9 @@ def test_tessera_hosts_up_serves_through_its_forward_and_ctrl_c_deletes_the_host
 
     _, path = tiny_cluster
     proc, out, err = _hosts_up(path, tmp_path)
-    try:
+    clean = functools.partial(subprocess.run, [*TESSERA, "hosts", "clean"], cwd=REPO, env=_env(), capture_output=True,
+                              check=False)
+    with process_group(proc, ctrl_c_wait_s=90, on_kill=clean):
         text = out.read_text()
         url = re.search(r"API \(forwarded from host \w+\): (http://127\.0\.0\.1:\d+)/v1/chat/completions", text)
         key = re.search(r"API key: (\S+)", text)
@@ -170,13 +168,6 @@ def test_tessera_hosts_up_serves_through_its_forward_and_ctrl_c_deletes_the_host
         with openai.OpenAI(base_url=url.group(1) + "/v1", api_key="forged") as forged, \
                 pytest.raises(openai.AuthenticationError):
             forged.models.list()
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            subprocess.run([*TESSERA, "hosts", "clean"], cwd=REPO, env=_env(), capture_output=True, check=False)
     assert proc.returncode == 0, (out.read_text(), err.read_text())
     assert "Traceback" not in err.read_text(), err.read_text()
     assert _namespaces(proc.pid) == []
@@ -265,7 +256,7 @@ def test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99(
     """`python bench/overload.py` prints the unloaded TTFT, the outcomes (only 200/429/503) and the p99 ratio."""
     _, path = tiny_cluster
     done = _run([PYTHON, "bench/overload.py", "--config", str(path), "--factor", "1", "--duration", "1",
-                 "--max-tokens", "2"])
+                 "--settle", "1", "--max-tokens", "2"])
     assert re.search(r"unloaded: TTFT p50 \d+ ms, p99 \d+ ms; service \d+ ms; saturation ~\d+\.\d+ req/s",
                      done.stdout), done.stdout
     outcomes = re.search(r"requests (\d+); outcomes: (.*)", done.stdout)
@@ -273,6 +264,10 @@ def test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99(
     counts = dict(pair.split() for pair in outcomes[2].split(", "))
     assert set(counts) <= {"200", "429", "503"} and "200" in counts, counts
     assert re.search(r"accepted TTFT p50 \d+ ms, p99 \d+ ms = \d+\.\dx the unloaded p99", done.stdout), done.stdout
+    # each process's own memory, less the shared arena and the bounded local cache, before vs after
+    assert re.search(r"own memory before the load -> after the settle: retrieval:\S* -?\d+ -> -?\d+ MB", done.stdout), \
+        done.stdout
+    assert re.search(r"generation:gen0 \d+ MB \(shm \d+, local cache \d+, own -?\d+\)", done.stdout), done.stdout
 
 
 @pytest.mark.model

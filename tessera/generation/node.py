@@ -273,6 +273,8 @@ class GenerationNode:
             gauge("tessera_node_inflight", "Requests admitted and not finished", len(self.inflight)),
             gauge("tessera_node_queued_tokens", "Tokens waiting for the engine", self.scheduler.queued_tokens),
             gauge("tessera_node_local_cache_blocks", "Blocks used in the local unit cache", self.cache.used_blocks),
+            gauge("tessera_node_local_cache_bytes", "Host memory held by the local unit cache's states",
+                  self.cache.used_bytes),
             counter("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit",
                     self.prefills.coalesced),
             counter("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)", self.prefills.started),

@@ -45,6 +45,7 @@ class LocalUnitCache:
         self._entries: dict[str, _Entry] = {}
         self._pins: dict[str, list[str]] = {}  # request_id -> pinned unit ids
         self.used_blocks = 0
+        self.used_bytes = 0  # host memory of the held states (RSS the cache accounts for, bounded by capacity)
         self._revoked: OrderedDict[str, None] = OrderedDict()  # newest last
 
     def __contains__(self, unit_id: str) -> bool:
@@ -121,6 +122,7 @@ class LocalUnitCache:
             state = UnitState(state.keys.pin_memory(), state.values.pin_memory())
         self._entries[unit_id] = _Entry(state, need)
         self.used_blocks += need
+        self.used_bytes += state.nbytes()
         assert self.used_blocks <= self.capacity_blocks, (self.used_blocks, self.capacity_blocks)
         return True, evicted
 
@@ -141,4 +143,5 @@ class LocalUnitCache:
             return False
         del self._entries[unit_id]
         self.used_blocks -= entry.blocks
+        self.used_bytes -= entry.state.nbytes()
         return True

@@ -6,10 +6,12 @@ module-scoped fixture that needs one uses the class as a context manager.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -126,3 +128,21 @@ class MemoryNodeProcess:
 # the fixtures' factories: ``start_role(role, config_path, node=None)``, ``memory_node(config, directory, name)``
 StartRole = Callable[..., RoleProcess]
 StartMemoryNode = Callable[..., MemoryNodeProcess]
+
+
+@contextlib.contextmanager
+def process_group(proc: subprocess.Popen[str], ctrl_c_wait_s: float,
+                  on_kill: Callable[[], object] | None = None) -> Iterator[None]:
+    """Run the body, then Ctrl-C ``proc``'s whole process group (it was started with
+    ``start_new_session``) and wait for it; if the body failed or it did not exit, SIGKILL the
+    group (then ``on_kill``, e.g. a cleanup command)."""
+    try:
+        yield
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(ctrl_c_wait_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if on_kill is not None:
+                on_kill()
