@@ -8,7 +8,10 @@ many connections a listener holds, so :class:`ListenerSite` counts them: past
 read, and the open ones carry on. A new connection also gets ``header_timeout_s`` for its
 first complete head; later heads on a kept-alive connection are bounded by
 ``idle_timeout_s`` (aiohttp's keep-alive timer runs until the head is complete). With TLS
-the handshake has ``header_timeout_s`` too.
+the handshake has ``header_timeout_s`` too. A request refused before its body was read
+(401, 408, 413) closes its connection after at most :data:`LINGER_S` of reading and dropping
+what is left of the body (aiohttp's default, 10 s, let a client that announced a body and
+never sent it hold a connection slot for 10 s per refusal).
 
 This module knows nothing about routes, authentication or any role.
 """
@@ -27,6 +30,7 @@ from yarl import URL
 from tessera.config import ListenerConfig
 
 log = logging.getLogger(__name__)
+LINGER_S = 1.0  # reading a refused request's unsent body, so its sender gets the answer rather than a reset
 
 
 class ListenerSite(web.BaseSite):
@@ -96,7 +100,7 @@ class _Connection(web.RequestHandler):
     def __init__(self, site: ListenerSite, server: web.Server, loop: asyncio.AbstractEventLoop) -> None:
         limits = site.limits
         super().__init__(server, loop=loop, keepalive_timeout=limits.idle_timeout_s, max_headers=limits.max_headers,
-                         access_log=None)  # type: ignore[arg-type]  # None: no access log (aiohttp checks truthiness)
+                         lingering_time=LINGER_S, access_log=None)  # type: ignore[arg-type]  # None: no access log (aiohttp checks truthiness)
         self._site = site
         self._timers = loop
         self._admitted = False

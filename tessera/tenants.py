@@ -134,6 +134,14 @@ def _refuse(request: web.Request, message: str, status: int) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
+def _unread(request: web.Request, refused: web.Response) -> web.Response:
+    """A refusal sent before the body was read closes the connection: the unread body is not
+    worth reading, and the connection stays open for as long as its sender likes otherwise."""
+    if request.body_exists:
+        refused.force_close()
+    return refused
+
+
 def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/health",),
                       admin_paths: tuple[str, ...] = ("/metrics",), *, body_timeout_s: float = 30.0,
                       ) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -151,9 +159,9 @@ def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/hea
         try:
             tenant = OPEN if keys is None else keys.authenticate(request.headers.get("Authorization"))
         except BadRequest as exc:
-            return _refuse(request, str(exc), exc.status)
+            return _unread(request, _refuse(request, str(exc), exc.status))
         if request.path in admin_paths and not tenant.admin:
-            return _refuse(request, f"{request.path} needs an admin API key", 403)
+            return _unread(request, _refuse(request, f"{request.path} needs an admin API key", 403))
         request[TENANT] = tenant
         if request.body_exists:
             try:

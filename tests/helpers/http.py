@@ -15,6 +15,7 @@ from aiohttp import web
 from helpers.cluster import signed_get
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
+from tessera.listener import LINGER_S
 
 
 def call(url: str, path: str, body: Any = None, raw: bytes | None = None,
@@ -78,7 +79,7 @@ def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> 
 @contextlib.asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[int]:
     """Serve ``app`` in this event loop on a free loopback port (yielded) until the block ends."""
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, lingering_time=LINGER_S)  # as the roles' listeners (tessera.listener)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
