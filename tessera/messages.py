@@ -499,6 +499,10 @@ class RequestStats:
     recomputed_tokens: int = 0  # tokens computed in the final extend pass
     bytes_fetched: int = 0
     completion_tokens: int = 0
+    # on the node, from the plan's arrival: until the request's first engine step began (its
+    # queueing there) and until its first token was sampled (0: not reached)
+    node_queued_s: float = 0.0
+    node_first_token_s: float = 0.0
     # unit id -> where its state came from: local, remote or computed (prefilled here; also a
     # failed fetch); a unit the final extend recomputes whole is not prepared and not listed
     unit_sources: dict[str, str] = field(default_factory=dict)

@@ -73,6 +73,29 @@ def test_summary_excludes_the_warm_up_share() -> None:
     assert s["hit_rate"]["local"] == pytest.approx(0.75)
 
 
+def _served(index: int, *units: tuple[str, int, str]) -> Result:
+    """A reply whose per-unit receipt lists (unit id, tokens, source)."""
+    per_unit = [{"unit_id": u, "tokens": n, "source": src, "recomputed_tokens": 0} for u, n, src in units]
+    return Result(index, float(index), ttft=0.1, latency=0.2, status=200,
+                  usage={"prompt_tokens": 100, "tessera": {"receipt": {"per_unit": per_unit}}})
+
+
+def test_reuse_efficiency_is_cached_unit_tokens_over_those_an_earlier_request_already_carried() -> None:
+    """Issue 25: next to each TTFT, how close the serving came to what the trace allows. Units
+    first seen in the warm-up count as reusable in the window; a unit's first appearance is
+    not reusable; a reusable unit computed again counts against the serving."""
+    results = [
+        _served(0, ("a", 100, "computed")),                       # warm-up: a seen
+        _served(1, ("a", 100, "local"), ("b", 50, "computed")),   # a reusable and reused; b new
+        _served(2, ("b", 50, "remote"), ("a", 100, "computed")),  # both reusable; a computed again
+        Result(3, 3.0, status=503, error="no node"),              # failed: adds nothing
+    ]
+    summary = summarize(results, 0.25, 1.0)
+    assert summary["reusable_unit_tokens"] == 250
+    assert summary["reuse_efficiency"] == pytest.approx(150 / 250)
+    assert summarize(results[:1], 0.0, 1.0)["reuse_efficiency"] is None  # nothing was reusable
+
+
 def test_sustained_rate_interpolates_the_crossing() -> None:
     """The sustained rate interpolates where mean TTFT crosses the bound, clamped to the swept rates."""
     assert sustained_rate([1, 2, 3], [1.0, 1.5, 3.0], 2.0) == pytest.approx(2 + 1 / 3)

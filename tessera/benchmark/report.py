@@ -29,6 +29,7 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
         tiers["recomputed"] += t.get("recomputed_tokens", 0)
         tiers["prompt"] += r.usage.get("prompt_tokens", 0)
     unit_tokens = tiers["local"] + tiers["remote"] + tiers["computed"]
+    reusable, reused = reuse(results, start)
     span = 0.0
     if ok:
         first = min(r.sent_at for r in ok)
@@ -48,6 +49,10 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
             "computed": tiers["computed"] / max(unit_tokens, 1),
         },
         "computed_share_of_prompt": (tiers["recomputed"] + tiers["computed"]) / max(tiers["prompt"], 1),
+        # unit tokens served from a cache over those whose unit an earlier request already had
+        # (the trace's ceiling in the measured window); None without per-unit receipts
+        "reuse_efficiency": reused / reusable if reusable else None,
+        "reusable_unit_tokens": reusable,
         "mean_prompt_tokens": tiers["prompt"] / max(len(ok), 1),
     }
     if len(ttfts):
@@ -59,6 +64,32 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
             "ttfts": [float(x) for x in ttfts],
         })
     return out
+
+
+REUSED_SOURCES = ("prefix", "local", "remote")  # a receipt's sources whose state was not computed again
+
+
+def reuse(results: Sequence[Result], start: int) -> tuple[int, int]:
+    """(reusable, reused) unit tokens of the requests from ``start`` on, in sequence order.
+
+    Reusable: the tokens of every unit that an earlier request of the sequence (warm-up
+    included) already carried, the ceiling any cache could reach in the window. Reused: those
+    of them served from the prefix cache, the local or the remote tier. Read from the replies'
+    per-unit receipts (``return_layout``); a request without one (failed, or a server that
+    gives none) adds nothing, and its units count as unseen.
+    """
+    seen: set[str] = set()
+    reusable = reused = 0
+    for i, r in enumerate(results):
+        receipt = (r.usage.get("tessera") or {}).get("receipt") or {}
+        units = receipt.get("per_unit") or ()
+        if i >= start:
+            for u in units:
+                if u["unit_id"] in seen:
+                    reusable += u["tokens"]
+                    reused += u["tokens"] if u["source"] in REUSED_SOURCES else 0
+        seen.update(u["unit_id"] for u in units)
+    return reusable, reused
 
 
 def _interp_rate_at(rates: Sequence[float], means: Sequence[float], level: float) -> float | None:
@@ -128,23 +159,23 @@ def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tes
 
 def table(report: dict[str, Any]) -> str:
     rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput | ok/sent "
-            "| unit tokens local/remote/computed |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| unit tokens local/remote/computed | reuse efficiency |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, sysrep in report["systems"].items():
         unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
         for r in [*unloaded, *sysrep["runs"]]:
             if "skipped" in r:
-                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) | - | - | - | - | - | - |")
+                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) | - | - | - | - | - | - | - |")
                 continue
             if "mean" not in r:
-                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - |")
+                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - | - |")
                 continue
             h = r["hit_rate"]
             rate = "unloaded" if unloaded and r is unloaded[0] else f"{r['rate']:g}"
             rows.append(
                 f"| {name} | {rate} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | "
                 f"{r['throughput']:.2f} | {r['ok']}/{r['requests']} | "
-                f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} |")
+                f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} | {_share(r.get('reuse_efficiency'))} |")
     return "\n".join(rows)
 
 
@@ -200,6 +231,10 @@ def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path)
 # the issues' targets per workload: (TTFT reduction at prefix caching's knee, sustained-rate
 # ratio); the synthetic one is the project's first benchmark issue, LoCoMo's is issue 16
 TARGETS: dict[str, tuple[float, float]] = {"synthetic": (4.0, 3.0), "locomo": (2.5, 2.0)}
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def format_report(report: dict[str, Any]) -> list[str]:

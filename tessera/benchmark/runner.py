@@ -139,7 +139,8 @@ async def run_phases(url: str, load: list[BenchRequest], rate: float, opts: Benc
         if opts.arrivals is not None:
             arrivals = [t - opts.arrivals[a] for t in opts.arrivals[a:b]]
         part = await run_load(url, phase, rate, max_tokens=opts.max_tokens, seed=opts.seed + n,
-                              return_layout=opts.dump_trace, progress=opts.progress,
+                              # per-unit receipts: the report's reuse efficiency reads them
+                              return_layout=True, progress=opts.progress,
                               desc=f"{rate:g} req/s" + (" warm-up" if len(cuts) > 1 and n == 0 else ""),
                               embeddings=embeddings, arrivals=arrivals, body_of=body_of,
                               max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s, headers=headers)

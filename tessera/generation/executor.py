@@ -63,7 +63,7 @@ class Run:
     slots: KVSlots
     received_at: float  # when the plan arrived: lease TTLs and grant deadlines count from here
     stats: RequestStats
-    deadline: StartDeadline | None  # its work must begin by then (the queueing bound), or it is refused
+    deadline: StartDeadline  # its work must begin by then (the queueing bound), or it is refused
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
 
@@ -116,7 +116,10 @@ class Executor:
                 if not stop:
                     generated.append(token)
                     decoded = self.scheduler.detokenize(generated)
-                    first = run.stats if len(generated) == 1 else None
+                    first = None
+                    if len(generated) == 1:
+                        first = run.stats
+                        self._timed(run)
                     if sp.top_logprobs >= 0:
                         logprob, top = _logprobs(logits, token, sp.top_logprobs)
                         yield TokenEvent(WIRE_VERSION, token, decoded[len(text):], logprob, top, stats=first)
@@ -134,6 +137,14 @@ class Executor:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
             await self.scheduler.free(slots)
+
+    @staticmethod
+    def _timed(run: Run) -> None:
+        """The request's first token: how long it queued on this node and took to get there."""
+        now = time.monotonic()
+        started = run.deadline.started_at
+        run.stats.node_queued_s = round((now if started is None else started) - run.received_at, 4)
+        run.stats.node_first_token_s = round(now - run.received_at, 4)
 
     async def _allocate(self, n_slots: int) -> KVSlots:
         """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""

@@ -72,6 +72,7 @@ class StartDeadline:
 
     at: float
     started: bool = False  # one of its jobs entered a batch: it is no longer queued
+    started_at: float | None = None  # time.monotonic() when it did (the request's queueing ended)
 
 
 @dataclass
@@ -112,9 +113,10 @@ class Scheduler:
 
     # --- submission ----------------------------------------------------------------------
 
-    def deadline(self, budget_s: float | None) -> StartDeadline | None:
-        """A start deadline ``budget_s`` from now (None: the request has no queueing bound)."""
-        return None if budget_s is None else StartDeadline(time.monotonic() + budget_s)
+    def deadline(self, budget_s: float | None) -> StartDeadline:
+        """A start deadline ``budget_s`` from now (None: the request has no queueing bound, and
+        the deadline only records when its work began)."""
+        return StartDeadline(time.monotonic() + (float("inf") if budget_s is None else budget_s))
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool,
                 deadline: StartDeadline | None = None) -> asyncio.Future[Any]:
@@ -226,8 +228,9 @@ class Scheduler:
         if batch:
             self.batches += 1
             for job in batch:
-                if job.deadline is not None:
-                    job.deadline.started = True
+                d = job.deadline
+                if d is not None and not d.started:
+                    d.started, d.started_at = True, now
         return batch
 
     def _late(self, job: _Job, now: float) -> bool:

@@ -1,9 +1,12 @@
 """The access log of the public API: one line per request, like uvicorn's and vLLM's.
 
 ``POST /v1/chat/completions 200 1.204s ttft 0.412s prompt 812 tok: prefix 34 local 600 remote 0
-computed 150 recomputed 28`` -- status and duration for every request; for a chat request
-that reached a generation node also the server-side TTFT and where its prompt tokens' states
-came from. The level is ``retrieval.access_log`` (``off`` for none); ``/health`` is logged at
+computed 150 recomputed 28; completion 6 tok; node queued 0.012s, first token 0.350s`` --
+status and duration for every request; for a chat request that reached a generation node
+also the server-side TTFT, where its prompt tokens' states came from, and on the node how
+long it queued before its first engine step and took to its first token (the rest of the
+TTFT is the retrieval side: parsing, tokenizing, retrieval, routing, the snapshot). The
+level is ``retrieval.access_log`` (``off`` for none); ``/health`` is logged at
 DEBUG (the launcher polls it).
 
 The chat path reports its outcome through :func:`note_outcome`; a context variable carries
@@ -54,6 +57,8 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, now: 
     if s is not None:
         tiers = " ".join(f"{source} {n}" for source, n in s.tokens_by_source())
         line += f" prompt {s.prompt_tokens} tok: {tiers}; completion {s.completion_tokens} tok"
+        if s.node_first_token_s:
+            line += f"; node queued {s.node_queued_s:.3f}s, first token {s.node_first_token_s:.3f}s"
     return line
 
 
