@@ -36,25 +36,36 @@ TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "obs
 
 def _body(i: int, max_tokens: int) -> dict[str, object]:
     unit = f"Notes on the {TOPICS[i % len(TOPICS)]}: " + " ".join(f"item {i}-{k} is recorded." for k in range(40))
-    return {"model": "tessera", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+    return {"model": "tessera", "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": QUESTION.format(TOPICS[i % len(TOPICS)])}],
             "context_units": [unit]}
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> tuple[str, float | None, float]:
-    """(outcome, TTFT or None, latency) of one streamed request."""
+Outcome = tuple[str, float | None, float, dict[str, float]]
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> Outcome:
+    """(outcome, TTFT or None, latency, the server's timings) of one streamed request; the
+    timings are the usage's ``ttft_ms`` and the node's ``node_queued_s`` / ``node_first_token_s``."""
     start = time.perf_counter()
     ttft: float | None = None
+    timings: dict[str, float] = {}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             await resp.read()
-            return str(resp.status), None, time.perf_counter() - start
+            return str(resp.status), None, time.perf_counter() - start, timings
         async for line in resp.content:
-            if line.startswith(b"data: {") and ttft is None and b'"content"' in line:
-                chunk = orjson.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    ttft = time.perf_counter() - start
-    return "200", ttft, time.perf_counter() - start
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - start
+            usage = (chunk.get("usage") or {}).get("tessera")
+            if usage:
+                timings = {k: float(usage[k]) for k in ("ttft_ms", "node_queued_s", "node_first_token_s")
+                           if k in usage}
+    return "200", ttft, time.perf_counter() - start, timings
 
 
 def pct(xs: list[float], q: int) -> float:
@@ -113,8 +124,8 @@ async def measure(cluster: LocalCluster, factor: float, duration: float, max_tok
         for i in range(3):
             await one(session, url, _body(i, max_tokens))
         unloaded = [await one(session, url, _body(100 + i, max_tokens)) for i in range(20)]
-        ttft0 = [t for _, t, _ in unloaded if t is not None]
-        service = statistics.mean(lat for _, _, lat in unloaded)
+        ttft0 = [t for _, t, _, _ in unloaded if t is not None]
+        service = statistics.mean(lat for _, _, lat, _ in unloaded)
         saturation = nodes / service
         rate = factor * saturation
         print(f"unloaded: TTFT p50 {pct(ttft0, 50) * 1000:.0f} ms, p99 {pct(ttft0, 99) * 1000:.0f} ms; "
@@ -130,18 +141,34 @@ async def measure(cluster: LocalCluster, factor: float, duration: float, max_tok
             i += 1
         results = await asyncio.gather(*tasks)
     print_rss("right after the load", rss(cluster))
-    outcomes = Counter(o for o, _, _ in results)
-    ttft = [t for o, t, _ in results if o == "200" and t is not None]
+    outcomes = Counter(o for o, _, _, _ in results)
+    ttft = [t for o, t, _, _ in results if o == "200" and t is not None]
     print(f"requests {len(results)}; outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     print(f"accepted TTFT p50 {pct(ttft, 50) * 1000:.0f} ms, p99 {pct(ttft, 99) * 1000:.0f} ms = "
           f"{pct(ttft, 99) / pct(ttft0, 99):.1f}x the unloaded p99")
     if bound > 0:
         print(f"bound: control.max_queue_wait_s {bound:g} s + one service time = {(bound + service) * 1000:.0f} ms; "
               f"accepted p99 is {pct(ttft, 99) / (bound + service):.2f}x that")
+    print_breakdown([timings for o, _, _, timings in results if o == "200"])
     await asyncio.sleep(settle)
     settled = rss(cluster)
     print_rss(f"{settle:g} s after the load", settled)
     print_own(before, settled)
+
+
+def print_breakdown(timings: list[dict[str, float]]) -> None:
+    """Where the accepted requests' server-side TTFT went: before the node (parsing, tokenizing,
+    routing, the snapshot, the plan's trip), queued on the node, and the node's own work."""
+    rows = [t for t in timings if t.get("node_first_token_s")]
+    if not rows:
+        return
+    before = [t["ttft_ms"] / 1000 - t["node_first_token_s"] for t in rows if "ttft_ms" in t]
+    queued = [t["node_queued_s"] for t in rows]
+    work = [t["node_first_token_s"] - t["node_queued_s"] for t in rows]
+    print("accepted, server side, p50 / p99: " + ", ".join(
+        f"{name} {pct(xs, 50) * 1000:.0f} / {pct(xs, 99) * 1000:.0f} ms"
+        for name, xs in (("before the node", before), ("queued on the node", queued),
+                         ("node's work to first token", work)) if xs))
 
 
 def main() -> None:
