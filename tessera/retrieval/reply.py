@@ -167,12 +167,16 @@ class Reply:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
                      tessera={**flat, **extra, "receipt": self.receipt()})
 
+    def _ttft_ms(self, first_token_at: float | None) -> int | None:
+        """The server-side time to first token, in the usage of streamed and whole replies alike."""
+        return None if first_token_at is None else round((first_token_at - self.started) * 1000)
+
     async def complete(self, trace: dict[str, Any] | None) -> web.Response:
         """The whole completion as one JSON body."""
         out = await self.relay()
-        ttft_ms = None if out.first_token_at is None else round((out.first_token_at - self.started) * 1000)
         body = completion_body(self.driver.request_id, self.chat.model, out.text, out.finish_reason,
-                               self.usage(ttft_ms), out.logprobs if self.chat.top_logprobs >= 0 else None, trace)
+                               self.usage(self._ttft_ms(out.first_token_at)),
+                               out.logprobs if self.chat.top_logprobs >= 0 else None, trace)
         return web.Response(body=to_json(body), content_type="application/json")
 
     async def stream(self, request: web.Request, trace: dict[str, Any] | None) -> tuple[web.StreamResponse, str]:
@@ -198,7 +202,7 @@ class Reply:
                 await resp.prepare(request)
             await send(chunk_body(rid, model, Delta(), out.finish_reason, layout=trace))
             if self.chat.include_usage:
-                await send(chunk_body(rid, model, None, None, self.usage()))
+                await send(chunk_body(rid, model, None, None, self.usage(self._ttft_ms(out.first_token_at))))
             await resp.write(b"data: [DONE]\n\n")
             status = "200"
         except ConnectionError:
