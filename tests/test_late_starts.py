@@ -43,6 +43,11 @@ def test_a_burst_the_plane_admitted_blind_is_refused_on_the_node_once_its_bound_
     assert refused, "every request of the burst was served: nothing held the queueing bound"
     assert all("queueing bound" in body["error"]["message"] for body in refused), refused
     assert statuses.count(200) >= 1
+    for status, body in replies:  # the usage says where a served request's time went on its node
+        if status == 200:
+            usage = body["usage"]["tessera"]
+            assert 0 <= usage["node_queued_s"] <= usage["node_first_token_s"], usage
+            assert usage["node_first_token_s"] * 1000 <= usage["ttft_ms"] + 1, usage
     node = cfg.generation[0]
     assert 'outcome="refused"' in metrics_text(f"http://127.0.0.1:{node.port}", cfg)
     status, body = ask(99)  # the node was busy, not failed: it is still routed
