@@ -173,3 +173,15 @@ async def test_a_request_within_its_start_deadline_waits_its_turn(fake_engine: A
         s.start()
         await asyncio.gather(first, second)
     assert fake_engine.batches == [[8], [8]]
+
+
+async def test_a_deadline_starts_earlier_by_the_nodes_measured_excess_work(fake_engine: Any) -> None:
+    """Under load the node leaves room for its slower work: a 10 s budget on a node whose recent
+    requests took 4 s more than alone to their first token becomes a 6 s start deadline."""
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        s.work.observe(1.0, alone=True)
+        s.work.observe(5.0, alone=False)
+        before = time.monotonic()
+        deadline = s.deadline(10.0)
+        assert before + 6.0 <= deadline.at <= time.monotonic() + 6.0
+        assert s.deadline(None).at == float("inf")

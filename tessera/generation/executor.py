@@ -64,6 +64,7 @@ class Run:
     received_at: float  # when the plan arrived: lease TTLs and grant deadlines count from here
     stats: RequestStats
     deadline: StartDeadline  # its work must begin by then (the queueing bound), or it is refused
+    alone: bool  # nothing else was running on this node when it arrived (its work is the unloaded kind)
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
 
@@ -94,6 +95,7 @@ class Executor:
         self.release_lease = release_lease
         self.policy = policy
         self.mode = mode
+        self.active = 0  # requests running here now
 
     async def run(self, req: ExecuteRequest) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         received_at = time.monotonic()
@@ -101,8 +103,10 @@ class Executor:
         sp = req.sampling
         sampler = Sampler(sp, self.scheduler.eos_token_ids)
         slots = await self._allocate(req.layout.n_tokens + sp.max_tokens)
+        alone = self.active == 0
+        self.active += 1  # taken back in the finally below
         run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
-                  deadline,
+                  deadline, alone,
                   {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
             logits = await self._prefill(run)
@@ -132,19 +136,21 @@ class Executor:
                 logits = await self.scheduler.decode(slots, token, position)
                 position += 1
         finally:
+            self.active -= 1
             # leases not consumed (e.g. the request was aborted before its fetch) go back now
             for lease_id in run.unreleased:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
             await self.scheduler.free(slots)
 
-    @staticmethod
-    def _timed(run: Run) -> None:
-        """The request's first token: how long it queued on this node and took to get there."""
+    def _timed(self, run: Run) -> None:
+        """The request's first token: how long it queued on this node and took to get there (the
+        scheduler's measure of work under load learns from it)."""
         now = time.monotonic()
-        started = run.deadline.started_at
-        run.stats.node_queued_s = round((now if started is None else started) - run.received_at, 4)
+        started = now if run.deadline.started_at is None else run.deadline.started_at
+        run.stats.node_queued_s = round(started - run.received_at, 4)
         run.stats.node_first_token_s = round(now - run.received_at, 4)
+        self.scheduler.work.observe(now - started, run.alone)
 
     async def _allocate(self, n_slots: int) -> KVSlots:
         """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""

@@ -47,6 +47,7 @@ from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, Un
 from tessera.engines.offline import place_units
 from tessera.errors import Overloaded
 from tessera.generation.batching import take_batch
+from tessera.generation.work import FirstTokenWork
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,15 +109,20 @@ class Scheduler:
         # prefill throughput over recent batches with extend work (decayed sums: tokens, seconds)
         self._prefill_tokens = 0.0
         self._prefill_s = 0.0
+        self.work = FirstTokenWork()  # the executor reports each request's work to its first token
         self.batches = 0  # batches formed (late starts: was a job passed over?)
         self.late_refused = 0  # requests' jobs refused because their work could not start in time
 
     # --- submission ----------------------------------------------------------------------
 
     def deadline(self, budget_s: float | None) -> StartDeadline:
-        """A start deadline ``budget_s`` from now (None: the request has no queueing bound, and
-        the deadline only records when its work began)."""
-        return StartDeadline(time.monotonic() + (float("inf") if budget_s is None else budget_s))
+        """A start deadline ``budget_s`` from now, less the node's measured excess work under load
+        (:mod:`tessera.generation.work`), so the queueing it allows and the slower work that
+        follows still fit the promise (None: the request has no queueing bound, and the
+        deadline only records when its work began)."""
+        if budget_s is None:
+            return StartDeadline(float("inf"))
+        return StartDeadline(time.monotonic() + max(0.0, budget_s - self.work.excess_s()))
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool,
                 deadline: StartDeadline | None = None) -> asyncio.Future[Any]:
