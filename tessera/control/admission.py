@@ -66,8 +66,11 @@ class AdmissionPolicy(ABC):
         return self._n_resident
 
     def add(self, unit_id: str, n_blocks: int) -> None:
-        i = self.records.slot(unit_id)
-        blocks = self.records.blocks
+        table = self.records
+        i = table.slots.get(unit_id)
+        if i is None:
+            i = table.slot(unit_id)
+        blocks = table.blocks
         assert not blocks[i] and n_blocks > 0, (unit_id, blocks[i], n_blocks)
         blocks[i] = n_blocks
         self.used_blocks += n_blocks

@@ -27,7 +27,7 @@ MAX_WINDOW = (1 << 24) - 1  # the config's bound on W (control.window)
 class DemandTracker:
     """Recent-window and lifetime retrieval counts of one stream. Verbs: ``count``, ``score``."""
 
-    __slots__ = ("_ring", "records", "requests", "w_lifetime", "w_recent", "window")
+    __slots__ = ("_lifetime", "_recent", "_ring", "records", "requests", "w_lifetime", "w_recent", "window")
 
     def __init__(self, window: int, w_recent: float, w_lifetime: float, records: UnitTable | None = None) -> None:
         assert 0 < window <= MAX_WINDOW and w_recent >= 0 and w_lifetime >= 0, (window, w_recent, w_lifetime)
@@ -37,6 +37,8 @@ class DemandTracker:
         self.requests = 0  # requests recorded so far: the stream's clock
         self.records = UnitTable() if records is None else records  # shared with the tier's policy
         self._ring: deque[tuple[int, ...]] = deque()  # slots of the last W requests
+        # the table's columns (grown in place, never replaced): a score is two list reads
+        self._recent, self._lifetime = self.records.recent, self.records.lifetime
 
     def count(self, unit_ids: tuple[str, ...]) -> tuple[int, ...]:
         """Count one request retrieving ``unit_ids`` (distinct ids).
@@ -71,7 +73,7 @@ class DemandTracker:
 
     def score_of(self, i: int) -> float:
         """s(u) of the unit in slot ``i``."""
-        return self.w_recent * self.records.recent[i] + self.w_lifetime * self.records.lifetime[i]
+        return self.w_recent * self._recent[i] + self.w_lifetime * self._lifetime[i]
 
     def score(self, unit_id: str) -> float:
         i = self.records.slots.get(unit_id)
