@@ -11,8 +11,7 @@ The first 10% of requests (cold start) are not counted.
 Measured per request: route + finalize + complete, in process (the plan latency);
 "plans/s" is requests / sum of plan latencies. The whole-loop rate also counts the
 simulated node traffic (snapshot, publish, release, residency report). The latency max
-includes any cyclic-GC collection that lands in a measured step: a full collection scans
-every per-unit record of every tier (one per unit a tier's stream has seen).
+includes any cyclic-GC collection that lands in a measured step.
 
     PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--nodes N] [--units U]
 
