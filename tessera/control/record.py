@@ -15,8 +15,9 @@ track such a dict), ``keyed`` is an ``array`` (not tracked), and the int columns
 of ints, which a collection walks with no per-unit object to examine (counts are mostly
 small, preallocated ints); the demand window keeps tuples of slots, which the collector
 untracks at their first collection. A column read is one list index, as many instructions
-as an attribute of a per-unit object; the price is locality (one unit's state spans four
-lists, so more cache lines per unit: README "Control plane" measures both).
+as an attribute of a per-unit object; the possible price is locality (one unit's state
+spans four lists, more cache lines per unit), which README "Control plane" did not measure
+beyond this machine's noise.
 
 Slots are created on a unit's first retrieval in the stream (or when the tier learns it
 holds the unit) and live as long as the tier, like the lifetime counts they hold. This
