@@ -11,8 +11,7 @@ The first 10% of requests (cold start) are not counted.
 Measured per request: route + finalize + complete, in process (the plan latency);
 "plans/s" is requests / sum of plan latencies. The whole-loop rate also counts the
 simulated node traffic (snapshot, publish, release, residency report). The latency max
-includes any cyclic-GC collection that lands in a measured step: a full collection scans
-every per-unit record of every tier (one per unit a tier's stream has seen).
+includes any cyclic-GC collection that lands in a measured step.
 
     PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/control_plane.py [--requests N] [--nodes N] [--units U]
 
@@ -24,8 +23,11 @@ told to count only inside that C function, counts exactly route + finalize + com
         --callgrind-out-file=/tmp/cp.out python bench/control_plane.py --requests 5000 --callgrind
     callgrind_annotate /tmp/cp.out | head   # "PROGRAM TOTALS" Ir / the warm requests printed
 
-Garbage collections during the loop are timed (``gc.callbacks``) and reported per
-generation: a full collection scans every tracked object not frozen before the loop.
+Garbage collections during the loop are timed (``gc.callbacks``: wall and CPU time) and
+reported per generation: a full collection scans every tracked object not frozen before the
+loop (the setup and the workload are frozen, as a role freezes what it loaded at start-up).
+After the loop the bench counts those objects and times one full collection: the pause the
+loop's own state would cost whenever a full collection comes.
 
 Prints numbers; asserts nothing.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import operator
 import os
 import time
@@ -85,22 +88,38 @@ def counted(f: Callable[P, R]) -> Callable[P, R]:
 
 
 class GcTimes:
-    """Wall time of each cyclic-GC collection, by generation (a ``gc.callbacks`` hook)."""
+    """Each cyclic-GC collection by generation: wall time, and this thread's CPU time (a
+    ``gc.callbacks`` hook). On a shared machine the wall time of a collection includes any
+    preemption that hit it; the CPU time is the collection's own work."""
 
     def __init__(self) -> None:
-        self.pauses: dict[int, list[int]] = {0: [], 1: [], 2: []}
-        self._start = 0
+        self.wall: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        self.cpu: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        self._start = self._start_cpu = 0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._start = time.perf_counter_ns()
+            self._start, self._start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         else:
-            self.pauses[info["generation"]].append(time.perf_counter_ns() - self._start)
+            g = info["generation"]
+            self.cpu[g].append(time.thread_time_ns() - self._start_cpu)
+            self.wall[g].append(time.perf_counter_ns() - self._start)
 
     def line(self, elapsed_s: float) -> str:
-        total = sum(sum(p) for p in self.pauses.values()) / 1e9
-        return ", ".join(f"gen{g} {len(p)} (max {max(p, default=0) / 1e6:.2f} ms)"
-                         for g, p in self.pauses.items()) + f"; {total:.2f} s of the loop's {elapsed_s:.2f} s"
+        total = sum(sum(p) for p in self.wall.values()) / 1e9
+        return ", ".join(f"gen{g} {len(p)} (max {max(p, default=0) / 1e6:.2f} ms, "
+                         f"cpu max {max(self.cpu[g], default=0) / 1e6:.2f} ms)"
+                         for g, p in self.wall.items()) + f"; {total:.2f} s of the loop's {elapsed_s:.2f} s"
+
+
+def full_collection() -> str:
+    """What a full collection would cost now: the objects it scans (all tracked, not frozen) and its time."""
+    tracked = len(gc.get_objects())  # the permanent (frozen) generation is not among them
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+    gc.collect()
+    c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
+    return f"{tracked:,} tracked objects not frozen; a full collection takes {(t1 - t0) / 1e6:.2f} ms " \
+           f"(cpu {(c1 - c0) / 1e6:.2f} ms)"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -112,6 +131,7 @@ def run(args: argparse.Namespace) -> None:
     pc = time.perf_counter_ns
     cold = len(requests) // 10  # the cold start: not counted
     route, finalize, complete = plane.route, plane.finalize, plane.complete
+    digest = hashlib.sha256() if args.digest else None
     gc.collect()
     gc.freeze()
     gc_times = GcTimes()
@@ -127,6 +147,8 @@ def run(args: argparse.Namespace) -> None:
         t2 = pc()
         plan = finalize(rid, node, held)
         t3 = pc()
+        if digest is not None:  # outside the timed steps
+            digest.update(repr(plan).encode())
         cluster.execute(plan, complete=False)
         inflight.append(rid)
         t4 = pc()
@@ -136,6 +158,8 @@ def run(args: argparse.Namespace) -> None:
         lat[i] = (t1 - t0) + (t3 - t2) + (t5 - t4)
     elapsed = (pc() - start) / 1e9
     gc.callbacks.remove(gc_times)
+    del plan
+    after = full_collection()  # the plane's own heap, grown by the loop (the setup is frozen)
     while inflight:
         plane.complete(inflight.popleft())
     gc.unfreeze()
@@ -149,6 +173,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"  plan latency p50 {np.percentile(warm, 50) / 1e3:.1f} us, p99 {np.percentile(warm, 99) / 1e3:.1f} us, "
           f"max {warm.max() / 1e3:.1f} us")
     print(f"  GC collections in the loop: {gc_times.line(elapsed)}")
+    print(f"  after the loop: {after}")
+    if digest is not None:
+        print(f"  plan digest (sha256 of every plan's repr, in order): {digest.hexdigest()}")
     if args.callgrind:
         print(f"  callgrind: measured steps of {len(warm)} warm requests (divide the collected Ir by this)")
     print(f"  preparations: local {s.local / s.units:.1%}, remote {s.remote / s.units:.1%}, "
@@ -175,6 +202,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--callgrind", action="store_true",
                     help="call the warm requests' measured steps through operator.call (see the docstring)")
+    ap.add_argument("--digest", action="store_true",
+                    help="print a hash of every plan the loop issues (decisions unchanged across code changes)")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})

@@ -1,8 +1,8 @@
 """The request path leaves no cyclic garbage: everything it drops is freed by reference counting.
 
-Python's cyclic collector would otherwise have to find it, and its full collections are what
-pause the plane for milliseconds (they scan every tier's unit records: bench/control_plane.py
-prints the pauses). A closure or generator that referenced itself on the plan path would
+Python's cyclic collector would otherwise have to find it, and its collections are what
+pause the plane for milliseconds (bench/control_plane.py prints the pauses, and times a full
+collection of what the loop left tracked). A closure or generator that referenced itself on the plan path would
 make every collection of the loop do real work.
 """
 

@@ -325,8 +325,12 @@ def test_bench_control_plane_plans_requests_and_prints_its_rates() -> None:
     Regression: the bench's own copy of the simulated cluster never sent a heartbeat, so every
     route failed with "no generation node is alive" once a node became routable only when heard.
     """
-    done = _run(["env", "PYTHONPATH=.", PYTHON, "bench/control_plane.py", "--requests", "3000"])
+    done = _run(["env", "PYTHONPATH=.", PYTHON, "bench/control_plane.py", "--requests", "3000", "--digest"])
     assert re.search(r"plans/s \(route\+finalize\+complete only\): [\d,]+$", done.stdout, re.M), done.stdout
+    assert re.search(r"plan digest \(sha256 of every plan's repr, in order\): [0-9a-f]{64}$", done.stdout, re.M)
+    assert re.search(r"gen2 \d+ \(max [\d.]+ ms, cpu max [\d.]+ ms\)", done.stdout), done.stdout
+    assert re.search(r"after the loop: [\d,]+ tracked objects not frozen; a full collection takes [\d.]+ ms",
+                     done.stdout), done.stdout
     assert re.search(r"plan latency p50 [\d.]+ us, p99 [\d.]+ us", done.stdout), done.stdout
     shares = re.search(r"preparations: local ([\d.]+)%, remote ([\d.]+)%, compute ([\d.]+)%", done.stdout)
     assert shares is not None and abs(sum(float(x) for x in shares.groups()) - 100) < 0.5, done.stdout

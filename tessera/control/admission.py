@@ -1,11 +1,11 @@
 """Admission and eviction policies: which units a cache tier retains, and what it gives up for them.
 
 One rule serves both tiers (paper §5.2); each tier owns its own policy instance, fed by its
-own request stream. A policy owns the tier's unit records (:mod:`tessera.control.record`:
-demand history, residency in blocks, rank) but not the space itself: the tier tells it how
+own request stream. A policy owns the tier's unit table (:mod:`tessera.control.record`:
+demand history, residency in blocks, rank, in columns) but not the space itself: the tier tells it how
 many blocks are free and which residents are safe to reclaim right now, and carries out the
-evictions it returns. Callers may read ``records`` (a unit is resident iff its record has
-blocks); only the policy writes them.
+evictions it returns. Callers may read ``records`` (a unit is resident iff its ``blocks``
+column is > 0); only the policy writes them.
 
 Contract of :class:`AdmissionPolicy` (register new ones with :func:`register_admission`):
 
@@ -34,7 +34,7 @@ from typing import ClassVar
 from tessera.config import ControlConfig
 from tessera.control.demand import DemandTracker
 from tessera.control.ranking import ScoreBuckets
-from tessera.control.record import NO_RECORD, UnitRecord, UnitTable
+from tessera.control.record import NOT_KEYED, UnitTable
 from tessera.registry import Registry
 
 Safe = Callable[[str], bool]
@@ -54,31 +54,41 @@ class AdmissionPolicy(ABC):
 
     @property
     def resident(self) -> Mapping[str, int]:
-        """Resident units and their block counts (a snapshot; scans every record)."""
-        return {r.unit_id: r.blocks for r in self.records.values() if r.blocks}
+        """Resident units and their block counts (a snapshot; scans every slot)."""
+        ids = self.records.ids
+        return {ids[i]: b for i, b in enumerate(self.records.blocks) if b}
 
     def __contains__(self, unit_id: object) -> bool:
-        return isinstance(unit_id, str) and self.records.get(unit_id, NO_RECORD).blocks > 0
+        i = self.records.slots.get(unit_id) if isinstance(unit_id, str) else None
+        return i is not None and self.records.blocks[i] > 0
 
     def __len__(self) -> int:
         return self._n_resident
 
     def add(self, unit_id: str, n_blocks: int) -> None:
-        record = self.records[unit_id]
-        assert not record.blocks and n_blocks > 0, (unit_id, record.blocks, n_blocks)
-        record.blocks = n_blocks
+        table = self.records
+        i = table.slots.get(unit_id)
+        if i is None:
+            i = table.slot(unit_id)
+        blocks = table.blocks
+        assert not blocks[i] and n_blocks > 0, (unit_id, blocks[i], n_blocks)
+        blocks[i] = n_blocks
         self.used_blocks += n_blocks
         self._n_resident += 1
-        self._on_add(record)
+        self._on_add(i)
 
     def discard(self, unit_id: str) -> bool:
-        record = self.records.get(unit_id)
-        if record is None or not record.blocks:
+        i = self.records.slots.get(unit_id)
+        if i is None:
             return False
-        self.used_blocks -= record.blocks
+        blocks = self.records.blocks
+        b = blocks[i]
+        if not b:
+            return False
+        self.used_blocks -= b
         self._n_resident -= 1
-        record.blocks = 0
-        self._on_discard(record)
+        blocks[i] = 0
+        self._on_discard(i)
         return True
 
     @abstractmethod
@@ -101,19 +111,22 @@ class AdmissionPolicy(ABC):
         return self.victims(unit_id, n_blocks, free_blocks, safe)
 
     def check_invariants(self) -> None:
-        blocks = [r.blocks for r in self.records.values() if r.blocks]
-        assert all(b > 0 for b in blocks), "a record holds a negative block count"
+        table = self.records
+        columns = (table.ids, table.recent, table.lifetime, table.blocks, table.keyed)
+        assert all(len(c) == len(table.slots) for c in columns), "the unit table's columns differ in length"
+        blocks = [b for b in table.blocks if b]
+        assert all(b > 0 for b in blocks), "a unit holds a negative block count"
         assert self.used_blocks == sum(blocks), (self.used_blocks, sum(blocks))
         assert self._n_resident == len(blocks), (self._n_resident, len(blocks))
-        assert all(u == r.unit_id for u, r in self.records.items()), "a record is filed under another id"
+        assert all(table.ids[i] == u for u, i in table.slots.items()), "a slot is filed under another id"
 
     @abstractmethod
-    def _on_add(self, record: UnitRecord) -> None:
-        """Hook: a unit became resident (``record.blocks`` is set)."""
+    def _on_add(self, i: int) -> None:
+        """Hook: the unit in slot ``i`` became resident (its ``blocks`` is set)."""
 
     @abstractmethod
-    def _on_discard(self, record: UnitRecord) -> None:
-        """Hook: a unit stopped being resident (``record.blocks`` is 0)."""
+    def _on_discard(self, i: int) -> None:
+        """Hook: the unit in slot ``i`` stopped being resident (its ``blocks`` is 0)."""
 
 
 ADMISSIONS: Registry[type[AdmissionPolicy]] = Registry("control.admission")
@@ -151,7 +164,7 @@ class DemandAdmission(AdmissionPolicy):
         self.demand = DemandTracker(control.window, control.w_recent, control.w_lifetime, self.records)
         self.theta = control.theta
         self.min_retrievals = 1 if control.admit_first else 2
-        self._ranks = ScoreBuckets()
+        self._ranks = ScoreBuckets(self.records)
 
     def observe(self, unit_ids: tuple[str, ...]) -> None:
         left = self.demand.count(unit_ids)
@@ -160,12 +173,14 @@ class DemandAdmission(AdmissionPolicy):
             return
         demand = self.demand
         w_recent, w_lifetime = demand.w_recent, demand.w_lifetime
-        for r in left:
-            keyed = r.keyed
-            if keyed is not None:
-                now = w_recent * r.recent + w_lifetime * r.lifetime  # demand.score_of(r), without the call
+        table = self.records
+        keyed_of, recent, lifetime = table.keyed, table.recent, table.lifetime
+        for i in left:
+            keyed = keyed_of[i]
+            if keyed != NOT_KEYED:
+                now = w_recent * recent[i] + w_lifetime * lifetime[i]  # demand.score_of(i), without the call
                 if now < keyed:
-                    ranks.put(r, now)
+                    ranks.put(i, now)
 
     def score(self, unit_id: str) -> float:
         return self.demand.score(unit_id)
@@ -173,11 +188,16 @@ class DemandAdmission(AdmissionPolicy):
     def decide(self, unit_id: str, n_blocks: int, free_blocks: int, safe: Safe) -> list[str] | None:
         if n_blocks <= free_blocks:
             return []  # free space: admit at first sight, whatever the score
-        # wants() and victims() with one record lookup: this runs for most units of a plan
-        r = self.records.get(unit_id, NO_RECORD)
+        # wants() and victims() with one slot lookup: this runs for most units of a plan
+        table = self.records
+        i = table.slots.get(unit_id)
         demand = self.demand
-        score = demand.w_recent * r.recent + demand.w_lifetime * r.lifetime
-        if r.lifetime < self.min_retrievals or score < self.theta:
+        if i is None:
+            lifetime, score = 0, 0.0
+        else:
+            lifetime = table.lifetime[i]
+            score = demand.w_recent * table.recent[i] + demand.w_lifetime * lifetime
+        if lifetime < self.min_retrievals or score < self.theta:
             return None
         return self._victims(unit_id, n_blocks - free_blocks, score, safe)
 
@@ -195,13 +215,15 @@ class DemandAdmission(AdmissionPolicy):
         if self._ranks.lowest >= score:
             return None  # nothing is keyed strictly lower, and keys never overestimate
         out: list[str] = []
+        table = self.records
+        ids, blocks = table.ids, table.blocks
         walk = self._ranks.walk(score, self.demand.score_of)
         try:
-            for r in walk:  # strictly lower scores only, lowest first
-                v = r.unit_id
+            for i in walk:  # strictly lower scores only, lowest first
+                v = ids[i]
                 if v != unit_id and safe(v):
                     out.append(v)
-                    need -= r.blocks
+                    need -= blocks[i]
                     if need <= 0:
                         return out
             return None
@@ -211,25 +233,27 @@ class DemandAdmission(AdmissionPolicy):
     def ranked(self) -> list[tuple[float, str]]:
         """Residents in eviction order with their exact scores (for tests and dumps)."""
         score_of = self.demand.score_of
-        for s, r in self._ranks.items():
-            if score_of(r) != s:
-                self._ranks.put(r, score_of(r))
-        return [(s, r.unit_id) for s, r in self._ranks.items()]
+        for s, i in self._ranks.items():
+            if score_of(i) != s:
+                self._ranks.put(i, score_of(i))
+        ids = self.records.ids
+        return [(s, ids[i]) for s, i in self._ranks.items()]
 
-    def _on_add(self, record: UnitRecord) -> None:
-        self._ranks.put(record, self.demand.score_of(record))
+    def _on_add(self, i: int) -> None:
+        self._ranks.put(i, self.demand.score_of(i))
 
-    def _on_discard(self, record: UnitRecord) -> None:
-        self._ranks.drop(record)
+    def _on_discard(self, i: int) -> None:
+        self._ranks.drop(i)
 
     def check_invariants(self) -> None:
         super().check_invariants()
         self._ranks.check_invariants()
         assert len(self._ranks) == len(self), "ranking out of step with the resident set"
-        for s, r in self._ranks.items():
-            assert r.blocks, f"{r.unit_id} is ranked but not resident"
-            now = self.demand.score_of(r)
-            assert s <= now, f"key of {r.unit_id} overestimates its score: {s} > {now}"
+        table = self.records
+        for s, i in self._ranks.items():
+            assert table.blocks[i], f"{table.ids[i]} is ranked but not resident"
+            now = self.demand.score_of(i)
+            assert s <= now, f"key of {table.ids[i]} overestimates its score: {s} > {now}"
         self.demand.check_invariants()
 
 
@@ -264,13 +288,13 @@ class LruAdmission(AdmissionPolicy):
         for v in self._recency:
             if v != unit_id and safe(v):
                 out.append(v)
-                need -= self.records[v].blocks
+                need -= self.records.blocks_of(v)
                 if need <= 0:
                     return out
         return None
 
-    def _on_add(self, record: UnitRecord) -> None:
-        self._recency[record.unit_id] = self._clock
+    def _on_add(self, i: int) -> None:
+        self._recency[self.records.ids[i]] = self._clock
 
-    def _on_discard(self, record: UnitRecord) -> None:
-        del self._recency[record.unit_id]
+    def _on_discard(self, i: int) -> None:
+        del self._recency[self.records.ids[i]]

@@ -28,7 +28,6 @@ from collections.abc import Container, Iterable, Iterator, Mapping
 
 from tessera.control.admission import AdmissionPolicy
 from tessera.control.locality import Locality
-from tessera.control.record import NO_RECORD
 
 
 class LocalTier:
@@ -70,7 +69,9 @@ class LocalTier:
         unit is not retained locally. ``pinned`` units (the request's own) are never victims.
         """
         policy = self.policy
-        if policy.records.get(unit_id, NO_RECORD).blocks or n_blocks > self.capacity:
+        table = policy.records
+        i = table.slots.get(unit_id)
+        if (i is not None and table.blocks[i]) or n_blocks > self.capacity:
             return None  # resident already (or planned by another request), or never fits
         planned = self.planned
 
@@ -81,9 +82,9 @@ class LocalTier:
         if victims is None:
             return None
         evicting = self.evicting
-        records = policy.records
+        slots, blocks = table.slots, table.blocks
         for v in victims:
-            self.victim_blocks[v] = records[v].blocks
+            self.victim_blocks[v] = blocks[slots[v]]
             self._discard(v)
             evicting[v] = evicting.get(v, 0) + 1
         self._add(unit_id, n_blocks)
@@ -98,10 +99,12 @@ class LocalTier:
         ``live``: requests still outstanding. A planned unit that the node does not hold and
         whose planning request is gone was never inserted (a late report re-adds it).
         """
-        records = self.policy.records
+        table = self.policy.records
+        slots, blocks = table.slots, table.blocks
         planned = self.planned
         for u, b in units:
-            resident = records.get(u, NO_RECORD).blocks > 0
+            i = slots.get(u)
+            resident = i is not None and blocks[i] > 0
             if u in held:
                 if resident:
                     planned.pop(u, None)

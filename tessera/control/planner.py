@@ -46,15 +46,20 @@ class InternedPlans:
         self._kept: dict[str, UnitPlan] = {}
         self._computed: dict[str, UnitPlan] = {}
 
-    def get(self, unit_id: str, n_tokens: int, prep: Preparation, keep_local: bool) -> UnitPlan:
+    def kinds(self) -> tuple[dict[str, UnitPlan], dict[str, UnitPlan], dict[str, UnitPlan]]:
+        """The held, kept and computed plans by unit: the planner reads them in its loop, and
+        calls :meth:`make` on a miss (or when the unit's token count changed)."""
+        return self._held, self._kept, self._computed
+
+    def make(self, kind: dict[str, UnitPlan], unit_id: str, n_tokens: int, prep: Preparation,
+             keep_local: bool) -> UnitPlan:
+        """Build and intern the plan of one kind (``kind``: one of :meth:`kinds`)."""
         assert prep is not REMOTE and not (prep is LOCAL and keep_local), (unit_id, prep, keep_local)
-        kind = self._held if prep is LOCAL else self._kept if keep_local else self._computed
-        plan = kind.get(unit_id)
-        if plan is None or plan.n_tokens != n_tokens:
-            if len(kind) >= self.max_units:
-                kind.clear()
-            retention = Retention.LOCAL if keep_local else Retention.NEITHER
-            plan = kind[unit_id] = UnitPlan(unit_id, n_tokens, prep, retention)
+        assert kind is (self._held if prep is LOCAL else self._kept if keep_local else self._computed), unit_id
+        if len(kind) >= self.max_units:
+            kind.clear()
+        retention = Retention.LOCAL if keep_local else Retention.NEITHER
+        plan = kind[unit_id] = UnitPlan(unit_id, n_tokens, prep, retention)
         return plan
 
     def forget(self, unit_ids: Collection[str]) -> None:
@@ -86,42 +91,67 @@ class Planner:
         r = self.requests.claim_plan(request_id, node)
         local = r.node.local
         held = self._usable(held)
-        local.reconcile(r.pairs, held, self.requests)
+        pairs = r.pairs
+        local.reconcile(pairs, held, self.requests)
         ids = tuple(r.tokens)
         local.observe(ids)
-        self.shared.observe(ids)
+        shared = self.shared
+        shared.observe(ids)
         # preparation first: every lease exists before any eviction of this plan is decided
         # (the directory refuses revoked units: their entries are gone or draining)
-        leases = [None if u in held else self.directory.lease(u, node) for u, _ in r.pairs]
-        # the per-unit steps below are written out in the loop (admission, interned plans): it
-        # runs for every unit of every request, and each call costs as much as the step itself
-        revoked, tokens, interned = self.revoked, r.tokens, self.interned
-        shared = self.shared
+        lease_of = self.directory.lease
+        leases = [None if u in held else lease_of(u, node) for u, _ in pairs]
+        # the per-unit steps below are written out in the loop (admission, interned plans, the
+        # shared tier's residency, the counters): it runs for every unit of every request, and
+        # each call costs as much as the step itself
+        revoked, tokens, admitted = self.revoked, r.tokens, self.admitted
+        interned = self.interned
+        held_plans, kept_plans, computed_plans = interned.kinds()
+        shared_table = shared.policy.records
+        shared_slots, shared_blocks = shared_table.slots, shared_table.blocks
         units: list[UnitPlan] = []
         evict: list[str] = []
-        for (u, b), lease in zip(r.pairs, leases, strict=True):
+        n_local = n_remote = n_keep_local = n_keep_shared = 0
+        for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
-            prep = LOCAL if u in held else COMPUTE if lease is None else REMOTE
             retain = u not in revoked
             keep_local = False
-            if retain and prep is not LOCAL:
-                # local admission; None also for a unit the view already holds (planned by another request)
-                victims = local.admit(u, b, request_id, tokens)
-                if victims is not None:
-                    self.admitted.admitted(u, b)
-                    evict += victims
-                    keep_local = True
+            if u in held:
+                prep = LOCAL
+                n_local += 1
+            else:
+                if lease is None:
+                    prep = COMPUTE
+                else:
+                    prep = REMOTE
+                    n_remote += 1
+                if retain:
+                    # local admission; None also for a unit the view already holds (planned by another request)
+                    victims = local.admit(u, b, request_id, tokens)
+                    if victims is not None:
+                        admitted.admitted(u, b)
+                        evict += victims
+                        keep_local = True
+                        n_keep_local += 1
             grant = None
             # shared admission (a write grant) for a unit the shared tier has no entry of (pending
             # or ready: the policy's residents mirror the directory's entries)
-            if retain and lease is None and not shared.resident(u):
-                grant = shared.admit(u, n, b, node)
+            if retain and lease is None:
+                i = shared_slots.get(u)
+                if i is None or not shared_blocks[i]:
+                    grant = shared.admit(u, n, b, node)
             if lease is None and grant is None:
-                units.append(interned.get(u, n, prep, keep_local))
+                kind = held_plans if prep is LOCAL else kept_plans if keep_local else computed_plans
+                up = kind.get(u)
+                if up is None or up.n_tokens != n:
+                    up = interned.make(kind, u, n, prep, keep_local)
+                units.append(up)
             else:
+                if grant is not None:
+                    n_keep_shared += 1
                 units.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
         plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
-        self.stats.count(plan)
+        self.stats.add(len(units), n_local, n_remote, n_keep_local, n_keep_shared, len(evict))
         return plan
 
     def _usable(self, held: Collection[str]) -> Collection[str]:

@@ -6,9 +6,12 @@ the set of distinct scores is kept sorted. Moving a unit between scores is two d
 operations; the sorted set changes only when a bucket appears or empties.
 
 Within a bucket, the unit keyed earliest comes first (the natural tie-break: its score
-last changed longest ago). The structure files each unit's :class:`UnitRecord` under the
-score it was *keyed* at, and keeps that score in ``record.keyed`` (None: not ranked); the
-caller decides when a key is stale (see :class:`~tessera.control.admission.DemandAdmission`).
+last changed longest ago). The structure files each unit's slot (of the tier's
+:class:`~tessera.control.record.UnitTable`) under the score it was *keyed* at, and keeps that
+score in the table's ``keyed`` column (:data:`~tessera.control.record.NOT_KEYED`: not
+ranked); the caller decides when a key is stale (see
+:class:`~tessera.control.admission.DemandAdmission`). Buckets hold ints only, so the
+collector tracks none of them.
 """
 
 from __future__ import annotations
@@ -18,16 +21,17 @@ from collections.abc import Callable, Generator
 
 from sortedcontainers import SortedList
 
-from tessera.control.record import UnitRecord
+from tessera.control.record import NOT_KEYED, UnitTable
 
 
 class ScoreBuckets:
-    """Records by keyed score, iterable in increasing (score, keying order). Verbs: put, drop, walk."""
+    """Slots by keyed score, iterable in increasing (score, keying order). Verbs: put, drop, walk."""
 
-    __slots__ = ("_buckets", "_scores", "_size", "lowest")
+    __slots__ = ("_buckets", "_keyed", "_scores", "_size", "lowest")
 
-    def __init__(self) -> None:
-        self._buckets: dict[float, dict[UnitRecord, None]] = {}  # records hash by identity
+    def __init__(self, table: UnitTable) -> None:
+        self._keyed = table.keyed  # slot -> keyed score (written here only)
+        self._buckets: dict[float, dict[int, None]] = {}
         self._scores = SortedList()  # distinct keyed scores, ascending
         self._size = 0
         # the smallest keyed score (inf when empty): a caller can tell without starting a walk
@@ -37,26 +41,27 @@ class ScoreBuckets:
     def __len__(self) -> int:
         return self._size
 
-    def put(self, record: UnitRecord, score: float) -> None:
-        """Key a record at ``score`` (re-keying moves it to the end of that score's bucket)."""
-        if record.keyed is not None:
-            self.drop(record)
+    def put(self, i: int, score: float) -> None:
+        """Key slot ``i`` at ``score`` (re-keying moves it to the end of that score's bucket)."""
+        if self._keyed[i] != NOT_KEYED:
+            self.drop(i)
         bucket = self._buckets.get(score)
         if bucket is None:
             bucket = self._buckets[score] = {}
             self._scores.add(score)
             if score < self.lowest:
                 self.lowest = score
-        bucket[record] = None
-        record.keyed = score
+        bucket[i] = None
+        self._keyed[i] = score
         self._size += 1
 
-    def drop(self, record: UnitRecord) -> None:
-        score = record.keyed
-        assert score is not None, f"{record.unit_id} is not ranked"
-        record.keyed = None
+    def drop(self, i: int) -> None:
+        keyed = self._keyed
+        score = keyed[i]
+        assert score != NOT_KEYED, f"slot {i} is not ranked"
+        keyed[i] = NOT_KEYED
         bucket = self._buckets[score]
-        del bucket[record]
+        del bucket[i]
         self._size -= 1
         if not bucket:
             del self._buckets[score]
@@ -65,11 +70,11 @@ class ScoreBuckets:
             if score == self.lowest:
                 self.lowest = scores[0] if scores else math.inf
 
-    def walk(self, below: float, fresh: Callable[[UnitRecord], float]) -> Generator[UnitRecord, None, None]:
-        """Yield records in increasing keyed-score order while the score is < ``below``.
+    def walk(self, below: float, fresh: Callable[[int], float]) -> Generator[int, None, None]:
+        """Yield slots in increasing keyed-score order while the score is < ``below``.
 
-        ``fresh(record)`` returns the unit's current score, which must be >= its keyed
-        score; a record whose score rose is re-keyed and met again at its new place (if
+        ``fresh(slot)`` returns the unit's current score, which must be >= its keyed
+        score; a slot whose score rose is re-keyed and met again at its new place (if
         still below ``below``). The caller may stop early; it must not mutate the structure
         while iterating.
         """
@@ -79,7 +84,7 @@ class ScoreBuckets:
             score = scores[i]
             if score >= below:
                 return
-            moved: list[tuple[UnitRecord, float]] = []
+            moved: list[tuple[int, float]] = []
             try:
                 for r in self._buckets[score]:
                     now = fresh(r)
@@ -95,8 +100,8 @@ class ScoreBuckets:
             if score in self._buckets:
                 i += 1  # otherwise the emptied bucket's successor now sits at index i
 
-    def items(self) -> list[tuple[float, UnitRecord]]:
-        """(keyed score, record) in walk order."""
+    def items(self) -> list[tuple[float, int]]:
+        """(keyed score, slot) in walk order."""
         return [(s, r) for s in self._scores for r in self._buckets[s]]
 
     def check_invariants(self) -> None:
@@ -105,5 +110,5 @@ class ScoreBuckets:
         assert all(self._buckets.values()), "an empty bucket survived"
         assert sum(len(b) for b in self._buckets.values()) == self._size, "bucket sizes drifted"
         for s, bucket in self._buckets.items():
-            for r in bucket:
-                assert r.keyed == s, f"{r.unit_id} is in bucket {s} but keyed at {r.keyed}"
+            for i in bucket:
+                assert self._keyed[i] == s, f"slot {i} is in bucket {s} but keyed at {self._keyed[i]}"

@@ -16,7 +16,6 @@ from collections.abc import Iterable
 
 from tessera.control.admission import AdmissionPolicy
 from tessera.control.directory import Directory
-from tessera.control.record import NO_RECORD
 from tessera.messages import BlockRef, WriteGrant
 
 
@@ -35,7 +34,7 @@ class SharedTier:
 
     def resident(self, unit_id: str) -> bool:
         """The shared tier has an entry (pending or ready) for the unit."""
-        return self.policy.records.get(unit_id, NO_RECORD).blocks > 0
+        return self.policy.records.blocks_of(unit_id) > 0
 
     def admit(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
         """Reserve a PENDING entry for ``writer`` if the unit passes shared admission.
@@ -48,7 +47,7 @@ class SharedTier:
         if unit_id in directory:
             return None
         policy = self.policy
-        if policy.records.get(unit_id, NO_RECORD).blocks:  # the directory dropped it, nobody told us yet
+        if policy.records.blocks_of(unit_id):  # the directory dropped it, nobody told us yet
             policy.discard(unit_id)
         allocator = directory.allocator
         if n_blocks > allocator.capacity:

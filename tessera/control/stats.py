@@ -23,8 +23,21 @@ class PlaneStats:
         self.keep_shared = 0
         self.local_evictions = 0
 
+    def add(self, units: int, local: int, remote: int, keep_local: int, keep_shared: int, evictions: int) -> None:
+        """One plan issued: its units, their preparations (the rest computed), the retentions
+        granted per tier, and the local evictions it asks for (counted by the planner as it
+        decides, so the plan's units are walked once)."""
+        self.plans += 1
+        self.units += units
+        self.local += local
+        self.remote += remote
+        self.compute += units - local - remote
+        self.keep_local += keep_local
+        self.keep_shared += keep_shared
+        self.local_evictions += evictions
+
     def count(self, plan: RequestPlan) -> None:
-        """One plan issued: its preparations, retentions and local evictions."""
+        """:meth:`add` for a finished plan (its counts read back from its units)."""
         local = remote = keep_local = keep_shared = 0
         for up in plan.units:
             prep = up.preparation
@@ -33,19 +46,11 @@ class PlaneStats:
             elif prep is REMOTE:
                 remote += 1
             retention = up.retention
-            if retention is KEPT_LOCAL or retention is KEPT_BOTH:  # (Retention.local, without a property call)
+            if retention is KEPT_LOCAL or retention is KEPT_BOTH:
                 keep_local += 1
             if up.grant is not None:
                 keep_shared += 1
-        units = len(plan.units)
-        self.plans += 1
-        self.units += units
-        self.local += local
-        self.remote += remote
-        self.compute += units - local - remote
-        self.keep_local += keep_local
-        self.keep_shared += keep_shared
-        self.local_evictions += len(plan.local_evict)
+        self.add(len(plan.units), local, remote, keep_local, keep_shared, len(plan.local_evict))
 
     def snapshot(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
