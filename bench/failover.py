@@ -14,6 +14,7 @@ the share refused over the whole round, connection errors or hangs from the surv
 the same question (must be 0).
 
     PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/failover.py [--rounds 3] [--rate 2] [--pause]
+        [--transport tcp]
 
 Prints numbers; asserts nothing.
 """
@@ -53,11 +54,12 @@ QUESTIONS = ["Where is the largest reef?", "How is espresso brewed?", "Which mou
              "What does a transistor do?"]
 
 
-def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int) -> ClusterConfig:
+def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int, transport: str) -> ClusterConfig:
     base = load_config()
     return dataclasses.replace(
         base,
         model=dataclasses.replace(base.model, source=model),
+        transport=dataclasses.replace(base.transport, name=transport),
         control=dataclasses.replace(base.control, heartbeat_timeout_s=3.0),
         retrieval=dataclasses.replace(base.retrieval, port=free_port(), internal_port=free_port(), store="postgres",
                                       postgres_dsn=pg.dsn),
@@ -193,11 +195,13 @@ def main() -> None:
     ap.add_argument("--lease-ttl", type=int, default=2, help="ha.lease_ttl_s")
     ap.add_argument("--settle", type=float, default=4.0, help="seconds of load before the fault and after recovery")
     ap.add_argument("--pause", action="store_true", help="SIGSTOP the leader past its lease instead of kill -9")
+    ap.add_argument("--transport", default="shm", choices=("shm", "tcp"),
+                    help="transport.name; on tcp the shared tier's fence after the failover ends by term")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tessera-failover-"))
     etcd, pg = EtcdServer(root / "etcd").start(), PostgresServer().start()
     try:
-        cfg = config(args.model, etcd, pg, args.lease_ttl)
+        cfg = config(args.model, etcd, pg, args.lease_ttl, args.transport)
         cluster = LocalCluster(cfg, log_dir=root / "logs", quiet=True)
         cluster.start(timeout=300)
         cfg = cluster.config
@@ -216,7 +220,8 @@ def main() -> None:
         pg.remove()
     fault = "SIGSTOP past the lease" if args.pause else "kill -9"
     print(f"failover ({fault} of the leader), model {args.model}, {args.rate} req/s Poisson to the other replica, "
-          f"max_tokens {args.max_tokens}, ha.lease_ttl_s {args.lease_ttl}, control.heartbeat_timeout_s 3")
+          f"max_tokens {args.max_tokens}, ha.lease_ttl_s {args.lease_ttl}, control.heartbeat_timeout_s 3, "
+          f"transport {args.transport}")
     for n, r in enumerate(rounds):
         cells = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
         print(f"  round {n}: " + ", ".join(cells))
