@@ -19,9 +19,9 @@ from helpers.cluster import free_port, with_secret_file
 from helpers.plane import Cluster, plane_config
 
 from tessera.auth import ClusterAuth
-from tessera.control.pace import RemoteWatch
 from tessera.config import ClusterConfig
 from tessera.control.client import RequestControl
+from tessera.control.pace import RemoteWatch
 from tessera.control.routes import add_control_routes
 from tessera.errors import BadRequest, ControlPlaneError, Unavailable
 from tessera.http import application
