@@ -8,12 +8,15 @@ few units, then sends Poisson chat requests with retrieval (``--rate`` per secon
 fault, keeps the load on for ``--settle`` more seconds, then starts the killed replica again.
 
 Prints, per round and as medians: seconds from the fault to the first 200 through the new
-leader, the share of requests sent in that window that were refused (503 + Retry-After),
+leader, from the fault to the memory node's restart fence ended by term on the new leader
+(``--transport tcp`` only; -1 when it did not end within the round), the share of requests
+sent in that window that were refused (503 + Retry-After),
 the share refused over the whole round, connection errors or hangs from the survivor (must be
 0), 503s without Retry-After (must be 0) and replies that differ from the pre-fault reply to
 the same question (must be 0).
 
     PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/failover.py [--rounds 3] [--rate 2] [--pause]
+        [--transport tcp]
 
 Prints numbers; asserts nothing.
 """
@@ -53,11 +56,12 @@ QUESTIONS = ["Where is the largest reef?", "How is espresso brewed?", "Which mou
              "What does a transistor do?"]
 
 
-def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int) -> ClusterConfig:
+def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int, transport: str) -> ClusterConfig:
     base = load_config()
     return dataclasses.replace(
         base,
         model=dataclasses.replace(base.model, source=model),
+        transport=dataclasses.replace(base.transport, name=transport),
         control=dataclasses.replace(base.control, heartbeat_timeout_s=3.0),
         retrieval=dataclasses.replace(base.retrieval, port=free_port(), internal_port=free_port(), store="postgres",
                                       postgres_dsn=pg.dsn),
@@ -77,14 +81,25 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: fl
         return exc.code, exc.headers, json.loads(exc.read() or b"null")
 
 
-def leads(cfg: ClusterConfig, i: int) -> bool:
+def stats(cfg: ClusterConfig, i: int) -> dict[str, Any] | None:
+    """Replica ``i``'s plane counters; None unless it leads (the others answer 503)."""
     url = replica_config(cfg, i).control_url + "/control/stats"
     req = urllib.request.Request(url, headers=ClusterAuth.from_config(cfg).headers("GET", url))
     try:
         with urllib.request.urlopen(req, timeout=2.0) as resp:
-            return resp.status == 200
+            return json.loads(resp.read()) if resp.status == 200 else None
     except (OSError, urllib.error.URLError):
-        return False
+        return None
+
+
+def leads(cfg: ClusterConfig, i: int) -> bool:
+    return stats(cfg, i) is not None
+
+
+def fence_ended(cfg: ClusterConfig, i: int) -> bool:
+    """The new leader lifted the memory node's restart fence by term (tcp only; shm keeps the time fence)."""
+    got = stats(cfg, i)
+    return got is not None and got.get("fences_lifted_by_term", 0) > 0
 
 
 def leader(cfg: ClusterConfig, timeout: float = 60.0) -> int:
@@ -152,16 +167,22 @@ def round_(cfg: ClusterConfig, cluster: LocalCluster, args: argparse.Namespace, 
     proc = child(cluster, lead).proc
     fault = time.monotonic()
     proc.send_signal(signal.SIGSTOP if args.pause else signal.SIGKILL)
-    first_ok = None
+    first_ok = lifted = None
     while first_ok is None and time.monotonic() - fault < 120:
         if leads(cfg, survivor):
+            if lifted is None and fence_ended(cfg, survivor):
+                lifted = time.monotonic()
             status, _, _ = chat(base, QUESTIONS[0], args.max_tokens)
             if status == 200:
                 first_ok = time.monotonic()
         time.sleep(0.05)
     if args.pause:
         proc.send_signal(signal.SIGCONT)
-    time.sleep(args.settle)
+    settled = time.monotonic() + args.settle
+    while time.monotonic() < settled:
+        if lifted is None and fence_ended(cfg, survivor):
+            lifted = time.monotonic()
+        time.sleep(0.1)
     stop.set()
     runner.join()
     if not args.pause:
@@ -173,6 +194,8 @@ def round_(cfg: ClusterConfig, cluster: LocalCluster, args: argparse.Namespace, 
     after = [r for r in results if r.sent >= fault]
     return {
         "fault_to_first_200_s": recovered - fault,
+        # -1: the fence did not end by term within the round (shm: it ends by time, ~40 s)
+        "fault_to_fence_end_s": -1.0 if lifted is None else lifted - fault,
         "requests": len(results),
         "in_window": len(window),
         "refused_in_window": sum(r.status == 503 for r in window) / max(1, len(window)),
@@ -193,11 +216,13 @@ def main() -> None:
     ap.add_argument("--lease-ttl", type=int, default=2, help="ha.lease_ttl_s")
     ap.add_argument("--settle", type=float, default=4.0, help="seconds of load before the fault and after recovery")
     ap.add_argument("--pause", action="store_true", help="SIGSTOP the leader past its lease instead of kill -9")
+    ap.add_argument("--transport", default="shm", choices=("shm", "tcp"),
+                    help="transport.name; on tcp the shared tier's fence after the failover ends by term")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tessera-failover-"))
     etcd, pg = EtcdServer(root / "etcd").start(), PostgresServer().start()
     try:
-        cfg = config(args.model, etcd, pg, args.lease_ttl)
+        cfg = config(args.model, etcd, pg, args.lease_ttl, args.transport)
         cluster = LocalCluster(cfg, log_dir=root / "logs", quiet=True)
         cluster.start(timeout=300)
         cfg = cluster.config
@@ -216,11 +241,12 @@ def main() -> None:
         pg.remove()
     fault = "SIGSTOP past the lease" if args.pause else "kill -9"
     print(f"failover ({fault} of the leader), model {args.model}, {args.rate} req/s Poisson to the other replica, "
-          f"max_tokens {args.max_tokens}, ha.lease_ttl_s {args.lease_ttl}, control.heartbeat_timeout_s 3")
+          f"max_tokens {args.max_tokens}, ha.lease_ttl_s {args.lease_ttl}, control.heartbeat_timeout_s 3, "
+          f"transport {args.transport}")
     for n, r in enumerate(rounds):
         cells = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
         print(f"  round {n}: " + ", ".join(cells))
-    for key in ("fault_to_first_200_s", "refused_in_window", "refused_after_fault"):
+    for key in ("fault_to_first_200_s", "fault_to_fence_end_s", "refused_in_window", "refused_after_fault"):
         print(f"  median {key}: {statistics.median(r[key] for r in rounds):.2f}")
     for key in ("connection_errors", "other_status", "503_without_retry_after", "wrong_replies"):
         print(f"  total {key}: {sum(int(r[key]) for r in rounds)}")

@@ -470,6 +470,36 @@ class CompleteRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SuspectRequest:
+    """A replica that does not lead could not reach ``node`` (connect, snapshot, execute, silence)."""
+
+    version: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessRequest:
+    """What the leader's heartbeats say of these generation nodes (a follower's deadlines ask)."""
+
+    version: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLiveness:
+    name: str
+    alive: bool  # routable on the leader's plane
+    # seconds between the node's last heartbeat and this answer, on the leader's clock; -1: never heard
+    heard_s_ago: float
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessReport:
+    version: int
+    nodes: tuple[NodeLiveness, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryNodeList:
     version: int
     nodes: tuple[MemoryNodeHello, ...]

@@ -7,6 +7,7 @@ would have made, and the listener refuses anyone without the cluster secret.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,10 +21,14 @@ from helpers.plane import Cluster, plane_config
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.control.client import RequestControl
+from tessera.control.pace import RemoteWatch
 from tessera.control.routes import add_control_routes
 from tessera.errors import BadRequest, ControlPlaneError, Unavailable
 from tessera.http import application
 from tessera.messages import Preparation, RequestPlan, UnitPlan
+from tessera.retrieval.generation_client import NodeSlow, NodeUnavailable, _watched
+from tessera.retrieval.leader_liveness import LeaderLiveness
+from tessera.runtime import BackgroundTasks
 
 # requests sharing units, so the plans hold every preparation (LOCAL, REMOTE, COMPUTE) and
 # local and shared retentions; one node per request at most holds a unit (two nodes)
@@ -166,3 +171,95 @@ async def test_a_replicas_revocation_reaches_the_leaders_plane(
     assert "a" in served.plane.revoked
     await remote.units_changed([], ["a"])
     assert "a" not in served.plane.revoked
+
+
+async def test_a_node_a_follower_could_not_reach_leaves_the_leaders_routing(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """POST /control/suspect: the plane takes the node out of routing, as its own serving layer's report would."""
+    _, served = listener
+    await remote.suspect("gen0")
+    assert not served.plane.nodes["gen0"].alive
+    assert served.plane.report()["nodes_suspected"] == 1
+    assert {(await remote.route_request(f"s{i}", [("a", 8)])).node for i in range(4)} == {"gen1"}
+    with pytest.raises(BadRequest) as unknown:
+        await remote.suspect("gen9")
+    assert unknown.value.status == 404
+
+
+async def test_the_leaders_liveness_answer_says_who_is_alive_and_how_long_ago_each_was_heard(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """POST /control/liveness: alive and seconds since the last heartbeat, on the plane's clock."""
+    _, served = listener
+    served.heartbeat("gen0", "gen1")
+    served.clock.advance(1.5)
+    served.heartbeat("gen1")
+    served.plane.suspect("gen1")
+    report = await remote.liveness(["gen0", "gen1"])
+    assert [(n.name, n.alive, n.heard_s_ago) for n in report.nodes] == [("gen0", True, 1.5), ("gen1", False, 0.0)]
+
+
+def _heard(remote: RequestControl, tasks: BackgroundTasks) -> LeaderLiveness:
+    return LeaderLiveness(remote, ["gen0", "gen1"], stale_s=5.0, tasks=tasks)
+
+
+async def _wait_on(watch: RemoteWatch, deadline_s: float) -> None:
+    """A step toward the node that never ends, watched like a first token."""
+    await _watched(asyncio.Event().wait(), watch, deadline_s, "its first token", "test")
+
+
+async def test_a_followers_wait_calls_a_late_node_the_leader_still_hears_slow(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """Past its deadline, a node the leader heard since the wait began is slow: NodeSlow, no retry."""
+    _, served = listener
+    tasks = BackgroundTasks("test")
+    heard = _heard(remote, tasks)
+    served.heartbeat("gen0")
+    watch = RemoteWatch("gen0", 0.1, heard)
+
+    async def heartbeats() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            served.heartbeat("gen0")
+
+    beating = asyncio.ensure_future(heartbeats())
+    try:
+        with pytest.raises(NodeSlow):
+            await _wait_on(watch, 0.1)
+    finally:
+        beating.cancel()
+        await tasks.drain(timeout=1.0)
+
+
+async def test_a_followers_wait_ends_as_gone_once_the_leader_declares_the_node_dead(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """Regression: a follower took every late node for slow (503); one the leader no longer hears is gone."""
+    _, served = listener
+    tasks = BackgroundTasks("test")
+    heard = _heard(remote, tasks)
+    served.heartbeat("gen0")
+    served.clock.advance(3.0)  # silent since: not heard during the wait below
+    watch = RemoteWatch("gen0", 0.1, heard)
+
+    async def declare_dead() -> None:
+        await asyncio.sleep(0.6)  # past the deadline: the wait looks on, neither slow nor gone yet
+        served.plane.suspect("gen0")
+
+    dying = asyncio.ensure_future(declare_dead())
+    try:
+        with pytest.raises(NodeUnavailable, match="stopped reporting in"):
+            await _wait_on(watch, 0.1)
+        assert dying.done()
+    finally:
+        await tasks.drain(timeout=1.0)
+
+
+async def test_without_an_answer_from_the_leader_a_late_node_counts_as_slow(config: ClusterConfig) -> None:
+    """No leader to ask (a failover under way): nobody can tell, and a late node is not retried on a guess."""
+    tasks = BackgroundTasks("test")
+    nobody = RequestControl(f"http://127.0.0.1:{free_port()}", timeout_s=0.5, auth=ClusterAuth.from_config(config))
+    try:
+        with pytest.raises(NodeSlow):
+            await _wait_on(RemoteWatch("gen0", 0.1, _heard(nobody, tasks)), 0.1)
+    finally:
+        await tasks.drain(timeout=1.0)
+        await nobody.close()

@@ -61,12 +61,13 @@ def test_tessera_up_with_two_replicas_serves_chat_on_both_and_stops_on_ctrl_c(ti
 
 
 def test_bench_failover_kills_the_leader_and_prints_its_figures(tiny_model: Path) -> None:
-    """`python bench/failover.py`: one kill -9 round on the tiny model prints its figures, all clean."""
+    """`python bench/failover.py`: one kill -9 round on the tiny model, tcp transport, prints its figures, all clean."""
     for missing in (EtcdServer.missing(), PostgresServer.missing()):
         if missing:
             pytest.skip(missing)
     done = subprocess.run([sys.executable, "bench/failover.py", "--model", str(tiny_model), "--rounds", "1",
-                           "--rate", "3", "--settle", "2"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                           "--rate", "3", "--settle", "2", "--transport", "tcp"],
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     figures = dict(line.strip().removeprefix("total ").removeprefix("median ").split(": ")

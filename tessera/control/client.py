@@ -7,6 +7,8 @@ Other roles call the control plane only through these classes (JSON over aiohttp
     POST /control/plan           PlanRequest     -> RequestPlan    (step 4: finalize)
     POST /control/complete       CompleteRequest -> Ack            (ok: it was outstanding)
     POST /control/units          UnitsChanged    -> Ack            (a replica revoked / re-ingested)
+    POST /control/suspect        SuspectRequest  -> Ack            (a replica could not reach a node)
+    POST /control/liveness       LivenessRequest -> LivenessReport (the leader's heartbeats, per node)
     POST /control/publish        PublishRequest  -> Ack   (409 + reason: PublishRejected)
     POST /control/cancel         CancelRequest   -> Ack
     POST /control/release        ReleaseRequest  -> Ack
@@ -42,6 +44,8 @@ from tessera.messages import (
     CompleteRequest,
     InvalidateRequest,
     InventoryResult,
+    LivenessReport,
+    LivenessRequest,
     LoadReport,
     MemoryNodeHello,
     MemoryNodeHelloAck,
@@ -54,6 +58,7 @@ from tessera.messages import (
     RouteRequest,
     RouteResponse,
     RouteUnit,
+    SuspectRequest,
     UnitsChanged,
     WriteGrant,
 )
@@ -229,7 +234,7 @@ class NodeControl(ControlClient):
 
 
 class RequestControl(ControlClient):
-    """The request path of a remote control plane: ``route / finalize / complete``.
+    """The request path of a remote control plane: ``route / finalize / complete``, ``suspect / liveness``.
 
     The same verbs, arguments and errors as :class:`~tessera.control.plane.ControlPlane`'s
     (see the module docstring), over ``/control/route``, ``/control/plan`` and
@@ -260,6 +265,14 @@ class RequestControl(ControlClient):
     async def complete(self, request_id: str) -> bool:
         """The request finished (or was abandoned); False if it was not outstanding."""
         return (await self._request("/control/complete", CompleteRequest(WIRE_VERSION, request_id), Ack)).ok
+
+    async def suspect(self, node: str) -> None:
+        """This replica could not reach ``node``: the leader's plane takes it out of routing."""
+        await self._request("/control/suspect", SuspectRequest(WIRE_VERSION, node), Ack)
+
+    async def liveness(self, nodes: Sequence[str]) -> LivenessReport:
+        """The leader's view of ``nodes``: alive, and seconds since each one's last heartbeat."""
+        return await self._request("/control/liveness", LivenessRequest(WIRE_VERSION, tuple(nodes)), LivenessReport)
 
     async def _request(self, path: str, msg: Any, reply: type[T]) -> T:
         status, payload = await self._call("POST", path, msg)

@@ -15,8 +15,10 @@ routing); a node not heard since is gone (its request is retried elsewhere). A n
 plane declared dead meanwhile (missed heartbeats) ends the wait at once.
 
 A replica that does not lead (``[ha]``) hears no heartbeats: its :class:`RemoteWatch` takes
-the deadline the leader computed and counts a node that missed it as slow (the request fails
-with a 503, it is not retried; a node that broke the connection still fails at once).
+the deadline the leader computed and judges by the leader's heartbeats (:class:`Heard`, asked
+over ``/control/liveness`` as the wait looks at the node), by the same rule: heard since the
+wait began is slow, declared dead by the leader is gone. Without a recent answer from the
+leader nobody can tell, and a late node counts as slow (a 503, not a retry elsewhere).
 
 This module knows nothing of HTTP; the retrieval role's node client applies the watch.
 """
@@ -45,11 +47,33 @@ class Watch(Protocol):
     @property
     def first_token_s(self) -> float: ...
 
+    async def look(self) -> None:
+        """Bring what ``alive`` and ``heard_since_mark`` answer up to date (a wait calls it at every look)."""
+        ...
+
     def alive(self) -> bool: ...
 
     def mark(self) -> None: ...
 
     def heard_since_mark(self) -> bool: ...
+
+
+class Heard(Protocol):
+    """The leader's heartbeats as a replica that does not lead sees them (on its own clock, ``now``)."""
+
+    def now(self) -> float: ...
+
+    async def refresh(self) -> None:
+        """Ask the leader again, unless an answer is fresh enough or a question is already out."""
+        ...
+
+    def alive(self, name: str) -> bool:
+        """False once the leader declared the node dead; True while nobody can tell."""
+        ...
+
+    def heard_since(self, name: str, since: float) -> bool:
+        """The leader heard the node after ``since`` (``now()``'s clock); True while nobody can tell."""
+        ...
 
 
 class NodeWatch:
@@ -68,6 +92,9 @@ class NodeWatch:
     def name(self) -> str:
         return self._node.name
 
+    async def look(self) -> None:
+        pass  # the plane is in this process: its view is always current
+
     def alive(self) -> bool:
         """False once the plane declared the node dead (missed heartbeats, or suspected)."""
         return self._node.alive
@@ -83,20 +110,22 @@ class NodeWatch:
 
 
 class RemoteWatch:
-    """A node routed by another process's plane: its deadline from the leader, no heartbeats here.
+    """A node routed by the leader's plane in another process: its deadline and heartbeats from there."""
 
-    Never declared dead (only the leader could); past a deadline it is slow, not gone.
-    """
-
-    def __init__(self, name: str, first_token_s: float) -> None:
+    def __init__(self, name: str, first_token_s: float, heard: Heard) -> None:
         self.name = name
         self.first_token_s = first_token_s
+        self._heard = heard
+        self._since = heard.now()
+
+    async def look(self) -> None:
+        await self._heard.refresh()
 
     def alive(self) -> bool:
-        return True
+        return self._heard.alive(self.name)
 
     def mark(self) -> None:
-        pass
+        self._since = self._heard.now()
 
     def heard_since_mark(self) -> bool:
-        return True
+        return self._heard.heard_since(self.name, self._since)

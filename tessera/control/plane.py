@@ -101,6 +101,7 @@ class ControlPlane:
         # port's capability check: with shm or mooncake the writer touches the arena itself
         self._terms_enforced = config.transport.name == "tcp" and self.directory.capabilities is not None
         self.fences_lifted = 0  # restart fences ended early by term (hello with term_settled)
+        self.suspected = 0  # nodes the serving layer (this replica's or a follower's) could not reach
         # alive nodes by in-flight count and expected wait, as bitmasks: routing walks no list of nodes
         self.fleet = Fleet(len(config.generation), control.max_queue_wait_s)
         self.nodes: dict[str, GenerationMember] = {
@@ -193,6 +194,7 @@ class ControlPlane:
         brings it back (with its local view re-learned from snapshots).
         """
         node = self.generation_node(name)
+        self.suspected += 1
         if node.alive:
             self._declare_dead(node)
 
@@ -398,6 +400,7 @@ class ControlPlane:
             "invalidated_entries": self.invalidated,
             "refused_overload": self.queue_bound.refused,
             "fences_lifted_by_term": self.fences_lifted,
+            "nodes_suspected": self.suspected,
             "nodes": {
                 n.name: {"alive": n.alive, "inflight": n.inflight, "local_units": len(n.local.policy),
                          "local_used_blocks": n.local.used_blocks, "local_capacity_blocks": n.local.capacity}

@@ -7,6 +7,8 @@ wrong type is a 400 naming the field; every error body is ``{"error": message}``
 POST /control/route    step 2: choose the generation node (paper Fig. 10)
 POST /control/plan     step 4: finalize the per-unit plan against the node's snapshot
 POST /control/complete the request finished (in-flight accounting)
+POST /control/suspect  a follower could not reach a generation node: it leaves routing (``[ha]``)
+POST /control/liveness what the heartbeats say of generation nodes (a follower's deadlines, ``[ha]``)
 POST /control/units    another replica revoked / re-ingested units (``[ha]``)
 POST /control/publish  writer finished a shared entry (409 + reason when rejected)
 POST /control/cancel   writer gives up a reservation
@@ -47,15 +49,19 @@ from tessera.messages import (
     CancelRequest,
     CompleteRequest,
     InvalidateRequest,
+    LivenessReport,
+    LivenessRequest,
     LoadReport,
     MemoryNodeHello,
     MemoryNodeList,
+    NodeLiveness,
     PlanRequest,
     PublishRequest,
     ReleaseRequest,
     ResidencyReport,
     RouteRequest,
     RouteResponse,
+    SuspectRequest,
     UnitsChanged,
 )
 from tessera.wire import WIRE_VERSION
@@ -103,6 +109,26 @@ async def complete(request: web.Request) -> web.Response:
     msg = await body(request, CompleteRequest)
     done = _plane(request).complete(msg.request_id)
     return reply(Ack(WIRE_VERSION, done, "" if done else f"request {msg.request_id!r} was not outstanding"))
+
+
+@routes.post("/control/suspect")
+async def suspect(request: web.Request) -> web.Response:
+    """A follower's request failed on the node: the plane treats it as its own path would (``suspect``)."""
+    msg = await body(request, SuspectRequest)
+    _plane(request).suspect(msg.node)  # unknown node -> 404 naming it
+    return reply(Ack(WIRE_VERSION, True))
+
+
+@routes.post("/control/liveness")
+async def liveness(request: web.Request) -> web.Response:
+    """Alive, and seconds since the last heartbeat, of each named node: the leader's view is the authority."""
+    msg = await body(request, LivenessRequest)
+    plane = _plane(request)
+    now = plane.clock()
+    members = [plane.generation_node(name) for name in msg.nodes]
+    return reply(LivenessReport(WIRE_VERSION, tuple(
+        NodeLiveness(m.name, m.alive, -1.0 if m.last_seen is None else max(0.0, now - m.last_seen))
+        for m in members)))
 
 
 def _rpc(path: str, cls: type[Any], verb: str) -> None:

@@ -167,6 +167,9 @@ async def _watched(step: Awaitable[T], watch: Watch, deadline_s: float, what: st
             done, _ = await asyncio.wait((task,), timeout=max(0.01, min(WATCH_S, left)) if left > 0 else WATCH_S)
             if done:
                 return task.result()
+            await watch.look()
+            if task.done():
+                return task.result()
             if not watch.alive():
                 raise NodeUnavailable(f"generation node {watch.name} stopped reporting in while we waited for {what} "
                                       "(control.heartbeat_timeout_s)")

@@ -29,6 +29,7 @@ from tessera.config import ClusterConfig
 from tessera.control.client import RequestControl
 from tessera.control.plane import ControlPlane
 from tessera.errors import NotLeader, TesseraError
+from tessera.retrieval.leader_liveness import LeaderLiveness
 from tessera.retrieval.plane_path import LocalPath, RemotePath, RequestPath
 from tessera.runtime import BackgroundTasks
 
@@ -54,6 +55,9 @@ class Office:
         auth = ClusterAuth.from_config(config)
         # request-path RPCs fail fast: a dead leader must cost a 503, not a hung request
         self.remote = RequestControl(config.control_url, timeout_s=config.control.connect_timeout_s, auth=auth)
+        # a follower's waits on generation nodes judge by the leader's heartbeats (pace.RemoteWatch)
+        self.heard = LeaderLiveness(self.remote, [g.name for g in config.generation],
+                                    config.control.heartbeat_timeout_s, self.tasks)
 
     @property
     def leads(self) -> bool:
@@ -72,7 +76,7 @@ class Office:
         if self.leader is None or self.leader.value.decode() == self.url:
             raise NotLeader("no retrieval replica leads the control plane right now (a failover is under way); "
                             "retry", self.ha.retry_after_s)
-        return RemotePath(self.remote, self.tasks, self.ha.retry_after_s)
+        return RemotePath(self.remote, self.tasks, self.ha.retry_after_s, self.heard)
 
     async def units_changed(self, revoked: list[str], reinstated: list[str]) -> None:
         """The store changed here: the leader's plane revokes / reinstates (this one's, if it leads)."""

@@ -11,22 +11,27 @@ leader's ``/control/route|plan|complete`` (:class:`RemotePath`). Both take the s
 
 A remote leader that cannot be reached (killed, paused, partitioned) is a
 :class:`~tessera.errors.NotLeader`: the client gets a 503 with ``Retry-After``, never a
-connection error. ``complete`` and ``give_back`` are best effort on a remote leader (sent in
-the background; what is lost expires there on its own: request TTL, lease and write timeouts).
-A remote path does not measure queueing (``started``) nor suspect nodes: only the leader
-hears heartbeats, and a node that broke a connection is found by its missing ones.
+connection error. ``complete``, ``suspect`` and ``give_back`` are best effort on a remote
+leader (sent in the background; what is lost expires there on its own: request TTL, lease and
+write timeouts, the node's heartbeats). A retry's ``route`` waits for the completion of the
+attempt before it, since the leader refuses (409) to route a request id still outstanding.
+So a follower fails over from a node exactly as the leader does (the chat driver's rules):
+the node it could not reach is suspected on the leader's plane, and its waits judge slow or
+gone by the leader's heartbeats (:class:`~tessera.control.pace.RemoteWatch`). A remote path
+does not measure queueing (``started``): that is done where the heartbeats arrive.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
 from tessera.control.client import RequestControl
-from tessera.control.pace import NodeWatch, RemoteWatch, Watch, first_token_deadline_s
+from tessera.control.pace import Heard, NodeWatch, RemoteWatch, Watch, first_token_deadline_s
 from tessera.control.plane import ControlPlane
-from tessera.errors import ControlPlaneError, NotLeader
+from tessera.errors import ControlPlaneError, NotLeader, TesseraError
 from tessera.messages import CancelRequest, ReleaseRequest, RequestPlan
 from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION
@@ -105,10 +110,12 @@ class LocalPath:
 class RemotePath:
     """The leader's plane over its signed RPCs (``control.base_url`` follows the election)."""
 
-    def __init__(self, control: RequestControl, tasks: BackgroundTasks, retry_after_s: float) -> None:
+    def __init__(self, control: RequestControl, tasks: BackgroundTasks, retry_after_s: float, heard: Heard) -> None:
         self.control = control
         self.tasks = tasks
         self.retry_after_s = retry_after_s
+        self.heard = heard  # the leader's heartbeats, for the attempts' watches
+        self._completing: asyncio.Task[None] | None = None  # the previous attempt's completion
 
     def _unreachable(self, exc: ControlPlaneError) -> NotLeader:
         return NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
@@ -116,11 +123,13 @@ class RemotePath:
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
                     prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
+        if self._completing is not None:
+            await asyncio.shield(self._completing)  # best effort, bounded by the client's timeout
         try:
             routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
         except ControlPlaneError as exc:
             raise self._unreachable(exc) from None
-        return routed.node, RemoteWatch(routed.node, routed.first_token_s)
+        return routed.node, RemoteWatch(routed.node, routed.first_token_s, self.heard)
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
         try:
@@ -132,11 +141,12 @@ class RemotePath:
         pass  # queueing is measured where the heartbeats arrive, on the leader
 
     def suspect(self, node: str) -> None:
-        pass  # the leader finds a dead node by its missed heartbeats
+        self.tasks.spawn(self._best_effort(self.control.suspect(node), f"suspect {node}"), name=f"suspect-{node}")
 
     def complete(self, request_id: str) -> None:
-        self.tasks.spawn(self._best_effort(self.control.complete(request_id), f"complete {request_id}"),
-                         name=f"complete-{request_id[-8:]}")
+        self._completing = self.tasks.spawn(
+            self._best_effort(self.control.complete(request_id), f"complete {request_id}"),
+            name=f"complete-{request_id[-8:]}")
 
     def give_back(self, plan: RequestPlan) -> None:
         leases, cancels = _grants(plan)
@@ -151,5 +161,5 @@ class RemotePath:
     async def _best_effort(call: Awaitable[object], what: str) -> None:
         try:
             await call
-        except ControlPlaneError as exc:
+        except TesseraError as exc:
             log.info("%s on the leader failed (it expires there on its own): %s", what, exc)

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from helpers.cluster import cluster_config, free_port
 from tessera.auth import ClusterAuth
@@ -41,8 +42,11 @@ def port_pair() -> int:
             return port
 
 
-def replicated_config(model: str, etcd: EtcdServer, pg: PostgresServer, *, lease_ttl_s: int = 2) -> ClusterConfig:
-    cfg = cluster_config(model, nodes=1, kvpools=1, heartbeat_timeout_s=3.0, write_timeout_s=4.0, lease_ttl_s=4.0)
+def replicated_config(model: str, etcd: EtcdServer, pg: PostgresServer, *, lease_ttl_s: int = 2, nodes: int = 1,
+                      max_inflight: int = 64, **control: Any) -> ClusterConfig:
+    """Two replicas on etcd and PostgreSQL, one memory node, ``nodes`` generation nodes; ``control`` overrides."""
+    control = {"heartbeat_timeout_s": 3.0, "write_timeout_s": 4.0, "lease_ttl_s": 4.0, **control}
+    cfg = cluster_config(model, nodes=nodes, kvpools=1, max_inflight=max_inflight, **control)
     return dataclasses.replace(
         cfg,
         retrieval=dataclasses.replace(cfg.retrieval, port=port_pair(), internal_port=port_pair(),
