@@ -368,3 +368,32 @@ def test_the_role_cpu_fit_separates_per_request_from_background_cpu() -> None:
     got = per_request_cpu(before, after, 2, {"1": "generation", "2": "kvpool"})
     assert got["generation"] == pytest.approx({"other_s": 0.5, "engine_s": 1.0})
     assert got["kvpool"] == pytest.approx({"other_s": 0.3, "engine_s": 0.0})
+
+
+def test_the_engine_worker_counts_its_threads_cpu_by_call() -> None:
+    """EngineWorker.cpu_s: the thread CPU of each call on the engine thread, keyed by the function's name."""
+    import asyncio
+    import time as _time
+
+    from tessera.generation.scheduler import EngineWorker
+
+    def spin(seconds: float) -> float:
+        t = _time.thread_time()
+        while _time.thread_time() - t < seconds:
+            pass
+        return seconds
+
+    def quick() -> None:
+        return None
+
+    async def main() -> dict[str, float]:
+        worker = EngineWorker(object())  # type: ignore[arg-type]  # the calls below never touch the engine
+        try:
+            assert await worker.call(spin, 0.2) == 0.2
+            await worker.call(quick)
+            return dict(worker.cpu_s)
+        finally:
+            worker.close()
+
+    cpu = asyncio.run(main())
+    assert cpu["spin"] >= 0.19 and 0 <= cpu["quick"] < cpu["spin"]

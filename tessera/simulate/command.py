@@ -121,7 +121,10 @@ def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
     and write it, with this machine's cores, into the cost model file (which ``--calibrate`` wrote)."""
     import os
 
+    from tessera.benchmark.runner import system_config
     from tessera.simulate.hostcpu import fit_role_cpu, measure_roles
+    from tessera.simulate.incluster import fit_host_slowdown
+    from tessera.simulate.workload import render, unit_texts
 
     path = Path(opts.cost_model) if opts.cost_model else DEFAULT_COST_MODEL
     if not path.is_file():
@@ -132,7 +135,7 @@ def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
                          opts.placement, opts.seed, opts.conversations)
     runs = []
     for rate in options.floats(opts.rates, "--rates"):
-        run = measure_roles(config, wl, rate, opts.warmup)
+        run = measure_roles(config, wl, rate, opts.warmup, seed=opts.seed)
         runs.append(run)
         roles = ", ".join(f"{role} {v['other_s'] * 1e3:.1f} / {v['engine_s'] * 1e3:.1f} ms"
                           for role, v in run["by_role"].items())
@@ -142,9 +145,19 @@ def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
     cores = len(os.sched_getaffinity(0))
     model = dataclasses.replace(model, cpu_per_request_s={r: round(v, 6) for r, v in per_request.items()},
                                 host_cores=cores, host_background_cores=round(background, 4))
+    # the engine threads' measured CPU per request fixes the steps' in-cluster stretch
+    tessera = system_config(config, "tessera")
+    requests = render(tessera, wl, unit_texts(tessera, wl))
+    slowdown = fit_host_slowdown(tessera, model, requests, runs, opts.warmup, opts.seed)
+    step_source = model.source.split("; in-cluster")[0]  # a second --calibrate-cpu replaces the first's note
+    model = dataclasses.replace(model, host_slowdown=slowdown,
+                                source=f"{step_source}; in-cluster step stretch with 1..k engines busy "
+                                       f"{', '.join(f'{x:.2f}' for x in slowdown)} and the roles' CPU per request "
+                                       f"from tessera simulate --calibrate-cpu at {opts.rates} req/s")
     model.save(path)
     say(f"wrote {path}: {cores} cores, background {model.host_background_cores:.3f} cores, CPU per request "
-        + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in model.cpu_per_request_s.items()))
+        + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in model.cpu_per_request_s.items())
+        + f"; in-cluster step stretch with 1..k engines busy {', '.join(f'{x:.2f}' for x in slowdown)}")
     (path.parent / f"{path.stem}-cpu-runs.json").write_text(json.dumps(runs, indent=1))
 
 

@@ -106,7 +106,7 @@ class CostModel:
 
     def slowdown(self, busy: int) -> float:
         """A step's stretch while ``busy`` engines of its host run (past the measured ones: the last)."""
-        if not self.host_slowdown or busy <= 1:
+        if not self.host_slowdown or busy < 1:
             return 1.0
         return self.host_slowdown[min(busy, len(self.host_slowdown)) - 1]
 

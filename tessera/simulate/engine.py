@@ -71,6 +71,8 @@ class Host:
         self.costs = costs
         self._running: list[_Running] = []
         self.cpu_s = 0.0  # CPU seconds of other roles' work charged here (at full speed)
+        self.engine_cpu_s = 0.0  # CPU seconds the engine steps took: their time on a core, stretch included
+        self.engine_work_by_busy: dict[int, float] = {}  # k -> step seconds (at full speed) run while k were busy
 
     @property
     def busy(self) -> int:
@@ -106,18 +108,28 @@ class Host:
         r.version += 1
         self.loop.after(r.remaining / speeds[0 if r.engine else 1], partial(self._end, r, r.version))
 
+    def _advance(self, r: _Running, speeds: tuple[float, float]) -> None:
+        """``r``'s work done since ``r.since`` at ``speeds``; an engine step's CPU is its time times its core share."""
+        now = self.loop.now
+        done = min(r.remaining, (now - r.since) * speeds[0 if r.engine else 1])
+        r.remaining -= done
+        if r.engine:
+            self.engine_cpu_s += (now - r.since) * speeds[1]  # speeds[1] is the core share
+            k = sum(x.engine for x in self._running)
+            self.engine_work_by_busy[k] = self.engine_work_by_busy.get(k, 0.0) + done
+        r.since = now
+
     def _reschedule(self, old: tuple[float, float], new: tuple[float, float]) -> None:
         """The speeds changed: advance every job at its ``old`` speed, then schedule its end at the ``new`` one."""
-        now = self.loop.now
         for r in self._running:
-            r.remaining = max(0.0, r.remaining - (now - r.since) * old[0 if r.engine else 1])
-            r.since = now
+            self._advance(r, old)
             self._schedule(r, new)
 
     def _end(self, r: _Running, version: int) -> None:
         if version != r.version:
             return
         before = self._speeds()
+        self._advance(r, before)
         self._running.remove(r)
         if self._running:
             after = self._speeds()

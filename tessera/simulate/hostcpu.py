@@ -15,8 +15,9 @@ generator's own CPU over the same span. Per request and role:
 
     cpu_per_request_s[role] = (CPU of the role's processes - their engine threads' CPU) / requests
 
-the engine threads' CPU is reported next to it (``engine_cpu_per_request_s``) but not charged:
-the step model already holds it. Linux only (``/proc``).
+the engine threads' CPU is reported next to it (``engine_s``), and split by engine call (step,
+place_units, match_prefix, insert_prefix, allocate, free) from each generation node's
+``tessera_node_engine_cpu_seconds_total`` metric. Linux only (``/proc``).
 
 This module knows nothing about the event loop or the simulated nodes.
 """
@@ -24,6 +25,7 @@ This module knows nothing about the event loop or the simulated nodes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import resource
 import tempfile
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 from tessera.benchmark.client import ingest
@@ -43,6 +46,7 @@ from tessera.generation.scheduler import ENGINE_THREAD
 from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
 
+ENGINE_CPU_METRIC = "tessera_node_engine_cpu_seconds_total"  # a generation node's engine CPU by call
 LOAD_GENERATOR = "client"  # the role name the measuring (load-sending) process is reported under
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -76,6 +80,16 @@ def process_cpu(pid: int, proc: Path = Path("/proc")) -> ProcessCpu:
     return ProcessCpu(_stat_cpu_s(root / "stat"), engine)
 
 
+def _engine_cpu(metrics: str) -> dict[str, float]:
+    """``tessera_node_engine_cpu_seconds_total{call="..."}`` samples of one node's /metrics text."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith(ENGINE_CPU_METRIC + "{"):
+            labels, _, value = line.rpartition(" ")
+            out[labels.split('call="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
 def _self_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -96,12 +110,13 @@ def per_request(before: dict[str, ProcessCpu], after: dict[str, ProcessCpu], req
 
 
 async def _measure(config: ClusterConfig, workload: Workload, rate: float, warmup_frac: float,
-                   log_dir: Path) -> dict[str, Any]:
+                   log_dir: Path, seed: int) -> dict[str, Any]:
     split = int(len(workload.requests) * warmup_frac)
     if not 0 < split < len(workload.requests):
         raise ConfigError("--calibrate-cpu needs both warm-up and measured requests: --warmup in (0, 1)")
     embeddings = await asyncio.to_thread(embed_workload, workload)
-    opts = BenchOptions(systems=["tessera"], rates=[rate], warmup_frac=0.0, out_dir=log_dir, progress=False)
+    opts = BenchOptions(systems=["tessera"], rates=[rate], warmup_frac=0.0, out_dir=log_dir, progress=False,
+                        seed=seed)
     # ports of its own, as tessera bench's fresh clusters: other clusters may run on this machine
     cluster = LocalCluster(on_free_ports(system_config(config, "tessera")), log_dir=log_dir, quiet=True)
     await asyncio.to_thread(cluster.start)
@@ -112,30 +127,51 @@ async def _measure(config: ClusterConfig, workload: Workload, rate: float, warmu
         roles = {str(c.proc.pid): c.role for c in cluster.children}
         roles[LOAD_GENERATOR] = LOAD_GENERATOR
 
+        gens = [c for c in cluster.children if c.role == "generation"]
+
+        async def engine_calls() -> dict[str, float]:
+            """The generation nodes' engine-thread CPU by call, summed (their /metrics)."""
+            out: dict[str, float] = {}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                for child in gens:
+                    async with http.get(f"{child.url}/metrics") as resp:
+                        for call, seconds in _engine_cpu(await resp.text()).items():
+                            out[call] = out.get(call, 0.0) + seconds
+            return out
+
         def snapshot() -> dict[str, ProcessCpu]:
             out = {str(c.proc.pid): process_cpu(c.proc.pid) for c in cluster.children}
             out[LOAD_GENERATOR] = ProcessCpu(_self_cpu_s(), 0.0)
             return out
 
         measured = workload.requests[split:]
+        calls_before = await engine_calls()
         before = snapshot()
         t0 = time.monotonic()
-        results = await run_phases(url, measured, rate, opts, drain=False, embeddings=embeddings)
+        # the measured share's send times are tessera bench's second phase's (seed + 1), so a
+        # simulation of the same run (tessera.simulate.incluster) replays exactly these arrivals
+        second = dataclasses.replace(opts, seed=opts.seed + 1)
+        results = await run_phases(url, measured, rate, second, drain=False, embeddings=embeddings)
         wall = time.monotonic() - t0
         after = snapshot()
+        calls_after = await engine_calls()
     finally:
         await asyncio.to_thread(cluster.stop)
-    ok = sum(1 for r in results if r.ttft is not None)
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    ok = len(ttfts)
     return {"rate": rate, "requests": len(measured), "ok": ok, "wall_s": wall,
+            "mean_ttft_s": sum(ttfts) / ok if ok else float("nan"),
             "served_per_s": ok / wall if wall > 0 else 0.0,
-            "by_role": per_request(before, after, len(measured), roles)}
+            "by_role": per_request(before, after, len(measured), roles),
+            "engine_calls_per_request_s": {k: (v - calls_before.get(k, 0.0)) / len(measured)
+                                           for k, v in sorted(calls_after.items())}}
 
 
 def measure_roles(config: ClusterConfig, workload: Workload, rate: float, warmup_frac: float = 0.5,
-                  log_dir: Path | None = None) -> dict[str, Any]:
+                  log_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
     """One real run of ``workload`` at ``rate``: each role's CPU per measured request (see module doc)."""
     return asyncio.run(_measure(config, workload, rate, warmup_frac,
-                                log_dir or Path(tempfile.mkdtemp(prefix="tessera-cpu-"))))
+                                log_dir or Path(tempfile.mkdtemp(prefix="tessera-cpu-")), seed))
 
 
 
