@@ -174,6 +174,25 @@ def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Pa
     assert "| tessera | unloaded |" in again.stdout and "0 of 6 runs outside ±20%" in again.stdout, again.stdout
 
 
+def test_the_cli_measures_each_roles_cpu_on_a_real_tiny_cluster(tiny_model: Path, tmp_path: Path) -> None:
+    """`tessera simulate --calibrate-cpu`: a real cluster's roles' CPU per request and the engines' in-cluster
+    stretch go into the cost model file; the engine thread's CPU is told apart and split by engine call."""
+    config: ClusterConfig = cluster_config(str(tiny_model), nodes=2)
+    path = write_config(tmp_path, config)
+    model = tmp_path / "cost.json"
+    _cli("--calibrate", "--cost-model", str(model), "--config", str(path))
+    done = _cli("--calibrate-cpu", "--workload", "synthetic", "--requests", "8", "--rates", "2,4", "--cost-model",
+                str(model), "--config", str(path))
+    costs = load_cost_model(str(model))
+    assert costs.host_cores == len(os.sched_getaffinity(0)) and len(costs.host_slowdown) == 2, done.stdout
+    assert {"retrieval", "generation", "kvpool", "client"} == set(costs.cpu_per_request_s), costs.cpu_per_request_s
+    assert min(costs.host_slowdown) >= 1.0 and "in-cluster step stretch" in costs.source
+    runs = json.loads((tmp_path / "cost-cpu-runs.json").read_text())
+    assert [r["rate"] for r in runs] == [2.0, 4.0] and all(r["ok"] == 4 for r in runs)
+    assert all(r["by_role"]["generation"]["engine_s"] > 0 and r["engine_calls_per_request_s"]["step"] > 0
+               for r in runs)
+
+
 def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_path: Path) -> None:
     """`python bench/scale.py` (tiny fleets): one table row per fleet size, the tier sweep, scale.json and plots."""
     done = subprocess.run([sys.executable, "bench/scale.py", "--nodes", "2,4", "--requests-per-node", "4", "--units",
@@ -397,3 +416,34 @@ def test_the_engine_worker_counts_its_threads_cpu_by_call() -> None:
 
     cpu = asyncio.run(main())
     assert cpu["spin"] >= 0.19 and 0 <= cpu["quick"] < cpu["spin"]
+
+
+def test_the_in_cluster_stretch_is_fitted_back_from_the_engines_cpu_per_request() -> None:
+    """Engine CPU per request made by a model with known slowdowns: the fit, started from none, finds them."""
+    from tessera.simulate.incluster import fit_host_slowdown, measured_work
+
+    config = system_config(cluster_config(), "tessera")
+    wl = synthetic_workload(40, n_units=20, seed=6)
+    requests = render(config, wl, unit_texts(config, wl))
+    truth = dataclasses.replace(COSTS, host_slowdown=(1.2, 1.5))
+    runs = []
+    for rate in (0.5, 8.0):  # mostly one engine busy, then mostly both
+        work = measured_work(config, truth, requests, rate, 0.5, 0)
+        cpu = sum(w * truth.slowdown(k) for k, w in work.items()) / 20
+        runs.append({"rate": rate, "requests": 20, "by_role": {"generation": {"other_s": 0.0, "engine_s": cpu}}})
+    fitted = fit_host_slowdown(config, dataclasses.replace(COSTS, host_slowdown=(1.0, 1.0)), requests, runs, 0.5, 0)
+    assert fitted == pytest.approx((1.2, 1.5), rel=0.03)
+
+
+def test_the_comparison_reads_each_runs_machine_speed_from_its_first_requests() -> None:
+    """The first requests meet a drained cluster: their measured / simulated TTFT is the machine's speed, not load."""
+    def run(rate: float, mean: float, ttfts: list[float]) -> dict[str, object]:
+        return {"rate": rate, "mean": mean, "p90": mean, "hit_rate": {"computed": 0.2}, "ttfts": ttfts}
+
+    measured = {"systems": {"tessera": {"runs": [run(1.0, 1.0, [0.5, 0.5, 1.0, 0.5, 3.0]),
+                                                 run(2.5, 5.0, [0.65, 0.65, 1.3, 0.65, 9.0])]}}}
+    simulated = {"systems": {"tessera": {"runs": [run(1.0, 1.0, [0.5, 0.5, 1.0, 0.5, 3.0]),
+                                                  run(2.5, 2.5, [0.5, 0.5, 1.0, 0.5, 4.0])]}}}
+    rows = compare_runs(simulated, measured)
+    assert [round(r["idle_start"], 2) for r in rows] == [1.0, 1.3]
+    assert "| 1.30 |" in comparison_table(rows)
