@@ -13,9 +13,11 @@ where an item's context is the position its last token attends to (a prefill fro
 length; an extend over a cached prefix: the prefix plus the extend). Placing a cached unit at
 its offset (RoPE) costs ``place_per_token_s`` per token; moving a unit state over a link costs
 ``link_latency_s + bytes / link_bytes_per_s`` with ``kv_bytes_per_token`` bytes per token.
-``request_overhead_s`` is what a request spends outside the node (HTTP, retrieval, routing).
-``host_slowdown[k - 1]`` stretches a step that runs while k engines of one host are busy (CPU
-nodes sharing cores and memory bandwidth; empty: every node has its own device).
+``request_overhead_s`` is the latency a request spends outside the node (HTTP hops; the CPU of
+retrieval is ``cpu_per_request_s`` below when measured). ``host_slowdown[k - 1]`` stretches a
+step that runs while k engines of one host are busy (CPU nodes sharing caches and memory
+bandwidth; ``--calibrate-cpu`` refits it to the engines' CPU in the real cluster; empty: every
+node has its own device).
 
 The other roles' CPU: ``cpu_per_request_s[role]`` is what one request costs each role outside
 the engine threads (``retrieval``: HTTP, search, prompt building, tokenizing, the control

@@ -9,8 +9,8 @@ takes cores from the engine threads.
 
 This module starts the config's cluster (the ``tessera`` system, as ``tessera bench`` does),
 sends a workload's warm-up share, then reads every role process's CPU time (utime + stime of
-``/proc/PID/stat``, the engine thread's from ``/proc/PID/task/TID/stat``, named by the
-scheduler's ``engine`` thread prefix) before and after the measured share, and the load
+``/proc/PID/stat``, the engine thread's from ``/proc/PID/task/TID/stat``, the thread the
+scheduler names ``tessera-engine``) before and after the measured share, and the load
 generator's own CPU over the same span. Per request and role:
 
     cpu_per_request_s[role] = (CPU of the role's processes - their engine threads' CPU) / requests

@@ -28,7 +28,7 @@ from tessera.simulate.costs import CostModel
 from tessera.simulate.run import SimOptions, simulate_run
 from tessera.simulate.workload import SimRequest
 
-ROUNDS = 4  # replays of the fit (it settles within 1% in two or three on the validation runs)
+ROUNDS = 4  # replays of the fit: each refits on the overlap the previous slowdowns produce
 
 
 def measured_work(config: ClusterConfig, costs: CostModel, requests: Sequence[SimRequest], rate: float,
