@@ -405,17 +405,18 @@ def test_the_engine_worker_counts_its_threads_cpu_by_call() -> None:
     def quick() -> None:
         return None
 
-    async def main() -> dict[str, float]:
+    async def main() -> tuple[dict[str, float], dict[str, float]]:
         worker = EngineWorker(object())  # type: ignore[arg-type]  # the calls below never touch the engine
         try:
             assert await worker.call(spin, 0.2) == 0.2
             await worker.call(quick)
-            return dict(worker.cpu_s)
+            return dict(worker.cpu_s), dict(worker.wall_s)
         finally:
             worker.close()
 
-    cpu = asyncio.run(main())
+    cpu, wall = asyncio.run(main())
     assert cpu["spin"] >= 0.19 and 0 <= cpu["quick"] < cpu["spin"]
+    assert wall["spin"] >= cpu["spin"] * 0.99  # wall time holds the CPU time and any wait for a core
 
 
 def test_the_in_cluster_stretch_is_fitted_back_from_the_engines_cpu_per_request() -> None:

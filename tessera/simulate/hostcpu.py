@@ -47,6 +47,7 @@ from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
 
 ENGINE_CPU_METRIC = "tessera_node_engine_cpu_seconds_total"  # a generation node's engine CPU by call
+ENGINE_WALL_METRIC = "tessera_node_engine_wall_seconds_total"  # and its wall time (CPU plus waits)
 LOAD_GENERATOR = "client"  # the role name the measuring (load-sending) process is reported under
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -80,11 +81,11 @@ def process_cpu(pid: int, proc: Path = Path("/proc")) -> ProcessCpu:
     return ProcessCpu(_stat_cpu_s(root / "stat"), engine)
 
 
-def _engine_cpu(metrics: str) -> dict[str, float]:
-    """``tessera_node_engine_cpu_seconds_total{call="..."}`` samples of one node's /metrics text."""
+def _engine_seconds(metrics: str, metric: str) -> dict[str, float]:
+    """``metric{call="..."}`` samples of one node's /metrics text (engine seconds by call)."""
     out: dict[str, float] = {}
     for line in metrics.splitlines():
-        if line.startswith(ENGINE_CPU_METRIC + "{"):
+        if line.startswith(metric + "{"):
             labels, _, value = line.rpartition(" ")
             out[labels.split('call="', 1)[1].split('"', 1)[0]] = float(value)
     return out
@@ -130,13 +131,15 @@ async def _measure(config: ClusterConfig, workload: Workload, rate: float, warmu
         gens = [c for c in cluster.children if c.role == "generation"]
 
         async def engine_calls() -> dict[str, float]:
-            """The generation nodes' engine-thread CPU by call, summed (their /metrics)."""
+            """The generation nodes' engine-thread CPU and wall time by call, summed (their /metrics)."""
             out: dict[str, float] = {}
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
                 for child in gens:
                     async with http.get(f"{child.url}/metrics") as resp:
-                        for call, seconds in _engine_cpu(await resp.text()).items():
-                            out[call] = out.get(call, 0.0) + seconds
+                        text = await resp.text()
+                    for metric, suffix in ((ENGINE_CPU_METRIC, ""), (ENGINE_WALL_METRIC, " wall")):
+                        for call, seconds in _engine_seconds(text, metric).items():
+                            out[call + suffix] = out.get(call + suffix, 0.0) + seconds
             return out
 
         def snapshot() -> dict[str, ProcessCpu]:
