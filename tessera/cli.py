@@ -319,6 +319,10 @@ def simulate(
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="Measure the configured engine's prefill, extend and decode step costs on this "
                             "machine and write the cost model.")] = False,
+    calibrate_cpu: Annotated[bool, typer.Option(
+        "--calibrate-cpu", help="Run the config's real cluster at each --rates rate on --workload and write each "
+                                "role's CPU per request outside the engine threads, and this machine's cores, into "
+                                "the --cost-model file (written by --calibrate).")] = False,
     nodes: Annotated[int, typer.Option(
         help="Generation nodes (copies of the first configured; 0: as configured).")] = 0,
     memory_nodes: Annotated[int, typer.Option(help="Memory nodes (0: as configured).")] = 0,
@@ -345,7 +349,7 @@ def simulate(
                            time_scale=time_scale, cost_model=cost_model, calibrate=calibrate, nodes=nodes,
                            memory_nodes=memory_nodes, local_blocks=local_blocks, shared_blocks=shared_blocks,
                            max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens,
-                           compare=compare)
+                           compare=compare, calibrate_cpu=calibrate_cpu)
     with _usage("simulate"):
         run_command(cfg, opts)
 

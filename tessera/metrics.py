@@ -53,9 +53,15 @@ def gauge(name: str, help_text: str, value: Sample, label: str = "") -> GaugeMet
     return family
 
 
-def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
-    """A scrape-time counter owned by another component (``name`` ends in ``_total`` on the wire)."""
-    return CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
+def counter(name: str, help_text: str, value: Sample, label: str = "") -> CounterMetricFamily:
+    """A scrape-time counter owned by another component (``name`` ends in ``_total`` on the wire);
+    ``value`` is a number, or ``{label value: number}`` when ``label`` is set."""
+    if not isinstance(value, Mapping):
+        return CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
+    family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=[label])
+    for key, v in sorted(value.items()):
+        family.add_metric([key], v)
+    return family
 
 
 class Metrics:

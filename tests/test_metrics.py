@@ -56,3 +56,13 @@ def test_scrape_time_figures_are_read_at_every_scrape() -> None:
     samples = _samples(m.render().decode())
     assert samples[("t_queued_tokens", (("node", "gen0"),))] == 7
     assert samples[("t_published_total", ())] == 4
+
+
+def test_a_scrape_time_counter_may_carry_one_label() -> None:
+    """The generation node's engine CPU by call: one labelled counter family, read at scrape time."""
+    m = Metrics()
+    by_call = {"step": 1.5, "place_units": 0.25}
+    m.read_at_scrape(lambda: [counter("t_engine_cpu_seconds_total", "Engine CPU", by_call, label="call")])
+    text = m.render().decode()
+    assert 't_engine_cpu_seconds_total{call="step"} 1.5' in text
+    assert _samples(text)[("t_engine_cpu_seconds_total", (("call", "place_units"),))] == 0.25

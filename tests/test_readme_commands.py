@@ -34,7 +34,8 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "python bench/control_plane.py": SMOKE + "test_bench_control_plane_plans_requests_and_prints_its_rates",
     "valgrind --tool=callgrind": SMOKE + "test_bench_control_plane_under_callgrind_counts_only_the_plans",
     "tessera bench": SMOKE + "test_tessera_bench_sweeps_a_tiny_synthetic_workload_and_reports_ttft",
-    "tessera simulate": "tests/test_simulate.py::test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep",
+    "tessera simulate": ("tests/test_simulate.py::test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep",
+                         "tests/test_simulate.py::test_the_cli_measures_each_roles_cpu_on_a_real_tiny_cluster"),
     "python bench/scale.py":
         "tests/test_simulate.py::test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep",
     "tessera analyze": "tests/test_benchmark.py::test_analyze_cli_prints_the_classification",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from collections import deque
@@ -19,11 +20,14 @@ from tessera.config import ClusterConfig
 from tessera.control.router import N, Router, register_router
 from tessera.errors import ConfigError
 from tessera.generation.batching import take_batch
+from tessera.generation.scheduler import ENGINE_THREAD
 from tessera.simulate.calibrate import CalibrationPlan, calibrate, fit
 from tessera.simulate.command import fleet
 from tessera.simulate.costs import CostModel, StepItem, builtin_models, load_cost_model
 from tessera.simulate.engine import Host, SimEngine, Work
 from tessera.simulate.events import EventLoop
+from tessera.simulate.hostcpu import ProcessCpu, fit_role_cpu, process_cpu
+from tessera.simulate.hostcpu import per_request as per_request_cpu
 from tessera.simulate.run import SimOptions, run_simulation, simulate_run
 from tessera.simulate.validate import compare_runs, comparison_table
 from tessera.simulate.workload import render, unit_texts
@@ -170,6 +174,26 @@ def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Pa
     assert "| tessera | unloaded |" in again.stdout and "0 of 6 runs outside ±20%" in again.stdout, again.stdout
 
 
+@pytest.mark.slow  # a real cluster at two rates: ~60 s here
+def test_the_cli_measures_each_roles_cpu_on_a_real_tiny_cluster(tiny_model: Path, tmp_path: Path) -> None:
+    """`tessera simulate --calibrate-cpu`: a real cluster's roles' CPU per request and the engines' in-cluster
+    stretch go into the cost model file; the engine thread's CPU is told apart and split by engine call."""
+    config: ClusterConfig = cluster_config(str(tiny_model), nodes=2)
+    path = write_config(tmp_path, config)
+    model = tmp_path / "cost.json"
+    _cli("--calibrate", "--cost-model", str(model), "--config", str(path))
+    done = _cli("--calibrate-cpu", "--workload", "synthetic", "--requests", "8", "--rates", "2,4", "--cost-model",
+                str(model), "--config", str(path))
+    costs = load_cost_model(str(model))
+    assert costs.host_cores == len(os.sched_getaffinity(0)) and len(costs.host_slowdown) == 2, done.stdout
+    assert {"retrieval", "generation", "kvpool", "client"} == set(costs.cpu_per_request_s), costs.cpu_per_request_s
+    assert min(costs.host_slowdown) >= 1.0 and "in-cluster step stretch" in costs.source
+    runs = json.loads((tmp_path / "cost-cpu-runs.json").read_text())
+    assert [r["rate"] for r in runs] == [2.0, 4.0] and all(r["ok"] == 4 for r in runs)
+    assert all(r["by_role"]["generation"]["engine_s"] > 0 and r["engine_calls_per_request_s"]["step"] > 0
+               for r in runs)
+
+
 def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_path: Path) -> None:
     """`python bench/scale.py` (tiny fleets): one table row per fleet size, the tier sweep, scale.json and plots."""
     done = subprocess.run([sys.executable, "bench/scale.py", "--nodes", "2,4", "--requests-per-node", "4", "--units",
@@ -235,3 +259,193 @@ def test_a_traffic_trace_replays_at_its_recorded_times() -> None:
     rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith(("| prefix", "| tessera"))]
     labels = [(r[0].strip(), r[1].strip()) for r in rows[:2]]
     assert labels == [("prefix", "1.9048"), ("tessera", "1.9048")], done.stdout
+
+
+def test_other_roles_cpu_shares_the_hosts_cores_with_the_engine_steps() -> None:
+    """Two engine steps and one CPU job on two cores: each runs at 2/3 speed until the job ends."""
+    costs = dataclasses.replace(COSTS, host_slowdown=(1.0, 1.0), host_cores=2)
+    loop = EventLoop()
+    host = Host(loop, costs)
+    done: dict[str, float] = {}
+    t0 = loop.now
+    host.run(0.3, lambda: done.setdefault("step a", loop.now - t0))
+    host.run(0.3, lambda: done.setdefault("step b", loop.now - t0))
+    host.cpu(0.1, lambda: done.setdefault("job", loop.now - t0))
+    loop.run()
+    # 3 jobs on 2 cores: the job's 0.1 s takes 0.15 s, the steps then have 0.2 s left at full speed
+    assert done == pytest.approx({"job": 0.15, "step a": 0.35, "step b": 0.35})
+    assert host.cpu_s == pytest.approx(0.1) and host.busy == 0
+    # the roles' idle load takes its cores first: one of two left, two steps each at half speed
+    idle = dataclasses.replace(costs, host_background_cores=1.0)
+    host, done = Host(loop, idle), {}
+    t0 = loop.now
+    host.run(0.3, lambda: done.setdefault("a", loop.now - t0))
+    host.run(0.3, lambda: done.setdefault("b", loop.now - t0))
+    loop.run()
+    assert done == pytest.approx({"a": 0.6, "b": 0.6})
+
+
+def test_without_a_core_count_the_roles_cpu_is_only_the_retrieval_roles_latency() -> None:
+    """host_cores 0 (a GPU node): nothing is shared, the retrieval CPU still sits on the request's path."""
+    config = system_config(cluster_config(), "tessera")
+    wl = synthetic_workload(12, n_units=10, seed=4)
+    requests = render(config, wl, unit_texts(config, wl))
+    serial = SimOptions(["tessera"], [0.2])
+    base = simulate_run(config, COSTS, requests[:6], 0.2, serial, serial=requests[6:])
+    costly = dataclasses.replace(COSTS, cpu_per_request_s={"retrieval": 0.05, "generation": 0.2})
+    slower = simulate_run(config, costly, requests[:6], 0.2, serial, serial=requests[6:])
+    assert [b.ttft + 0.05 for b in base.results] == pytest.approx([s.ttft for s in slower.results])
+    (host,) = slower.cluster.hosts.values()
+    assert host.cpu_s == pytest.approx(12 * 0.25)  # charged, but with no core count it slows nothing
+
+
+def test_the_roles_cpu_on_a_shared_host_slows_the_engines_under_load() -> None:
+    """Two nodes on one 2-core host: the measured per-request CPU of the other roles raises the loaded TTFT."""
+    config = system_config(cluster_config(), "tessera")
+    wl = synthetic_workload(40, n_units=20, seed=5)
+    requests = render(config, wl, unit_texts(config, wl))
+    opts = SimOptions(["tessera"], [6.0])
+    shared = dataclasses.replace(COSTS, host_slowdown=(1.0, 1.0), host_cores=2)
+    alone = simulate_run(config, shared, requests, 6.0, opts)
+    busy = dataclasses.replace(shared, cpu_per_request_s={"retrieval": 0.01, "generation": 0.15, "kvpool": 0.01,
+                                                          "client": 0.01})
+    loaded = simulate_run(config, busy, requests, 6.0, opts)
+    mean = [sum(r.ttft for r in run.results if r.ttft is not None) / len(run.results) for run in (alone, loaded)]
+    assert mean[1] > mean[0]
+    (host,) = loaded.cluster.hosts.values()
+    assert host.cpu_s == pytest.approx(40 * (0.01 + 0.15 + 0.01 + 0.01))  # every request's share, charged once
+
+
+def test_a_cost_model_refuses_unknown_roles_and_more_background_than_cores() -> None:
+    with pytest.raises(ConfigError, match="takes roles"):
+        dataclasses.replace(COSTS, cpu_per_request_s={"gateway": 0.1})
+    with pytest.raises(ConfigError, match="host_background_cores"):
+        dataclasses.replace(COSTS, host_cores=2, host_background_cores=2.0)
+
+
+def _stat(root: Path, utime: int, stime: int, comm: str = "python") -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    fields = ["S", *["0"] * 10, str(utime), str(stime), *["0"] * 30]  # state, then fields 4..: 14, 15 = utime, stime
+    (root / "stat").write_text(f"123 ({comm} x) " + " ".join(fields) + "\n")
+    (root / "comm").write_text(comm + "\n")
+
+
+def test_process_cpu_reads_proc_and_tells_the_engine_thread_from_the_rest(tmp_path: Path) -> None:
+    """utime + stime in clock ticks; the thread named tessera-engine is the engine's share."""
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    _stat(tmp_path / "7", 300, 100)
+    _stat(tmp_path / "7" / "task" / "7", 50, 10)
+    _stat(tmp_path / "7" / "task" / "8", 200, 80, comm=ENGINE_THREAD)
+    cpu = process_cpu(7, proc=tmp_path)
+    assert cpu == ProcessCpu(pytest.approx(400 * tick), pytest.approx(280 * tick))
+    with pytest.raises(ConfigError, match="/proc"):
+        process_cpu(8, proc=tmp_path)
+
+
+def test_the_engine_thread_carries_its_os_name_so_its_cpu_is_counted_apart() -> None:
+    """A thread named by the scheduler's initializer spins 0.3 s of CPU: process_cpu counts it as engine."""
+    import threading
+    import time as _time
+
+    from tessera.generation.scheduler import _name_os_thread
+
+    before = process_cpu(os.getpid())
+    # a finished thread leaves /proc/PID/task: read while the named one is still alive
+    alive = threading.Event()
+    stop = threading.Event()
+
+    def named_spin() -> None:
+        _name_os_thread()
+        t = _time.thread_time()
+        while _time.thread_time() - t < 0.3:
+            pass
+        alive.set()
+        stop.wait(10)
+
+    thread = threading.Thread(target=named_spin)
+    thread.start()
+    alive.wait(30)
+    after = process_cpu(os.getpid())
+    stop.set()
+    thread.join()
+    assert after.engine_s - before.engine_s >= 0.25
+
+
+def test_the_role_cpu_fit_separates_per_request_from_background_cpu() -> None:
+    """CPU per request reads c + b × seconds / requests: two rates give c and b back."""
+    def run(rate: float) -> dict[str, object]:
+        requests, wall = 30, 30 / rate
+        return {"requests": requests, "wall_s": wall,
+                "by_role": {"generation": {"other_s": 0.2 + 0.05 * wall / requests, "engine_s": 1.0},
+                            "retrieval": {"other_s": 0.02, "engine_s": 0.0}}}
+
+    per_request, background = fit_role_cpu([run(1.0), run(2.0)])
+    assert per_request == pytest.approx({"generation": 0.2, "retrieval": 0.02})
+    assert background == pytest.approx(0.05)
+    assert fit_role_cpu([run(1.0)])[0]["generation"] == pytest.approx(0.25)  # one rate: all of it per request
+    before = {"1": ProcessCpu(1.0, 0.5), "2": ProcessCpu(2.0, 0.0)}
+    after = {"1": ProcessCpu(4.0, 2.5), "2": ProcessCpu(2.6, 0.0)}
+    got = per_request_cpu(before, after, 2, {"1": "generation", "2": "kvpool"})
+    assert got["generation"] == pytest.approx({"other_s": 0.5, "engine_s": 1.0})
+    assert got["kvpool"] == pytest.approx({"other_s": 0.3, "engine_s": 0.0})
+
+
+def test_the_engine_worker_counts_its_threads_cpu_by_call() -> None:
+    """EngineWorker.cpu_s: the thread CPU of each call on the engine thread, keyed by the function's name."""
+    import asyncio
+    import time as _time
+
+    from tessera.generation.scheduler import EngineWorker
+
+    def spin(seconds: float) -> float:
+        t = _time.thread_time()
+        while _time.thread_time() - t < seconds:
+            pass
+        return seconds
+
+    def quick() -> None:
+        return None
+
+    async def main() -> tuple[dict[str, float], dict[str, float]]:
+        worker = EngineWorker(object())  # type: ignore[arg-type]  # the calls below never touch the engine
+        try:
+            assert await worker.call(spin, 0.2) == 0.2
+            await worker.call(quick)
+            return dict(worker.cpu_s), dict(worker.wall_s)
+        finally:
+            worker.close()
+
+    cpu, wall = asyncio.run(main())
+    assert cpu["spin"] >= 0.19 and 0 <= cpu["quick"] < cpu["spin"]
+    assert wall["spin"] >= cpu["spin"] * 0.99  # wall time holds the CPU time and any wait for a core
+
+
+def test_the_in_cluster_stretch_is_fitted_back_from_the_engines_cpu_per_request() -> None:
+    """Engine CPU per request made by a model with known slowdowns: the fit, started from none, finds them."""
+    from tessera.simulate.incluster import fit_host_slowdown, measured_work
+
+    config = system_config(cluster_config(), "tessera")
+    wl = synthetic_workload(40, n_units=20, seed=6)
+    requests = render(config, wl, unit_texts(config, wl))
+    truth = dataclasses.replace(COSTS, host_slowdown=(1.2, 1.5))
+    runs = []
+    for rate in (0.5, 8.0):  # mostly one engine busy, then mostly both
+        work = measured_work(config, truth, requests, rate, 0.5, 0)
+        cpu = sum(w * truth.slowdown(k) for k, w in work.items()) / 20
+        runs.append({"rate": rate, "requests": 20, "by_role": {"generation": {"other_s": 0.0, "engine_s": cpu}}})
+    fitted = fit_host_slowdown(config, dataclasses.replace(COSTS, host_slowdown=(1.0, 1.0)), requests, runs, 0.5, 0)
+    assert fitted == pytest.approx((1.2, 1.5), rel=0.03)
+
+
+def test_the_comparison_reads_each_runs_machine_speed_from_its_first_requests() -> None:
+    """The first requests meet a drained cluster: their measured / simulated TTFT is the machine's speed, not load."""
+    def run(rate: float, mean: float, ttfts: list[float]) -> dict[str, object]:
+        return {"rate": rate, "mean": mean, "p90": mean, "hit_rate": {"computed": 0.2}, "ttfts": ttfts}
+
+    measured = {"systems": {"tessera": {"runs": [run(1.0, 1.0, [0.5, 0.5, 1.0, 0.5, 3.0]),
+                                                 run(2.5, 5.0, [0.65, 0.65, 1.3, 0.65, 9.0])]}}}
+    simulated = {"systems": {"tessera": {"runs": [run(1.0, 1.0, [0.5, 0.5, 1.0, 0.5, 3.0]),
+                                                  run(2.5, 2.5, [0.5, 0.5, 1.0, 0.5, 4.0])]}}}
+    rows = compare_runs(simulated, measured)
+    assert [round(r["idle_start"], 2) for r in rows] == [1.0, 1.3]
+    assert "| 1.30 |" in comparison_table(rows)

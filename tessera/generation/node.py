@@ -281,6 +281,11 @@ class GenerationNode:
             counter("tessera_node_writebacks_published_total", "Shared writebacks published", self.retainer.published),
             counter("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)",
                     self.retainer.write_failures),
+            # a copy: the engine thread adds to the dict while this reads it
+            counter("tessera_node_engine_cpu_seconds_total", "Engine-thread CPU seconds by engine call",
+                    dict(self.scheduler.worker.cpu_s), label="call"),
+            counter("tessera_node_engine_wall_seconds_total", "Engine-thread wall seconds by engine call",
+                    dict(self.scheduler.worker.wall_s), label="call"),
         ]
 
     async def metrics_text(self, request: web.Request) -> web.Response:

@@ -13,8 +13,9 @@ budget) and times, each the median of ``repeats``:
   the lone times is ``host_slowdown[k - 1]`` (shared caches and memory bandwidth).
 
 Every time is the step's CPU time on its thread (see :func:`_median`), so the model is the
-engine's own cost whatever else the machine runs; a cluster whose roles outnumber the cores
-also waits for them, which the simulation does not model (README, Scale).
+engine's own cost whatever else the machine runs; the other roles' CPU on the same cores and
+the engines' stretch inside the real cluster are measured apart, by ``--calibrate-cpu``
+(:mod:`tessera.simulate.hostcpu`, :mod:`tessera.simulate.incluster`).
 
 A least-squares fit of :class:`~tessera.simulate.costs.CostModel`'s step formula to the
 step samples gives ``base_s``, ``per_token_s``, ``per_attn_s`` and ``per_decode_s``

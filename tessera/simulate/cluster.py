@@ -3,10 +3,14 @@
 The plane is built exactly as the retrieval role builds it, on the event loop's simulated
 clock; memory nodes say hello, generation nodes heartbeat every ``HEARTBEAT_S`` (load
 reports with their queued tokens) and the plane ticks as often. Each request follows the
-chat driver's path: (outside the node: ``request_overhead_s``) route → the node's snapshot →
+chat driver's path: (the retrieval role's CPU, then ``request_overhead_s``) route → the node's snapshot →
 finalize → execute → started at its first token → complete at its last. Every call into the
 plane is timed with ``perf_counter`` (:class:`TimedPlane`): that is the control plane's real
 CPU cost, request by request, whatever the simulated cluster's size.
+
+The other roles' CPU per request (the cost model's ``cpu_per_request_s``) runs on their
+host's cores beside the engines: the retrieval role's on the request's path, the load
+generator's, the memory node's and the generation node's event loop's beside it.
 
 This module knows nothing about workloads' origin, sweeps or plots.
 """
@@ -42,6 +46,10 @@ from tessera.simulate.workload import SimRequest
 from tessera.wire import WIRE_VERSION
 
 T = TypeVar("T")
+
+
+def _nothing() -> None:
+    """A background CPU job's end: nothing waits for it."""
 
 
 @dataclass
@@ -123,8 +131,12 @@ class SimCluster:
         self.mode = config.control.mode
         policy = policy_from_config(config.composition)
         hosts = {g.host: Host(self.loop, costs) for g in config.generation}  # nodes of one host share its cores
+        self.hosts = hosts
         self.nodes = {g.name: SimNode(g, config.transport, config.block_tokens, self.loop, costs, policy, self.mode,
                                       self.timed, hosts[g.host]) for g in config.generation}
+        # the other roles' CPU goes to the host they run on; one without engines has nothing to slow
+        self._front = hosts.get(config.retrieval.host)  # the retrieval role, and the load generator beside it
+        self._pool_host = hosts.get(config.kvpools[0].host) if config.kvpools else None
         self._hellos = [memory_node_hello(pool.name, pool.capacity_blocks) for pool in config.kvpools]
         self._ids = 0
         self.outstanding = 0
@@ -147,7 +159,23 @@ class SimCluster:
         """The request arrives now; ``done`` gets its outcome once its last token is out."""
         out = Outcome(self.loop.now)
         self.outstanding += 1
-        self.loop.after(self.costs.request_overhead_s, lambda: self._serve(req, max_tokens, out, done))
+        self._charge("client", self._front)
+
+        def retrieved() -> None:
+            self.loop.after(self.costs.request_overhead_s, lambda: self._serve(req, max_tokens, out, done))
+
+        # the retrieval role's CPU (HTTP, search, prompt, tokens) is on the request's path
+        retrieval = self.costs.role_cpu_s("retrieval")
+        if retrieval and self._front is not None:
+            self._front.cpu(retrieval, retrieved)
+        else:
+            self.loop.after(retrieval, retrieved)
+
+    def _charge(self, role: str, host: Host | None) -> None:
+        """``role``'s CPU for one request, run beside the request on ``host`` (none: nothing to slow)."""
+        seconds = self.costs.role_cpu_s(role)
+        if seconds and host is not None:
+            host.cpu(seconds, _nothing)
 
     def _serve(self, req: SimRequest, max_tokens: int, out: Outcome, done: Callable[[Outcome], None]) -> None:
         self._ids += 1
@@ -156,6 +184,8 @@ class SimCluster:
         timed, plane = self.timed, self.plane
         name = timed.call("route", lambda: plane.route(rid, refs), out)
         node = self.nodes[name]
+        self._charge("generation", node.engine.host)
+        self._charge("kvpool", self._pool_host)
         held = node.snapshot(rid, [u for u, _ in refs])
         plan = timed.call("finalize", lambda: plane.finalize(rid, name, held), out)
         out.node = name

@@ -57,6 +57,7 @@ class SimulateOptions:
     max_batch_tokens: int
     prefix_cache_tokens: int = 0
     compare: Path | None = None  # a tessera bench report (bench.json) to compare the simulation with
+    calibrate_cpu: bool = False  # measure the roles' CPU per request on a real cluster into the cost model
 
 
 def fleet(config: ClusterConfig, nodes: int = 0, memory_nodes: int = 0, local_blocks: int = 0,
@@ -115,6 +116,51 @@ def _system_rates(specs: tuple[str, ...]) -> dict[str, list[float]]:
     return out
 
 
+def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
+    """Measure each role's CPU per request on the config's real cluster (one run per ``--rates`` rate)
+    and write it, with this machine's cores, into the cost model file (which ``--calibrate`` wrote)."""
+    import os
+
+    from tessera.benchmark.runner import system_config
+    from tessera.simulate.hostcpu import fit_role_cpu, measure_roles
+    from tessera.simulate.incluster import fit_host_slowdown
+    from tessera.simulate.workload import render, unit_texts
+
+    path = Path(opts.cost_model) if opts.cost_model else DEFAULT_COST_MODEL
+    if not path.is_file():
+        raise ConfigError(f"--calibrate-cpu adds to a cost model file: {path} does not exist; write it first with "
+                          f"tessera simulate --calibrate --cost-model {path}")
+    model = load_cost_model(str(path))
+    wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
+                         opts.placement, opts.seed, opts.conversations)
+    runs = []
+    for rate in options.floats(opts.rates, "--rates"):
+        run = measure_roles(config, wl, rate, opts.warmup, seed=opts.seed)
+        runs.append(run)
+        roles = ", ".join(f"{role} {v['other_s'] * 1e3:.1f} / {v['engine_s'] * 1e3:.1f} ms"
+                          for role, v in run["by_role"].items())
+        say(f"[{rate:g} req/s] {run['ok']}/{run['requests']} measured requests in {run['wall_s']:.1f}s; CPU per "
+            f"request outside / in the engine threads: {roles}")
+    per_request, background = fit_role_cpu(runs)
+    cores = len(os.sched_getaffinity(0))
+    model = dataclasses.replace(model, cpu_per_request_s={r: round(v, 6) for r, v in per_request.items()},
+                                host_cores=cores, host_background_cores=round(background, 4))
+    # the engine threads' measured CPU per request fixes the steps' in-cluster stretch
+    tessera = system_config(config, "tessera")
+    requests = render(tessera, wl, unit_texts(tessera, wl))
+    slowdown = fit_host_slowdown(tessera, model, requests, runs, opts.warmup, opts.seed)
+    step_source = model.source.split("; in-cluster")[0]  # a second --calibrate-cpu replaces the first's note
+    model = dataclasses.replace(model, host_slowdown=slowdown,
+                                source=f"{step_source}; in-cluster step stretch with 1..k engines busy "
+                                       f"{', '.join(f'{x:.2f}' for x in slowdown)} and the roles' CPU per request "
+                                       f"from tessera simulate --calibrate-cpu at {opts.rates} req/s")
+    model.save(path)
+    say(f"wrote {path}: {cores} cores, background {model.host_background_cores:.3f} cores, CPU per request "
+        + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in model.cpu_per_request_s.items())
+        + f"; in-cluster step stretch with 1..k engines busy {', '.join(f'{x:.2f}' for x in slowdown)}")
+    (path.parent / f"{path.stem}-cpu-runs.json").write_text(json.dumps(runs, indent=1))
+
+
 def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
     if opts.calibrate:
         from tessera.simulate.calibrate import calibrate
@@ -124,6 +170,9 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
         model.save(path)
         say(f"wrote cost model {path}: {model.source}")
         say(json.dumps(dataclasses.asdict(model)))
+        return
+    if opts.calibrate_cpu:
+        calibrate_cpu(config, opts)
         return
     costs = load_cost_model(opts.cost_model or str(DEFAULT_COST_MODEL))
     systems = options.names(opts.systems)

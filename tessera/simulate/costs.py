@@ -13,9 +13,23 @@ where an item's context is the position its last token attends to (a prefill fro
 length; an extend over a cached prefix: the prefix plus the extend). Placing a cached unit at
 its offset (RoPE) costs ``place_per_token_s`` per token; moving a unit state over a link costs
 ``link_latency_s + bytes / link_bytes_per_s`` with ``kv_bytes_per_token`` bytes per token.
-``request_overhead_s`` is what a request spends outside the node (HTTP, retrieval, routing).
-``host_slowdown[k - 1]`` stretches a step that runs while k engines of one host are busy (CPU
-nodes sharing cores and memory bandwidth; empty: every node has its own device).
+``request_overhead_s`` is the latency a request spends outside the node (HTTP hops; the CPU of
+retrieval is ``cpu_per_request_s`` below when measured). ``host_slowdown[k - 1]`` stretches a
+step that runs while k engines of one host are busy (CPU nodes sharing caches and memory
+bandwidth; ``--calibrate-cpu`` refits it to the engines' CPU in the real cluster; empty: every
+node has its own device).
+
+The other roles' CPU: ``cpu_per_request_s[role]`` is what one request costs each role outside
+the engine threads (``retrieval``: HTTP, search, prompt building, tokenizing, the control
+plane; ``generation``: the node's event loop, its copies and checksums; ``kvpool``: the memory
+node; ``client``: the load generator), measured by ``tessera simulate --calibrate-cpu``. On a
+host of ``host_cores`` cores (0: not modelled, as on a GPU node with its own device) that
+work runs beside the engine steps, and with k steps and j such jobs running each gets
+
+    share = min(1, (host_cores - host_background_cores) / (k + j))
+    a step runs at share / host_slowdown[k - 1], a job at share
+
+The retrieval role's share is on the request's path (before routing); the others' run beside it.
 
 This module knows nothing about the control plane or the event loop.
 """
@@ -25,13 +39,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from tessera.errors import ConfigError
 
 COST_MODEL_VERSION = 1
+CPU_ROLES = ("retrieval", "generation", "kvpool", "client")  # the roles cpu_per_request_s may name
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,9 @@ class CostModel:
     link_bytes_per_s: float = 1e12
     request_overhead_s: float = 0.0  # outside the node: HTTP, retrieval, routing
     host_slowdown: tuple[float, ...] = ()  # [k - 1]: a step's stretch while k engines of its host are busy
+    host_cores: int = 0  # the cores one host's engines and roles share (0: the host's CPU is not modelled)
+    host_background_cores: float = 0.0  # of those, what the roles keep busy whatever the load (heartbeats, loops)
+    cpu_per_request_s: dict[str, float] = field(default_factory=dict)  # role -> CPU per request outside engines
     version: int = COST_MODEL_VERSION
 
     def __post_init__(self) -> None:
@@ -69,6 +87,13 @@ class CostModel:
         object.__setattr__(self, "host_slowdown", tuple(float(x) for x in self.host_slowdown))  # a JSON list
         if any(x <= 0 for x in self.host_slowdown):
             raise ConfigError(f"cost model {self.name!r}: host_slowdown {self.host_slowdown} must be > 0")
+        unknown = set(self.cpu_per_request_s) - set(CPU_ROLES)
+        if unknown or any(v < 0 for v in self.cpu_per_request_s.values()):
+            raise ConfigError(f"cost model {self.name!r}: cpu_per_request_s {self.cpu_per_request_s} takes roles "
+                              f"{', '.join(CPU_ROLES)} with seconds >= 0")
+        if self.host_cores < 0 or not 0 <= self.host_background_cores < max(self.host_cores, 1):
+            raise ConfigError(f"cost model {self.name!r}: host_cores {self.host_cores} must be >= 0 and "
+                              f"host_background_cores {self.host_background_cores} in [0, host_cores)")
         if self.version != COST_MODEL_VERSION:
             raise ConfigError(f"cost model {self.name!r} has version {self.version}; this Tessera reads "
                               f"version {COST_MODEL_VERSION}: run tessera simulate --calibrate again")
@@ -83,9 +108,17 @@ class CostModel:
 
     def slowdown(self, busy: int) -> float:
         """A step's stretch while ``busy`` engines of its host run (past the measured ones: the last)."""
-        if not self.host_slowdown or busy <= 1:
+        if not self.host_slowdown or busy < 1:
             return 1.0
         return self.host_slowdown[min(busy, len(self.host_slowdown)) - 1]
+
+    def cores_free(self) -> float:
+        """The host's cores left for the engines and the per-request work (0: not modelled)."""
+        return self.host_cores - self.host_background_cores if self.host_cores else 0.0
+
+    def role_cpu_s(self, role: str) -> float:
+        """CPU seconds one request costs ``role`` outside the engine threads (0: not measured)."""
+        return self.cpu_per_request_s.get(role, 0.0)
 
     def transfer_s(self, n_tokens: int) -> float:
         return self.link_latency_s + n_tokens * self.kv_bytes_per_token / self.link_bytes_per_s

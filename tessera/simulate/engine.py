@@ -3,7 +3,8 @@
 Work is queued as the node's :class:`~tessera.generation.scheduler.Scheduler` queues it
 (decodes, requests' extends in chunks of ``max_batch_tokens``, unit prefills) and each batch
 is taken with the same :func:`~tessera.generation.batching.take_batch`. Engines on one host
-(:class:`Host`) stretch each other's steps as the cost model's ``host_slowdown`` says. Per-request engine
+(:class:`Host`) stretch each other's steps as the cost model's ``host_slowdown`` says, and
+share its ``host_cores`` with the other roles' CPU work. Per-request engine
 calls (placing a unit's state) run between batches, in the order they were asked, as they do
 on the node's single engine thread. A step's duration is the cost model's.
 
@@ -38,65 +39,102 @@ class Work:
 
 
 class _Running:
-    __slots__ = ("done", "remaining", "since", "version")
+    __slots__ = ("done", "engine", "remaining", "since", "version")
 
-    def __init__(self, remaining: float, since: float, done: Done) -> None:
+    def __init__(self, remaining: float, since: float, done: Done, engine: bool) -> None:
         self.remaining = remaining  # seconds of work left at full speed, as of ``since``
         self.since = since
         self.done = done
+        self.engine = engine  # an engine step (else another role's CPU work)
         self.version = 0  # end events of older versions are stale
 
 
 class Host:
-    """The machine some nodes' engines share: steps run at 1 / slowdown(k) speed while k are running.
+    """The machine some nodes' engines share, and the CPU work of the roles it runs.
 
-    Processor sharing: when a step starts or ends and the speed changes, every running step's
+    With k engine steps and j other CPU jobs (:meth:`cpu`: a request's retrieval, memory
+    node and event-loop work) running on a host of ``host_cores`` cores, ``host_background_cores``
+    of them taken by the roles' idle work, each gets a share ``min(1, free cores / (k + j))``
+    of a core (0 cores: no limit), and an engine step
+    runs at ``share / host_slowdown[k - 1]`` of its speed alone (shared caches and memory
+    bandwidth), a CPU job at ``share``.
+
+    Processor sharing: when a job starts or ends and the speeds change, every running job's
     remaining work is advanced at the old speed and its end rescheduled at the new one (stale
-    end events are ignored), so two steps that overlap for part of their time are stretched
-    for that part only. Without a slowdown (a GPU per node) nothing is ever rescheduled.
+    end events are ignored), so two jobs that overlap for part of their time are stretched
+    for that part only. Without a slowdown and a core count (a GPU per node) nothing is
+    ever rescheduled.
     """
 
     def __init__(self, loop: EventLoop, costs: CostModel) -> None:
         self.loop = loop
         self.costs = costs
         self._running: list[_Running] = []
+        self.cpu_s = 0.0  # CPU seconds of other roles' work charged here (at full speed)
+        self.engine_cpu_s = 0.0  # CPU seconds the engine steps took: their time on a core, stretch included
+        self.engine_work_by_busy: dict[int, float] = {}  # k -> step seconds (at full speed) run while k were busy
 
     @property
     def busy(self) -> int:
-        return len(self._running)
+        """Engine steps running now."""
+        return sum(r.engine for r in self._running)
 
     def run(self, seconds: float, done: Done) -> None:
-        """A step of ``seconds`` at full speed; ``done`` at its (stretched) end."""
-        before = self._speed(len(self._running))
-        r = _Running(seconds, self.loop.now, done)
+        """An engine step of ``seconds`` at full speed; ``done`` at its (stretched) end."""
+        self._start(_Running(seconds, self.loop.now, done, True))
+
+    def cpu(self, seconds: float, done: Done) -> None:
+        """``seconds`` of another role's CPU work on this host; ``done`` once it has run."""
+        self.cpu_s += seconds
+        self._start(_Running(seconds, self.loop.now, done, False))
+
+    def _speeds(self) -> tuple[float, float]:
+        """(an engine step's speed, a CPU job's speed) with the jobs running now."""
+        k = sum(r.engine for r in self._running)
+        n, cores = len(self._running), self.costs.cores_free()
+        share = min(1.0, cores / n) if cores > 0 and n else 1.0
+        return share / self.costs.slowdown(k), share
+
+    def _start(self, r: _Running) -> None:
+        before = self._speeds()
         self._running.append(r)
-        if self._speed(len(self._running)) != before:
-            self._reschedule(before)
+        after = self._speeds()
+        if after != before:
+            self._reschedule(before, after)
         else:
-            self._schedule(r, before)
+            self._schedule(r, after)
 
-    def _speed(self, k: int) -> float:
-        return 1.0 / self.costs.slowdown(k)
-
-    def _schedule(self, r: _Running, speed: float) -> None:
+    def _schedule(self, r: _Running, speeds: tuple[float, float]) -> None:
         r.version += 1
-        self.loop.after(r.remaining / speed, partial(self._end, r, r.version))
+        self.loop.after(r.remaining / speeds[0 if r.engine else 1], partial(self._end, r, r.version))
 
-    def _reschedule(self, old: float) -> None:
-        """The speed changed: advance every step at the ``old`` speed, then schedule its end at the new one."""
-        now, speed = self.loop.now, self._speed(len(self._running))
+    def _advance(self, r: _Running, speeds: tuple[float, float]) -> None:
+        """``r``'s work done since ``r.since`` at ``speeds``; an engine step's CPU is its time times its core share."""
+        now = self.loop.now
+        done = min(r.remaining, (now - r.since) * speeds[0 if r.engine else 1])
+        r.remaining -= done
+        if r.engine:
+            self.engine_cpu_s += (now - r.since) * speeds[1]  # speeds[1] is the core share
+            k = sum(x.engine for x in self._running)
+            self.engine_work_by_busy[k] = self.engine_work_by_busy.get(k, 0.0) + done
+        r.since = now
+
+    def _reschedule(self, old: tuple[float, float], new: tuple[float, float]) -> None:
+        """The speeds changed: advance every job at its ``old`` speed, then schedule its end at the ``new`` one."""
         for r in self._running:
-            r.remaining = max(0.0, r.remaining - (now - r.since) * old)
-            r.since = now
-            self._schedule(r, speed)
+            self._advance(r, old)
+            self._schedule(r, new)
 
     def _end(self, r: _Running, version: int) -> None:
         if version != r.version:
             return
-        before = self._speed(len(self._running))
+        before = self._speeds()
+        self._advance(r, before)
         self._running.remove(r)
-        if self._running and self._speed(len(self._running)) != before:
-            self._reschedule(before)
+        if self._running:
+            after = self._speeds()
+            if after != before:
+                self._reschedule(before, after)
         r.done()
 
 

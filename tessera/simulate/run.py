@@ -138,6 +138,10 @@ def cluster_figures(run: RunStats, measured_from: float) -> dict[str, Any]:
         "imbalance_requests": max(served) / mean_served if mean_served else 0.0,  # max / mean
         "imbalance_busy": max(busy) / mean_busy if mean_busy else 0.0,
         "mean_utilisation": mean_busy / span,
+        # cores the other roles' CPU work took on average, per host (0 without a measured cpu_per_request_s)
+        "role_cpu_cores": {h: host.cpu_s / span for h, host in sorted(c.hosts.items())},
+        # the engines' CPU (steps and their stretch) per request served, the warm-up's included
+        "engine_cpu_per_request_s": sum(h.engine_cpu_s for h in c.hosts.values()) / max(sum(served), 1),
         "plane_cpu_per_request_us": 1e6 * t.total_s / n_req,
         # the request's own path (route, finalize, started, complete): median and p99 of requests
         "plane_cpu_path_p50_us": 1e6 * float(np.percentile(path, 50)),
