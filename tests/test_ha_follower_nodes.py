@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 from helpers.cluster import StartCluster, signed_get
-from helpers.http import call, wait_for
+from helpers.http import call, ledger_question, wait_for
 from helpers.replicated import leader_index, replicated_config, start_servers
 
 from tessera.config import ClusterConfig
@@ -77,15 +77,6 @@ def _back(c: LocalCluster, victim: Child) -> None:
     c._wait_heard([n.name for n in c.config.generation], timeout=60)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> tuple[int, bool]:
-    """(HTTP status, whether a streamed reply carried an error event) of one request."""
-    body = {"messages": [{"role": "user", "content": f"question {i}: what does the ledger say?"}],
-            "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": stream}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        text = await resp.read()
-        return resp.status, stream and b'"error"' in text
-
-
 def test_through_a_follower_every_request_that_sent_nothing_survives_a_kill_9_of_its_node(
         replicated: tuple[ClusterConfig, LocalCluster]) -> None:
     """Regression: on a follower, a request whose node was killed was retried under the same request id
@@ -97,7 +88,7 @@ def test_through_a_follower_every_request_that_sent_nothing_survives_a_kill_9_of
 
     async def load() -> list[tuple[int, bool]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = [asyncio.create_task(_one(session, follower, i, stream=i % 4 == 0)) for i in range(40)]
+            tasks = [asyncio.create_task(ledger_question(session, follower, i, stream=i % 4 == 0)) for i in range(40)]
             await asyncio.to_thread(wait_for, lambda: _inflight(cfg, 0) >= 8, 60.0, "requests in flight on gen0")
             await asyncio.sleep(1.0)  # well into decoding: gen0 has sent tokens of most of them
             os.kill(victim.proc.pid, signal.SIGKILL)

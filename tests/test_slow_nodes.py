@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from helpers.cluster import StartCluster, cluster_config, signed_get
-from helpers.http import call, wait_for
+from helpers.http import call, ledger_question, wait_for
 
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
@@ -68,15 +68,6 @@ def test_a_prompt_slower_than_the_first_token_timeout_is_served_and_its_node_sta
     assert _alive(cfg) == {"gen0": True, "gen1": True}
 
 
-async def _one(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> tuple[int, bool]:
-    """(HTTP status, whether a streamed reply carried an error event) of one request."""
-    body = {"messages": [{"role": "user", "content": f"question {i}: what does the ledger say?"}],
-            "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": stream}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        text = await resp.read()
-        return resp.status, stream and b'"error"' in text
-
-
 def test_every_request_that_sent_nothing_to_its_client_survives_a_kill_9_of_its_node(
         cluster: tuple[ClusterConfig, LocalCluster]) -> None:
     """Regression: after kill -9 of a node, requests in flight on it that had sent nothing to their
@@ -86,7 +77,8 @@ def test_every_request_that_sent_nothing_to_its_client_survives_a_kill_9_of_its_
 
     async def load() -> list[tuple[int, bool]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = [asyncio.create_task(_one(session, cfg.retrieval_url, i, stream=i % 4 == 0)) for i in range(40)]
+            tasks = [asyncio.create_task(ledger_question(session, cfg.retrieval_url, i, stream=i % 4 == 0))
+                     for i in range(40)]
             await asyncio.to_thread(wait_for, lambda: _inflight(cfg, 0) >= 8, 60.0, "requests in flight on gen0")
             await asyncio.sleep(1.0)  # well into decoding: gen0 has sent tokens of most of them
             os.kill(victim.proc.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from helpers.cluster import signed_get
@@ -87,3 +88,13 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
         yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
+
+
+async def ledger_question(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> tuple[int, bool]:
+    """(HTTP status, whether a streamed reply carried an error event) of one 80-token request,
+    the load the node-failure tests keep in flight while they kill or stop a node."""
+    body = {"messages": [{"role": "user", "content": f"question {i}: what does the ledger say?"}],
+            "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": stream}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        text = await resp.read()
+        return resp.status, stream and b'"error"' in text
