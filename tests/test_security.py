@@ -118,7 +118,7 @@ async def call(p: Plane, method: str, path: str, body: Any = None, *, key: str |
 
 
 @pytest.mark.parametrize("path", ["/control/route", "/control/plan", "/control/kvpool/hello", "/control/publish",
-                                  "/control/invalidate"])
+                                  "/control/invalidate", "/control/suspect", "/control/liveness"])
 async def test_control_rpcs_do_not_exist_on_the_public_port(plane: Plane, path: str) -> None:
     """Regression: /control/route + /control/plan on the public port handed out write grants."""
     status, _ = await call(plane, "POST", path, {"version": V}, key="key-admin", base=plane.url)
@@ -129,7 +129,8 @@ async def test_control_rpcs_do_not_exist_on_the_public_port(plane: Plane, path: 
     ("POST", "/control/route"), ("POST", "/control/plan"), ("POST", "/control/publish"),
     ("POST", "/control/kvpool/hello"), ("POST", "/control/load"), ("POST", "/control/release"),
     ("POST", "/control/residency"), ("POST", "/control/cancel"), ("POST", "/control/invalidate"),
-    ("POST", "/control/complete"), ("GET", "/control/kvpool"), ("GET", "/control/stats"), ("GET", "/control/state")])
+    ("POST", "/control/complete"), ("POST", "/control/suspect"), ("POST", "/control/liveness"),
+    ("GET", "/control/kvpool"), ("GET", "/control/stats"), ("GET", "/control/state")])
 async def test_the_internal_plane_refuses_requests_without_the_secret(plane: Plane, method: str, path: str) -> None:
     """Every internal RPC is a 401 without a valid signature (stats, kvpool list, load, release... alike)."""
     status, body = await call(plane, method, path, {"version": V} if method == "POST" else None)
