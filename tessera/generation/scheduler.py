@@ -99,8 +99,12 @@ class StartDeadline:
     """When a request's first engine step must begin (``time.monotonic()``); shared by its jobs."""
 
     at: float
-    started: bool = False  # one of its jobs entered a batch: it is no longer queued
-    started_at: float | None = None  # time.monotonic() when it did (the request's queueing ended)
+    started_at: float | None = None  # time.monotonic() when one of its jobs entered a batch (queueing ended)
+
+    @property
+    def started(self) -> bool:
+        """One of its jobs entered a batch: it is no longer queued."""
+        return self.started_at is not None
 
 
 @dataclass
@@ -263,7 +267,7 @@ class Scheduler:
             for job in batch:
                 d = job.deadline
                 if d is not None and not d.started:
-                    d.started, d.started_at = True, now
+                    d.started_at = now
         return batch
 
     def _late(self, job: _Job, now: float) -> bool:
