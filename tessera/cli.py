@@ -224,6 +224,9 @@ def bench(
              "tessera=1.5,2,2.5,3 to sweep each system where its curve bends.")] = None,
     requests: Annotated[int, typer.Option(help="Requests per run (the first --warmup share warms up).")] = 60,
     warmup: Annotated[float, typer.Option(help="Share of each run's requests excluded as warm-up.")] = 0.5,
+    warmup_rate: Annotated[float, typer.Option(help="Send the warm-up share at this rate (req/s) instead of each "
+                                               "run's own (0: the run's rate); the measured share starts "
+                                               "once it has drained.")] = 0.0,
     unloaded: Annotated[int, typer.Option(help="Requests measured one at a time for the unloaded TTFT (0: skip).")] = 5,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 1,
     zipf: Annotated[float, typer.Option(help="Zipf exponent of query/unit popularity.")] = 1.0,
@@ -279,7 +282,7 @@ def bench(
                         drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity, trace=trace,
                         arrivals=arrivals, time_scale=time_scale, urls=tuple(url or ()),
                         allow_hosts=tuple(allow_host or ()), api=api, api_key=api_key,
-                        max_concurrency=max_concurrency, timeout_s=timeout)
+                        max_concurrency=max_concurrency, timeout_s=timeout, warmup_rate=warmup_rate)
     with _usage("bench"):
         run_sweep(cfg, opts)
 

@@ -212,6 +212,56 @@ async def test_drained_warm_up_finishes_before_the_first_measured_request() -> N
         assert max(end for _, end in spans[:4]) > min(start for start, _ in spans[4:])  # the test can fail
 
 
+class _PhaseRecorder:
+    """Stands in for the load generator: records each phase's size, rate and arrivals, sends nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, float, list[float] | None]] = []
+
+    async def __call__(self, url: str, requests: list, rate: float, **kw: object) -> list[Result]:
+        arrivals = kw.get("arrivals")
+        self.calls.append((len(requests), rate, None if arrivals is None else list(arrivals)))  # type: ignore[call-overload]
+        return [Result(i, float(i), ttft=0.1, latency=0.1, status=200) for i in range(len(requests))]
+
+
+async def test_warm_up_rate_sends_only_the_warm_up_share_at_its_own_rate(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Issue 25: a warm-up long enough that the measured window's units were seen costs minutes
+    at a low run rate; --warmup-rate sends the warm-up share (also the unloaded reference's) at
+    its own rate, and the measured share at the run's rate, or its recorded times."""
+    import dataclasses
+
+    from tessera.benchmark import runner
+    from tessera.benchmark.endpoints import Endpoint
+    from tessera.benchmark.runner import BenchOptions, run_bench, run_phases
+    from tessera.benchmark.targets import RunningEndpoint
+    from tessera.config_file import load_config
+
+    sent = _PhaseRecorder()
+    monkeypatch.setattr(runner, "run_load", sent)
+    load = synthetic_workload(10, n_units=10).requests
+    opts = BenchOptions(systems=["tessera"], rates=[1.0], progress=False, warmup_frac=0.8, warmup_rate=5.0)
+    results = await run_phases("http://fake", load, 1.0, opts, drain=True)
+    assert sent.calls == [(8, 5.0, None), (2, 1.0, None)]
+    assert [r.index for r in results] == list(range(10))
+    sent.calls.clear()
+    await run_phases("http://fake", load, 1.0, dataclasses.replace(opts, warmup_rate=0.0), drain=True)
+    assert sent.calls == [(8, 1.0, None), (2, 1.0, None)]  # the default: the run's own rate
+    sent.calls.clear()
+    recorded = dataclasses.replace(opts, arrivals=[float(i) for i in range(10)])
+    await run_phases("http://fake", load, 1.0, recorded, drain=True)
+    assert sent.calls == [(8, 5.0, None), (2, 1.0, [0.0, 1.0])]  # the measured share keeps its spacing
+
+    sent.calls.clear()
+    wl = synthetic_workload(10, n_units=10)
+    sweep = dataclasses.replace(opts, rates=[1.0, 2.0], unloaded_requests=2, out_dir=tmp_path)
+    target = RunningEndpoint(Endpoint("tessera", "http://fake", "tessera"))  # opens no connection itself
+    await run_bench(load_config(), wl, sweep, {"tessera": target})
+    # unloaded reference: warm-up at 5 req/s, then 2 one at a time; then each rate's run
+    assert sent.calls == [(8, 5.0, None), (2, 0.0, None), (8, 5.0, None), (2, 1.0, None), (8, 5.0, None),
+                          (2, 2.0, None)]
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, env=child_env(),
                           timeout=120)

@@ -69,6 +69,11 @@ class BenchOptions:
     precompute_embeddings: bool = True
     # measured requests start after the warm-up requests have all completed
     drain_warmup: bool = True
+    # the warm-up share's own Poisson rate (req/s; 0: each run's rate). A long warm-up (enough
+    # requests that the measured window's units have been seen) sent at a low run's rate would
+    # cost minutes per run; only the cache state it leaves matters, not its latency. Needs the
+    # drain, so that the measured share still starts on an idle cluster
+    warmup_rate: float = 0.0
     # skip a system's higher rates once its mean TTFT exceeds this × its unloaded TTFT (0: never)
     saturation_factor: float = 10.0
     # per-system rate lists replacing ``rates`` (each system swept where its curve bends)
@@ -129,19 +134,22 @@ async def run_phases(url: str, load: list[BenchRequest], rate: float, opts: Benc
                      headers: dict[str, str] | None = None) -> list[Result]:
     """Send ``load`` open-loop at ``rate`` (or at ``opts.arrivals``); with ``drain``, the measured
     share starts only after every warm-up request has completed (the results keep the
-    sequence's order either way; a recorded phase keeps its own spacing, from its first arrival)."""
+    sequence's order either way; a recorded phase keeps its own spacing, from its first arrival),
+    and the warm-up share goes at ``opts.warmup_rate`` where one is set."""
     split = int(len(load) * opts.warmup_frac)
     cuts = [(0, split), (split, len(load))] if drain and 0 < split < len(load) else [(0, len(load))]
     results: list[Result] = []
     for n, (a, b) in enumerate(cuts):
         phase = load[a:b]
+        warming = len(cuts) > 1 and n == 0
+        phase_rate = opts.warmup_rate if warming and opts.warmup_rate > 0 else rate
         arrivals = None
-        if opts.arrivals is not None:
+        if opts.arrivals is not None and phase_rate == rate:
             arrivals = [t - opts.arrivals[a] for t in opts.arrivals[a:b]]
-        part = await run_load(url, phase, rate, max_tokens=opts.max_tokens, seed=opts.seed + n,
+        part = await run_load(url, phase, phase_rate, max_tokens=opts.max_tokens, seed=opts.seed + n,
                               # per-unit receipts: the report's reuse efficiency reads them
                               return_layout=True, progress=opts.progress,
-                              desc=f"{rate:g} req/s" + (" warm-up" if len(cuts) > 1 and n == 0 else ""),
+                              desc=f"{phase_rate:g} req/s" + (" warm-up" if warming else ""),
                               embeddings=embeddings, arrivals=arrivals, body_of=body_of,
                               max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s, headers=headers)
         for r in part:
@@ -184,6 +192,7 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
         "workload_notes": workload.notes,
         "requests": len(workload.requests),
         "warmup_frac": opts.warmup_frac,
+        "warmup_rate": opts.warmup_rate or None,
         "max_tokens": opts.max_tokens,
         "rates": opts.rates,
         "systems": {},
@@ -199,12 +208,12 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
         sysrep: dict[str, Any] = {"config": target.description, "rates": rates, "runs": []}
         report["systems"][system] = sysrep
         if opts.unloaded_requests:
-            # the sweep's warm-up requests (open loop at the middle rate: only the cache state
-            # matters, not their latency), then measured requests one at a time
+            # the sweep's warm-up requests (open loop at the warm-up rate, else the middle rate:
+            # only the cache state matters, not their latency), then measured requests one at a time
             _say(f"[{system}] unloaded reference: {opts.unloaded_requests} requests one at a time after warm-up")
             _, serial = await _run_once(
                 target, opts, opts.out_dir / f"logs-{system}-unloaded",
-                load=workload.requests[:split], rate=rates[len(rates) // 2],
+                load=workload.requests[:split], rate=opts.warmup_rate or rates[len(rates) // 2],
                 serial=workload.requests[split:split + opts.unloaded_requests], embeddings=embeddings)
             sysrep["unloaded"] = summarize(serial, 0.0, 0.0)
             _say(f"[{system}] unloaded mean TTFT {sysrep['unloaded'].get('mean', float('nan')):.3f}s")
@@ -216,7 +225,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
                 _say(f"[{system}] rate {rate:g}: skipped (saturated at {saturated_at:g} req/s)")
                 continue
             _say(f"[{system}] rate {rate:g} req/s: {len(workload.requests)} requests "
-                 f"(first {opts.warmup_frac:.0%} warm up)")
+                 f"(first {opts.warmup_frac:.0%} warm up"
+                 + (f" at {opts.warmup_rate:g} req/s)" if opts.warmup_rate > 0 else ")"))
             results, _ = await _run_once(target, opts, opts.out_dir / f"logs-{system}-{rate:g}",
                                          load=workload.requests, rate=rate, embeddings=embeddings)
             summary = summarize(results, opts.warmup_frac, rate)

@@ -59,6 +59,7 @@ class SweepOptions:
     api_key: str = ""
     max_concurrency: int = 0
     timeout_s: float = BENCH_CLIENT_TIMEOUT_S
+    warmup_rate: float = 0.0  # the warm-up share's req/s (0: each run's rate)
 
 
 def _system_rates(specs: tuple[str, ...], systems: list[str]) -> dict[str, list[float]]:
@@ -116,6 +117,8 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
         raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
     if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.saturation < 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --saturation >= 0")
+    if opts.warmup_rate < 0 or (opts.warmup_rate > 0 and not opts.drain_warmup):
+        raise ConfigError("--warmup-rate must be >= 0 (0: each run's rate) and needs --drain-warmup")
     if opts.max_concurrency < 0 or opts.timeout_s <= 0:
         raise ConfigError("--max-concurrency must be >= 0 (0: no bound) and --timeout > 0")
     arrivals = None
@@ -138,7 +141,8 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
                          max_tokens=opts.max_tokens, warmup_frac=opts.warmup, unloaded_requests=opts.unloaded,
                          out_dir=opts.out, dump_trace=opts.dump_trace, seed=opts.seed, drain_warmup=opts.drain_warmup,
                          saturation_factor=opts.saturation, system_rates=system_rates, arrivals=arrivals,
-                         max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s)
+                         max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s,
+                         warmup_rate=opts.warmup_rate)
     report = asyncio.run(run_bench(config, wl, bench, targets))
     for line in format_report(report):
         say(line)
