@@ -270,6 +270,33 @@ def test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99(
     assert re.search(r"generation:gen0 \d+ MB \(shm \d+, local cache \d+, own -?\d+\)", done.stdout), done.stdout
 
 
+def test_bench_profile_stages_each_roles_cpu_for_prefix_caching_and_tessera(
+        tiny_cluster: tuple[ClusterConfig, Path], tmp_path: Path) -> None:
+    """`python bench/profile.py` replays a trace on each system under py-spy and prints CPU per request by stage."""
+    _, path = tiny_cluster
+    out = tmp_path / "profile"
+    done = _run([PYTHON, "bench/profile.py", "--trace", "bench/traces/example.jsonl", "--config", str(path),
+                 "--rate", "4", "--warmup", "0.5", "--request-line", "--sample-rate", "200", "--out", str(out)])
+    for system in ("prefix", "tessera"):
+        assert re.search(rf"^{system}: 4/4 ok, saturation throughput \d+\.\d\d req/s, prompt \d+ tokens/request, "
+                         rf"computed \d+", done.stdout, re.M), done.stdout
+    assert re.search(r"throughput ratio / token ratio \d+\.\d\d \(target >= 0.8\)", done.stdout), done.stdout
+    report = json.loads((out / "profile.json").read_text())
+    assert report["request_line"] is True
+    for run in report["runs"]:
+        gen = run["roles"]["generation-gen0"]
+        # /proc saw the node's CPU, and py-spy's samples split it: the engine's forward among the stages
+        assert gen["cpu_ms_per_request"] > 0 and gen["samples"] > 0, gen
+        assert "engine forward" in gen["stages_ms_per_request"], gen
+        assert sum(gen["stages_ms_per_request"].values()) == pytest.approx(gen["cpu_ms_per_request"])
+        assert (out / f"{run['system']}-generation-gen0.folded").stat().st_size > 0
+    # the replayed trace, with its per-request line, for tessera analyze
+    lines = (out / "trace.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and all("Request id: r0000" in line for line in lines)
+    again = _run([PYTHON, "bench/profile.py", "--restage", "--out", str(out)])
+    assert "throughput ratio / token ratio" in again.stdout
+
+
 @pytest.mark.model
 def test_bench_engine_times_full_and_composed_prefill_on_smollm2() -> None:
     """`python bench/engine.py` prints full prefill (ours and transformers'), unit prefill, each policy and decode."""
