@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	# PATH) and skip, saying why, without them
 	-command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server) >/dev/null 2>&1
 	$(BIN)/python -m pip install -q -e '.[ha]'
+	# multi-host tests (tests/test_hosts.py): a slow link's redirect into the delay proxy is an
+	# nftables rule inside the host's namespace; without nft those tests skip and say why
+	-command -v nft >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq nftables) >/dev/null 2>&1
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -60,6 +60,7 @@ def test_tessera_up_with_two_replicas_serves_chat_on_both_and_stops_on_ctrl_c(ti
     assert not leftover, f"processes of this run still alive: {leftover}"
 
 
+@pytest.mark.slow  # ~40 s; the failover itself is tests/test_ha_failover.py, in the default run
 def test_bench_failover_kills_the_leader_and_prints_its_figures(tiny_model: Path) -> None:
     """`python bench/failover.py`: one kill -9 round on the tiny model, tcp transport, prints its figures, all clean."""
     for missing in (EtcdServer.missing(), PostgresServer.missing()):

@@ -280,6 +280,7 @@ def _chaos(tmp_path: Path, options: ChaosOptions, faults: tuple[str, ...]) -> No
 
 
 @needs_network
+@pytest.mark.slow  # ~60 s; the multi-host harness's faults are each tested above
 def test_a_short_multi_host_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     """Every network fault once across 5 hosts (~40 s of load): replies verified, the checker's invariants hold."""
     _chaos(tmp_path, ChaosOptions(duration_s=40.0, rate=2.0, fault_every_s=7.5, max_tokens=6, seed=1),

@@ -1,4 +1,4 @@
-"""``bench/profile.py``: where a role's CPU goes, staged by the code on each sampled stack (issue 25).
+"""``bench/cpu_profile.py``: where a role's CPU goes, staged by the code on each sampled stack (issue 25).
 
 The staging rules are pure logic over py-spy's folded stacks and are checked on stacks written
 the way py-spy writes them; the README command itself (a real cluster, real py-spy) is run with
@@ -17,7 +17,7 @@ from helpers.cluster import REPO
 
 @pytest.fixture(scope="module")
 def profile() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_profile", REPO / "bench" / "profile.py")
+    spec = importlib.util.spec_from_file_location("bench_cpu_profile", REPO / "bench" / "cpu_profile.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -43,7 +43,7 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "tessera verify": "tests/test_verify.py::test_a_missed_threshold_exits_non_zero",
     "tessera chaos": (SHORT_CHAOS, "tests/test_chaos.py::test_a_replicated_chaos_run_survives_leader_kills_and_pauses"),
     "pytest tests/test_chaos.py": SHORT_CHAOS,
-    "python bench/profile.py": SMOKE + "test_bench_profile_stages_each_roles_cpu_for_prefix_caching_and_tessera",
+    "python bench/cpu_profile.py": SMOKE + "test_bench_profile_stages_each_roles_cpu_for_prefix_caching_and_tessera",
     "python bench/overload.py": SMOKE + "test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99",
     "python bench/engine.py": SMOKE + "test_bench_engine_times_full_and_composed_prefill_on_smollm2",
     "python bench/fidelity.py": "tests/test_first_hour.py::test_bench_fidelity_runs_with_float16_states",

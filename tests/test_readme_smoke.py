@@ -270,12 +270,13 @@ def test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99(
     assert re.search(r"generation:gen0 \d+ MB \(shm \d+, local cache \d+, own -?\d+\)", done.stdout), done.stdout
 
 
+@pytest.mark.slow  # ~40 s: two clusters under py-spy; the staging rules are tests/test_profile_bench.py
 def test_bench_profile_stages_each_roles_cpu_for_prefix_caching_and_tessera(
         tiny_cluster: tuple[ClusterConfig, Path], tmp_path: Path) -> None:
-    """`python bench/profile.py` replays a trace on each system under py-spy and prints CPU per request by stage."""
+    """`python bench/cpu_profile.py` replays a trace on each system under py-spy and prints CPU per request by stage."""
     _, path = tiny_cluster
     out = tmp_path / "profile"
-    done = _run([PYTHON, "bench/profile.py", "--trace", "bench/traces/example.jsonl", "--config", str(path),
+    done = _run([PYTHON, "bench/cpu_profile.py", "--trace", "bench/traces/example.jsonl", "--config", str(path),
                  "--rate", "4", "--warmup", "0.5", "--request-line", "--sample-rate", "200", "--out", str(out)])
     for system in ("prefix", "tessera"):
         assert re.search(rf"^{system}: 4/4 ok, saturation throughput \d+\.\d\d req/s, prompt \d+ tokens/request, "
@@ -293,7 +294,7 @@ def test_bench_profile_stages_each_roles_cpu_for_prefix_caching_and_tessera(
     # the replayed trace, with its per-request line, for tessera analyze
     lines = (out / "trace.jsonl").read_text().splitlines()
     assert len(lines) == 8 and all("Request id: r0000" in line for line in lines)
-    again = _run([PYTHON, "bench/profile.py", "--restage", "--out", str(out)])
+    again = _run([PYTHON, "bench/cpu_profile.py", "--restage", "--out", str(out)])
     assert "throughput ratio / token ratio" in again.stdout
 
 
@@ -363,6 +364,7 @@ def test_bench_control_plane_plans_requests_and_prints_its_rates() -> None:
     assert shares is not None and abs(sum(float(x) for x in shares.groups()) - 100) < 0.5, done.stdout
 
 
+@pytest.mark.slow  # ~30 s under valgrind; the bench itself runs in the default test above
 def test_bench_control_plane_under_callgrind_counts_only_the_plans(tmp_path: Path) -> None:
     """`valgrind --tool=callgrind ... bench/control_plane.py --callgrind` counts the warm requests' plan steps.
 

@@ -1,6 +1,6 @@
 """Where the cycles go at saturation: CPU per request by role and by stage, prefix caching vs Tessera.
 
-    python bench/profile.py --trace T.jsonl [--systems prefix,tessera] [--rate 6] [--warmup 0.5]
+    python bench/cpu_profile.py --trace T.jsonl [--systems prefix,tessera] [--rate 6] [--warmup 0.5]
         [--request-line] [--sample-rate 100] [--config tessera.toml] [--out results/profile]
 
 For each system a fresh cluster (the embedded default config unless ``--config``) replays the
