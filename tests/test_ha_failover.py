@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 from helpers.cluster import StartCluster
 from helpers.http import call, wait_for
-from helpers.replicated import leader_index, leads, replica_child, replicated_config, start_servers
+from helpers.replicated import leader_index, leads, replica_child, replicated_cluster
 
 from tessera.config import ClusterConfig
 from tessera.ha.replicas import replica_config
-from tessera.ha.servers import EtcdServer, PostgresServer
 from tessera.launcher import LocalCluster
 from tessera.messages import (
     ExecuteRequest,
@@ -51,18 +50,8 @@ QUESTIONS = ["Where is the largest reef?", "How is espresso brewed?", "Which mou
 @pytest.fixture(scope="module")
 def replicated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
                start_module_cluster: StartCluster) -> Iterator[tuple[ClusterConfig, LocalCluster]]:
-    for missing in (EtcdServer.missing(), PostgresServer.missing()):
-        if missing:
-            pytest.skip(missing)
-    etcd, pg = start_servers(tmp_path_factory.mktemp("etcd"))
-    try:
-        cfg = replicated_config(str(tiny_model), etcd, pg)
-        cluster = start_module_cluster(cfg, tmp_path_factory.mktemp("replicated"))
+    with replicated_cluster(str(tiny_model), tmp_path_factory, start_module_cluster) as cluster:
         yield cluster.config, cluster
-        cluster.stop()
-    finally:
-        etcd.stop()
-        pg.remove()
 
 
 def url(cfg: ClusterConfig, index: int) -> str:

@@ -14,43 +14,30 @@ import asyncio
 import json
 import os
 import signal
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 
-import aiohttp
 import pytest
 from helpers.cluster import StartCluster, signed_get
-from helpers.http import call, ledger_question, wait_for
-from helpers.replicated import leader_index, replicated_config, start_servers
+from helpers.http import call, kill_mid_load, node_inflight, wait_for
+from helpers.replicated import leader_index, replicated_cluster
 
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.ha.replicas import replica_config
-from tessera.ha.servers import EtcdServer, PostgresServer
 from tessera.launcher import Child, LocalCluster
 
 
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory: pytest.TempPathFactory,
                start_module_cluster: StartCluster) -> Iterator[tuple[ClusterConfig, LocalCluster]]:
-    for missing in (EtcdServer.missing(), PostgresServer.missing()):
-        if missing:
-            pytest.skip(missing)
     # wide enough that 80 decoded tokens of 40 requests keep a node busy for seconds on one thread
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("wide") / "llama", "llama", seed=7, hidden_size=512,
                                   n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=1536)
-    etcd, pg = start_servers(tmp_path_factory.mktemp("etcd"))
-    try:
-        cfg = replicated_config(str(model), etcd, pg, nodes=2, max_inflight=200, connect_timeout_s=2.0,
-                                first_token_timeout_s=2.0, idle_timeout_s=60.0, heartbeat_timeout_s=4.0,
-                                max_queue_wait_s=0.0)
-        cluster = start_module_cluster(cfg, tmp_path_factory.mktemp("replicated"))
+    with replicated_cluster(str(model), tmp_path_factory, start_module_cluster, nodes=2, max_inflight=200,
+                            connect_timeout_s=2.0, first_token_timeout_s=2.0, idle_timeout_s=60.0,
+                            heartbeat_timeout_s=4.0, max_queue_wait_s=0.0) as cluster:
         yield cluster.config, cluster
-        cluster.stop()
-    finally:
-        etcd.stop()
-        pg.remove()
 
 
 def _follower(cfg: ClusterConfig) -> str:
@@ -61,10 +48,6 @@ def _leader_stats(cfg: ClusterConfig) -> dict[str, object]:
     url = replica_config(cfg, leader_index(cfg)).control_url + "/control/stats"
     return json.loads(signed_get(cfg, url))  # type: ignore[no-any-return]
 
-
-def _inflight(cfg: ClusterConfig, i: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{cfg.generation[i].port}/health", timeout=5) as resp:
-        return int(json.loads(resp.read())["inflight"])
 
 
 def _child(c: LocalCluster, node: str) -> Child:
@@ -86,16 +69,8 @@ def test_through_a_follower_every_request_that_sent_nothing_survives_a_kill_9_of
     follower = _follower(cfg)
     victim = _child(c, "gen0")
 
-    async def load() -> list[tuple[int, bool]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = [asyncio.create_task(ledger_question(session, follower, i, stream=i % 4 == 0)) for i in range(40)]
-            await asyncio.to_thread(wait_for, lambda: _inflight(cfg, 0) >= 8, 60.0, "requests in flight on gen0")
-            await asyncio.sleep(1.0)  # well into decoding: gen0 has sent tokens of most of them
-            os.kill(victim.proc.pid, signal.SIGKILL)
-            return await asyncio.gather(*tasks)
-
     try:
-        results = asyncio.run(load())
+        results = asyncio.run(kill_mid_load(follower, cfg, victim.proc.pid))
     finally:
         _back(c, victim)
     # a non-streamed reply sends nothing before its end, and a stream's headers go out with its
@@ -125,7 +100,7 @@ def test_through_a_follower_a_stopped_node_is_left_for_the_leader_to_declare_dea
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
     c._wait_heard([n.name for n in cfg.generation], timeout=60)
-    wait_for(lambda: _inflight(cfg, 1) == 0, what="the stopped node to drop the aborted work")
+    wait_for(lambda: node_inflight(cfg, 1) == 0, what="the stopped node to drop the aborted work")
 
 
 def test_a_node_busy_past_the_slack_is_slow_not_dead_through_a_follower(

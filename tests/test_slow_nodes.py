@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 from helpers.cluster import StartCluster, cluster_config, signed_get
-from helpers.http import call, ledger_question, wait_for
+from helpers.http import call, kill_mid_load
 
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
@@ -41,10 +37,6 @@ def _alive(cfg: ClusterConfig) -> dict[str, bool]:
     stats = json.loads(signed_get(cfg, cfg.control_url + "/control/stats"))
     return {name: node["alive"] for name, node in stats["nodes"].items()}
 
-
-def _inflight(cfg: ClusterConfig, i: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{cfg.generation[i].port}/health", timeout=5) as resp:
-        return int(json.loads(resp.read())["inflight"])
 
 
 def _ask(cfg: ClusterConfig, content: str, **extra: Any) -> tuple[int, Any]:
@@ -75,17 +67,8 @@ def test_every_request_that_sent_nothing_to_its_client_survives_a_kill_9_of_its_
     cfg, c = cluster
     victim = next(ch for ch in c.children if ch.node == "gen0")
 
-    async def load() -> list[tuple[int, bool]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = [asyncio.create_task(ledger_question(session, cfg.retrieval_url, i, stream=i % 4 == 0))
-                     for i in range(40)]
-            await asyncio.to_thread(wait_for, lambda: _inflight(cfg, 0) >= 8, 60.0, "requests in flight on gen0")
-            await asyncio.sleep(1.0)  # well into decoding: gen0 has sent tokens of most of them
-            os.kill(victim.proc.pid, signal.SIGKILL)
-            return await asyncio.gather(*tasks)
-
     try:
-        results = asyncio.run(load())
+        results = asyncio.run(kill_mid_load(cfg.retrieval_url, cfg, victim.proc.pid))
     finally:
         victim.proc.wait()
         c.restart_child(victim, wait_timeout=120)

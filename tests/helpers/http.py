@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -98,3 +101,20 @@ async def ledger_question(session: aiohttp.ClientSession, url: str, i: int, stre
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         text = await resp.read()
         return resp.status, stream and b'"error"' in text
+
+
+def node_inflight(cfg: ClusterConfig, i: int) -> int:
+    """Requests generation node ``i`` is running now (its /health)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cfg.generation[i].port}/health", timeout=5) as resp:
+        return int(json.loads(resp.read())["inflight"])
+
+
+async def kill_mid_load(url: str, cfg: ClusterConfig, pid: int, n: int = 40) -> list[tuple[int, bool]]:
+    """``n`` ledger questions through ``url`` (every fourth streamed); once gen0 runs 8 of them
+    and has decoded for a second, kill -9 ``pid``; each request's (status, error event)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        tasks = [asyncio.create_task(ledger_question(session, url, i, stream=i % 4 == 0)) for i in range(n)]
+        await asyncio.to_thread(wait_for, lambda: node_inflight(cfg, 0) >= 8, 60.0, "requests in flight on gen0")
+        await asyncio.sleep(1.0)  # well into decoding: gen0 has sent tokens of most of them
+        os.kill(pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)

@@ -7,15 +7,19 @@ PostgreSQL as children of this process (:mod:`tessera.ha.servers`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from helpers.cluster import cluster_config, free_port
+import pytest
+
+from helpers.cluster import StartCluster, cluster_config, free_port
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig, HAConfig
 from tessera.ha.replicas import replica_config
@@ -84,3 +88,21 @@ def leader_index(config: ClusterConfig, timeout: float = 60.0) -> int:
 
 def start_servers(directory: Path) -> tuple[EtcdServer, PostgresServer]:
     return EtcdServer(directory).start(), PostgresServer().start()
+
+
+@contextlib.contextmanager
+def replicated_cluster(model: str, tmp_path_factory: pytest.TempPathFactory, start: StartCluster,
+                       **config: Any) -> Iterator[LocalCluster]:
+    """A replicated cluster of ``model`` (``replicated_config`` with ``config``) over an etcd and a
+    PostgreSQL of its own, all stopped on exit; skips, saying why, without their server binaries."""
+    for missing in (EtcdServer.missing(), PostgresServer.missing()):
+        if missing:
+            pytest.skip(missing)
+    etcd, pg = start_servers(tmp_path_factory.mktemp("etcd"))
+    try:
+        cluster = start(replicated_config(model, etcd, pg, **config), tmp_path_factory.mktemp("replicated"))
+        yield cluster
+        cluster.stop()
+    finally:
+        etcd.stop()
+        pg.remove()
