@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.benchmark.client import Result, run_load
+from tessera.benchmark.report import summarize
 from tessera.benchmark.runner import SYSTEMS, system_config
 from tessera.benchmark.traffic import TraceRequest, UnitTexts, read_traffic, trace_workload, write_traffic
 from tessera.benchmark.workloads import Workload
@@ -209,7 +210,6 @@ async def profile_system(system: str, base: Any, wl: Workload, args: argparse.Na
         print(f"[{system}] {sum(failed.values())} requests failed: {dict(failed)}", file=sys.stderr)
     if not ok:
         raise SystemExit(f"[{system}] no request succeeded: {sorted({r.error or r.status for r in results})}")
-    span = max(r.sent_at + (r.latency or 0.0) for r in ok) - min(r.sent_at for r in ok)
     roles: dict[str, Any] = {}
     for name in procs:
         cpu = _delta(after[name], before[name])
@@ -224,7 +224,8 @@ async def profile_system(system: str, base: Any, wl: Workload, args: argparse.Na
         }
     prompt = sum(int(r.usage.get("prompt_tokens", 0)) for r in ok)
     return {"system": system, "requests": len(results), "ok": len(ok), "wall_s": wall,
-            "throughput": len(ok) / span, "prompt_tokens_per_request": prompt / len(ok),
+            "throughput": summarize(results, 0.0, args.rate)["throughput"],
+            "prompt_tokens_per_request": prompt / len(ok),
             "computed_tokens_per_request": sum(computed_tokens(r) for r in ok) / len(ok), "roles": roles}
 
 
