@@ -7,9 +7,10 @@ For each system a fresh cluster (the embedded default config unless ``--config``
 traffic trace: the first ``--warmup`` share of its requests warms the caches, then the rest is
 sent as Poisson arrivals at ``--rate`` (pick one above both systems' saturation, so the nodes
 never idle) while `py-spy <https://github.com/benfred/py-spy>`_ samples every role's process.
-A role's CPU is read from ``/proc`` (exact, per thread); py-spy's samples only split it into
-stages by the code on the stack (:data:`STAGES`: the first rule that matches a frame, from the
-innermost frame out, names the sample's stage). Prints, per system, the saturation throughput,
+A role's CPU is read from ``/proc`` (exact; the engine thread's apart, as ``tessera simulate
+--calibrate-cpu`` reads it); py-spy's samples only split it into stages by the code on the
+stack (:data:`CONTEXT` rules anywhere on the stack first, then :data:`STAGES` from the
+innermost frame out). Prints, per system, the saturation throughput,
 the prompt tokens computed per request, and each role's CPU milliseconds per request by stage;
 then the throughput ratio against the ratio of computed prompt tokens (the issue's target:
 >= 0.8 of it). ``OUT/profile.json`` keeps the figures, ``OUT/SYSTEM-ROLE.folded`` the raw stacks
@@ -26,14 +27,13 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,10 @@ from tessera.benchmark.workloads import Workload
 from tessera.config_file import load_config
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import load_tokenizer
+from tessera.generation.scheduler import ENGINE_THREAD
 from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from tessera.simulate.hostcpu import process_cpu
 
 # What a sample's stack was doing. A CONTEXT rule matches a frame anywhere on the stack and
 # wins (the first rule that matches): the torch and rope calls under a placement are the
@@ -112,24 +112,6 @@ def with_request_lines(requests: list[TraceRequest]) -> list[TraceRequest]:
     return out
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, summed by thread name."""
-    out: dict[str, float] = defaultdict(float)
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue  # a thread that ended meanwhile
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[name] += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return dict(out)
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
-
-
 def read_folded(path: Path) -> Counter[str]:
     """Samples per stage from a py-spy ``--format raw`` file (``frame;frame;... count`` lines)."""
     stages: Counter[str] = Counter()
@@ -175,7 +157,7 @@ async def profile_system(system: str, base: Any, wl: Workload, args: argparse.Na
         await run_load(url, wl.requests[:split], args.rate, seed=args.seed, desc=f"{system} warm-up",
                        max_concurrency=args.max_concurrency)
         procs = {f"{c.role}-{c.node}": c.proc.pid for c in cluster.children}
-        before = {name: thread_cpu(pid) for name, pid in procs.items()}
+        before = {name: process_cpu(pid) for name, pid in procs.items()}
         spies = {}
         for name, pid in procs.items():
             out = args.out / f"{system}-{name}.folded"
@@ -190,7 +172,7 @@ async def profile_system(system: str, base: Any, wl: Workload, args: argparse.Na
         results = await run_load(url, wl.requests[split:], args.rate, seed=args.seed + 1, desc=system,
                                  max_concurrency=args.max_concurrency)
         wall = time.perf_counter() - t0
-        after = {name: thread_cpu(pid) for name, pid in procs.items()}
+        after = {name: process_cpu(pid) for name, pid in procs.items()}
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)
         for name, spy in spies.items():
@@ -212,8 +194,9 @@ async def profile_system(system: str, base: Any, wl: Workload, args: argparse.Na
         raise SystemExit(f"[{system}] no request succeeded: {sorted({r.error or r.status for r in results})}")
     roles: dict[str, Any] = {}
     for name in procs:
-        cpu = _delta(after[name], before[name])
-        total = sum(cpu.values())
+        total = after[name].total_s - before[name].total_s
+        engine = after[name].engine_s - before[name].engine_s
+        cpu = {ENGINE_THREAD: engine, "other threads": total - engine} if engine > 0 else {"all threads": total}
         samples = read_folded(args.out / f"{system}-{name}.folded")
         n = sum(samples.values())
         roles[name] = {
