@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
+
 import pytest
 import torch
 from helpers.kvpool import BLOCK_TOKENS, TINY_GEOMETRY, random_state, tiny_layout
 
+from tessera.auth import block_mac_key
 from tessera.engines.base import DTYPES
 from tessera.engines.geometry import KV_ITEMSIZE
 from tessera.errors import ChecksumMismatch
@@ -67,14 +71,35 @@ def test_header_names_unit_epoch_index_and_token_counts() -> None:
     assert h.payload_len == 2 * TINY_GEOMETRY.token_bytes
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["crc", "mac"])
 @pytest.mark.parametrize("offset", [0, 9, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 100, -1])
-def test_a_flipped_byte_anywhere_in_a_block_is_detected(offset: int) -> None:
-    """Header or payload corruption fails verification with ChecksumMismatch."""
+def test_a_flipped_byte_anywhere_in_a_block_is_detected(offset: int, signed: bool) -> None:
+    """Header or payload corruption fails verification with ChecksumMismatch: by the payload's
+    CRC-32 without a cluster secret, by the MAC alone with one (the reader skips the CRC there)."""
     layout = tiny_layout()
+    if signed:
+        layout = dataclasses.replace(layout, mac_key=block_mac_key(b"s" * 32))
     blocks = encode_unit(layout, random_state(8), UNIT, epoch=3)
     blocks[1][offset] ^= 0x40
     with pytest.raises(ChecksumMismatch):
         decode_unit(layout, blocks, UNIT, 3, 8)
+
+
+def test_a_signed_blocks_payload_corruption_is_the_macs_to_find() -> None:
+    """With a secret the reader verifies the MAC, not the CRC: a payload flip reads as a MAC mismatch,
+    and the writer still fills the CRC a restarted memory node checks its blocks with."""
+    layout = dataclasses.replace(tiny_layout(), mac_key=block_mac_key(b"s" * 32))
+    blocks = encode_unit(layout, random_state(8), UNIT, epoch=3)
+    h = BlockHeader.unpack(blocks[1])
+    assert h.payload_crc == zlib.crc32(blocks[1][HEADER_BYTES:HEADER_BYTES + h.payload_len])
+    blocks[1][HEADER_BYTES + 5] ^= 0x01
+    with pytest.raises(ChecksumMismatch, match="MAC mismatch"):
+        decode_unit(layout, blocks, UNIT, 3, 8)
+    unsigned = tiny_layout()
+    plain = encode_unit(unsigned, random_state(8), UNIT, epoch=3)
+    plain[1][HEADER_BYTES + 5] ^= 0x01
+    with pytest.raises(ChecksumMismatch, match="crc32"):
+        decode_unit(unsigned, plain, UNIT, 3, 8)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from helpers.engines import LLAMA3_SCALING, max_diff, random_tokens, tiny_engine
 from tessera.engines.base import Extend, UnitPrefill
 from tessera.engines.reference import ReferenceEngine, TorchSlots
 from tessera.engines.rope import apply_rope
-from tessera.kernels.rope import rope_place
+from tessera.kernels.rope import rope_place, rope_place_span
 
 ROPES = pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])
 
@@ -98,6 +98,25 @@ def test_paged_placement_writes_rows_given_by_slots() -> None:
     rope_place(src, positions, cos, sin, dst, backend="torch", slots=slots)
     assert max_diff(dst[:, slots], apply_rope(src, cos[positions][:, None], sin[positions][:, None])) < 1e-6
     assert torch.count_nonzero(dst[:, 10:16]) == 0
+
+
+def test_a_span_placement_equals_the_positions_one_and_stays_inside_its_rows() -> None:
+    """rope_place_span (the reference engine's path: position p in row p) writes exactly what
+    rope_place writes for the same contiguous positions, from a strided fp16 view, bit for bit,
+    touches no other row, and refuses a span past dst or the tables."""
+    g = torch.Generator().manual_seed(2)
+    angles = torch.randn(64, 4, generator=g)
+    cos, sin = torch.cat((angles.cos(),) * 2, 1), torch.cat((angles.sin(),) * 2, 1)
+    src = torch.randn(3, 20, 2, 8, generator=g).half()[:, 4:13]
+    by_positions, by_span = torch.zeros(3, 40, 2, 8), torch.zeros(3, 40, 2, 8)
+    rope_place(src, torch.arange(17, 26), cos, sin, by_positions, backend="torch")
+    rope_place_span(src, 17, cos, sin, by_span)
+    assert torch.equal(by_span, by_positions)
+    assert max_diff(by_span[:, 17:26], apply_rope(src.float(), cos[17:26][:, None], sin[17:26][:, None])) < 1e-6
+    assert torch.count_nonzero(by_span[:, :17]) == 0 and torch.count_nonzero(by_span[:, 26:]) == 0
+    for start in (-1, 32):
+        with pytest.raises(ValueError, match="outside dst"):
+            rope_place_span(src, start, cos, sin, by_span)
 
 
 @pytest.mark.parametrize(

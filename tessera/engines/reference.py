@@ -33,7 +33,7 @@ from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
 from tessera.engines.weights import ModelSpec
 from tessera.errors import BadRequest, ConfigError
-from tessera.kernels.rope import rope_place
+from tessera.kernels.rope import rope_place_span
 from tessera.units import ServingFingerprint
 
 DEFAULT_PREFIX_CACHE_TOKENS = 16384
@@ -101,8 +101,7 @@ class ReferenceEngine(EngineAdapter):
         check_state(state, self.geometry, self.kv_dtype, s.keys.device)
         state = to_device(state, s.keys.device)
         self.model.rope.ensure(offset + n)
-        positions = torch.arange(offset, offset + n, device=s.keys.device)
-        rope_place(state.keys, positions, self.model.rope.cos, self.model.rope.sin, s.keys)
+        rope_place_span(state.keys, offset, self.model.rope.cos, self.model.rope.sin, s.keys)
         s.values[:, offset:offset + n].copy_(state.values)
 
     # --- forward --------------------------------------------------------------------------

@@ -8,8 +8,9 @@ KV head ``h``::
 with ``p = positions[t]``. ``slots`` defaults to ``positions`` (position p lives in slot p, as
 in the reference engine's per-request slots); a paged KV pool passes the physical slot of
 each position instead. ``src`` is in the storage dtype of the
-reusable form, ``dst`` and the tables in the compute dtype; the conversion happens on the fly,
-so no widened copy of the unit is ever materialised. cos/sin come from
+reusable form, ``dst`` and the tables in the compute dtype; the Triton kernel converts on the
+fly, the torch path widens straight into ``dst`` (or the paged engine's gathered rows) and
+rotates there, so no widened copy of the unit is made beside it. cos/sin come from
 :class:`tessera.engines.rope.RopeTable`, which already carries any rope scaling.
 
 Three pieces, as for every kernel here: the Triton kernel (GPU; also runs under
@@ -30,16 +31,26 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      dst: torch.Tensor, slots: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` naming the offending argument unless the launch is well-formed."""
+    _check_tensors(src, cos, sin, dst)
+    n_tokens = src.shape[1]
+    if positions.shape != (n_tokens,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32/int64 of shape ({n_tokens},); "
+                         f"got {positions.dtype} {tuple(positions.shape)}")
+    if slots is not None and (slots.shape != (n_tokens,) or slots.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"slots must be int32/int64 of shape ({n_tokens},); got {slots.dtype} {tuple(slots.shape)}")
+    devices = {t.device for t in (src, positions, cos, sin, dst, *(() if slots is None else (slots,)))}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+
+
+def _check_tensors(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor) -> None:
     if src.dim() != 4 or dst.dim() != 4:
         raise ValueError(f"src and dst must be [L, T, H, D] / [L, S, H, D]; got {tuple(src.shape)}, {tuple(dst.shape)}")
-    n_layers, n_tokens, n_heads, head_dim = src.shape
+    n_layers, _, n_heads, head_dim = src.shape
     if (dst.shape[0], dst.shape[2], dst.shape[3]) != (n_layers, n_heads, head_dim):
         raise ValueError(f"dst {tuple(dst.shape)} does not match src {tuple(src.shape)} in L, H or D")
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
-    if positions.shape != (n_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 of shape ({n_tokens},); "
-                         f"got {positions.dtype} {tuple(positions.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
         raise ValueError(f"cos/sin must be [P, {head_dim}]; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if src.dtype not in FLOAT_DTYPES or dst.dtype not in FLOAT_DTYPES:
@@ -48,16 +59,11 @@ def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         raise ValueError(f"cos/sin must be in the compute dtype {dst.dtype}; got {cos.dtype}")
     if src.stride(-1) != 1 or dst.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("the head dimension must be contiguous (stride 1) in src, dst, cos and sin")
-    if slots is not None and (slots.shape != (n_tokens,) or slots.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"slots must be int32/int64 of shape ({n_tokens},); got {slots.dtype} {tuple(slots.shape)}")
-    devices = {t.device for t in (src, positions, cos, sin, dst, *(() if slots is None else (slots,)))}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
 def rope_place_torch(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      dst: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-    """Torch reference (and the CPU path): writes through views of ``dst``, no widened temporaries."""
+    """Torch reference (and the CPU path): writes through views of ``dst`` (a half-row temporary only)."""
     n = src.shape[1]
     if slots is not None:
         out = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=dst.dtype, device=dst.device)
@@ -76,21 +82,53 @@ def rope_place_torch(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = x * cos + rotate_half(x) * sin`` in four elementwise ops, no temporaries.
+    """``out = x * cos + rotate_half(x) * sin``; across dtypes one converting copy, then the rotation in place.
 
     cos/sin have duplicated halves (``[..., D]``) and broadcast to ``x``; ``out`` may be a strided
-    view (e.g. slots) and may have a wider dtype than ``x`` (the conversion is fused).
+    view (e.g. slots), may have a wider dtype than ``x`` and must not overlap it. The only
+    temporary is one half of ``out``. Why this order: on CPU a mixed-dtype op (fp16 ``x``
+    times fp32 tables) runs a slower casting loop, so widening ``x`` once into ``out`` and
+    rotating in the compute dtype is 17-38% faster for 20-260-token units (bench/cpu_profile.py
+    counted placement as Tessera's largest added stage).
     """
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
-    x1, x2 = x[..., :half], x[..., half:]
     o1, o2 = out[..., :half], out[..., half:]
-    # rotate_half(x) = [-x2, x1]
-    torch.mul(x1, c, out=o1)
-    o1.addcmul_(x2, s, value=-1)
-    torch.mul(x2, c, out=o2)
-    o2.addcmul_(x1, s)
+    if x.dtype == out.dtype:
+        # one dtype (the model's own q/k): four ops straight from x, no copy at all
+        x1, x2 = x[..., :half], x[..., half:]
+        torch.mul(x1, c, out=o1)
+        o1.addcmul_(x2, s, value=-1)
+        torch.mul(x2, c, out=o2)
+        o2.addcmul_(x1, s)
+        return out
+    out.copy_(x)
+    x1 = o1.clone()
+    # rotate_half(x) = [-x2, x1]:  o1 = x1 c - x2 s,  o2 = x2 c + x1 s
+    o1.mul_(c).addcmul_(o2, s, value=-1)
+    o2.mul_(c).addcmul_(x1, s)
     return out
+
+
+def rope_place_span(src: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor) -> None:
+    """:func:`rope_place` for positions ``start .. start+T-1`` into the same rows of ``dst``.
+
+    The per-request slots of the reference engine hold position p in row p, so a unit's span
+    is one slice: no positions tensor is built, checked and compared on the placement path.
+    """
+    _check_tensors(src, cos, sin, dst)
+    n = src.shape[1]
+    if not 0 <= start <= min(dst.shape[1], cos.shape[0]) - n:
+        raise ValueError(f"span {start}..{start + n - 1} is outside dst ({dst.shape[1]} rows) "
+                         f"or the rope tables ({cos.shape[0]} rows)")
+    if len({src.device, cos.device, sin.device, dst.device}) != 1:
+        raise ValueError("all tensors must be on one device")
+    if n == 0:
+        return
+    if dst.is_cuda and triton_available():
+        rope_place_triton(src, torch.arange(start, start + n, device=dst.device), cos, sin, dst)
+        return
+    rotate_into(src, cos[start:start + n, None], sin[start:start + n, None], dst[:, start:start + n])
 
 
 @functools.cache
