@@ -9,8 +9,9 @@ with ``p = positions[t]``. ``slots`` defaults to ``positions`` (position p lives
 in the reference engine's per-request slots); a paged KV pool passes the physical slot of
 each position instead. ``src`` is in the storage dtype of the
 reusable form, ``dst`` and the tables in the compute dtype; the Triton kernel converts on the
-fly, the torch path widens straight into ``dst`` (or the paged engine's gathered rows) and
-rotates there, so no widened copy of the unit is made beside it. cos/sin come from
+fly; the torch path widens the unit straight into ``dst`` and rotates it there when its
+positions are contiguous rows, else into one temporary that is then scattered to its rows
+(scattered positions, a paged pool's slots). cos/sin come from
 :class:`tessera.engines.rope.RopeTable`, which already carries any rope scaling.
 
 Three pieces, as for every kernel here: the Triton kernel (GPU; also runs under
@@ -38,7 +39,11 @@ def check_place_args(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                          f"got {positions.dtype} {tuple(positions.shape)}")
     if slots is not None and (slots.shape != (n_tokens,) or slots.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"slots must be int32/int64 of shape ({n_tokens},); got {slots.dtype} {tuple(slots.shape)}")
-    devices = {t.device for t in (src, positions, cos, sin, dst, *(() if slots is None else (slots,)))}
+    _check_one_device(src, positions, cos, sin, dst, *(() if slots is None else (slots,)))
+
+
+def _check_one_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
@@ -63,7 +68,8 @@ def _check_tensors(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst:
 
 def rope_place_torch(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      dst: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-    """Torch reference (and the CPU path): writes through views of ``dst`` (a half-row temporary only)."""
+    """Torch reference (and the CPU path): contiguous positions are rotated in place in their
+    rows of ``dst``; scattered positions or slots go through one temporary of the unit's size."""
     n = src.shape[1]
     if slots is not None:
         out = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=dst.dtype, device=dst.device)
@@ -74,7 +80,7 @@ def rope_place_torch(src: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     contiguous = n > 0 and int(positions[-1]) - start == n - 1 and bool(
         (positions == torch.arange(start, start + n, device=positions.device)).all())
     if contiguous:
-        rotate_into(src, cos[start:start + n, None], sin[start:start + n, None], dst[:, start:start + n])
+        _rotate_rows(src, start, cos, sin, dst)
     else:
         out = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=dst.dtype, device=dst.device)
         rotate_into(src, cos[positions, None], sin[positions, None], out)
@@ -121,13 +127,18 @@ def rope_place_span(src: torch.Tensor, start: int, cos: torch.Tensor, sin: torch
     if not 0 <= start <= min(dst.shape[1], cos.shape[0]) - n:
         raise ValueError(f"span {start}..{start + n - 1} is outside dst ({dst.shape[1]} rows) "
                          f"or the rope tables ({cos.shape[0]} rows)")
-    if len({src.device, cos.device, sin.device, dst.device}) != 1:
-        raise ValueError("all tensors must be on one device")
+    _check_one_device(src, cos, sin, dst)
     if n == 0:
         return
     if dst.is_cuda and triton_available():
         rope_place_triton(src, torch.arange(start, start + n, device=dst.device), cos, sin, dst)
         return
+    _rotate_rows(src, start, cos, sin, dst)
+
+
+def _rotate_rows(src: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor) -> None:
+    """Positions ``start .. start+T-1`` rotated into the same rows of ``dst`` (a view: no scatter)."""
+    n = src.shape[1]
     rotate_into(src, cos[start:start + n, None], sin[start:start + n, None], dst[:, start:start + n])
 
 
