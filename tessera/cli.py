@@ -1,4 +1,4 @@
-"""Command line: ``tessera run | up | bench | simulate | analyze | eval | verify``."""
+"""Command line: ``tessera run | up | bench | report | simulate | analyze | eval | verify``."""
 
 from __future__ import annotations
 
@@ -285,6 +285,22 @@ def bench(
                         max_concurrency=max_concurrency, timeout_s=timeout, warmup_rate=warmup_rate)
     with _usage("bench"):
         run_sweep(cfg, opts)
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="tessera bench --out folders (or their bench.json), in order.")],
+    out: Annotated[Path | None, typer.Option(help="Write the merged bench.json and plots here (default: only "
+                                             "print).")] = None,
+    keep: Annotated[str, typer.Option(help="When two runs measured one system at one rate (or both have its "
+                                      "unloaded reference): error, first or last (which file counts).")] = "error",
+) -> None:
+    """Print one report over several tessera bench runs of one workload (a sweep and its extensions): each
+    system's rows from every run, and the targets computed over their union."""
+    from tessera.benchmark.merge import run_report
+
+    with _usage("report"):
+        run_report(runs, out, keep)
 
 
 @app.command()

@@ -39,6 +39,8 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "python bench/scale.py":
         "tests/test_simulate.py::test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep",
     "tessera analyze": "tests/test_benchmark.py::test_analyze_cli_prints_the_classification",
+    "tessera report": "tests/test_bench_merge.py::"
+                      "test_tessera_report_merges_runs_writes_the_merged_report_and_refuses_bad_input",
     "tessera eval": SMOKE + "test_tessera_eval_scores_each_policy_against_gold_answers_and_full",
     "tessera verify": "tests/test_verify.py::test_a_missed_threshold_exits_non_zero",
     "tessera chaos": (SHORT_CHAOS, "tests/test_chaos.py::test_a_replicated_chaos_run_survives_leader_kills_and_pauses"),

@@ -252,15 +252,33 @@ def format_report(report: dict[str, Any]) -> list[str]:
 
         lines.append(f"\nunloaded mean TTFT: prefix {f(c.get('baseline_unloaded_ttft'))}s, "
                      f"tessera {f(c.get('system_unloaded_ttft'))}s")
-        lines.append(f"rate where prefix reaches 3x its unloaded TTFT: {f(c.get('rate_baseline_at_3x_unloaded'))} "
-                     f"req/s; there prefix {f(c.get('baseline_mean_at_knee'))}s vs tessera "
-                     f"{f(c.get('system_mean_at_knee'))}s -> {f(c.get('ttft_reduction_at_knee'))}x lower"
-                     + goal(0))
+        if c.get("rate_baseline_at_3x_unloaded") is not None:
+            lines.append(f"rate where prefix reaches 3x its unloaded TTFT: {f(c.get('rate_baseline_at_3x_unloaded'))} "
+                         f"req/s; there prefix {f(c.get('baseline_mean_at_knee'))}s vs tessera "
+                         f"{f(c.get('system_mean_at_knee'))}s -> {f(c.get('ttft_reduction_at_knee'))}x lower"
+                         + goal(0))
+        else:
+            lines.append("rate where prefix reaches 3x its unloaded TTFT: " + _not_reached(report, c))
         lines.append(f"highest rate with mean TTFT <= 2x unloaded: prefix {f(c.get('baseline_sustained_rate'))}, "
                      f"tessera {f(c.get('system_sustained_rate'))} req/s -> {f(c.get('sustained_rate_ratio'))}x"
                      + goal(1))
     lines += [f"plot: {p}" for p in report.get("plots", [])]
     return lines
+
+
+def _not_reached(report: dict[str, Any], c: dict[str, Any]) -> str:
+    """The knee line when prefix caching never reached 3x its unloaded TTFT: how far it got."""
+    systems = report.get("systems") or {}
+    runs = [r for r in (systems.get("prefix") or {}).get("runs", []) if "mean" in r]
+    unloaded = c.get("baseline_unloaded_ttft")
+    if not runs or not unloaded:
+        return "not measured (no measured prefix rate)"
+    top = max(runs, key=lambda r: r["rate"])
+    ours = next((r["mean"] for r in (systems.get("tessera") or {}).get("runs", [])
+                 if r.get("rate") == top["rate"] and "mean" in r), None)
+    there = f"; tessera {ours:.2f}s there -> {top['mean'] / ours:.2f}x lower" if ours else ""
+    return (f"not reached by {top['rate']:g} req/s, prefix's highest rate ({top['mean']:.2f}s there, "
+            f"{top['mean'] / unloaded:.1f}x its unloaded){there}; no knee figure")
 
 
 def format_demo(report: dict[str, Any]) -> list[str]:
