@@ -149,6 +149,13 @@ def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tes
         out["system_mean_at_knee"] = s_at
         if b_at and s_at:
             out["ttft_reduction_at_knee"] = b_at / s_at
+    elif measured := [r for r in systems[baseline]["runs"] if "mean" in r]:
+        # no knee in the rates swept: how far the baseline got, at its highest measured rate
+        top = max(measured, key=lambda r: r["rate"])
+        out["baseline_top_rate"] = top["rate"]
+        out["baseline_mean_at_top"] = top["mean"]
+        out["system_mean_at_baseline_top"] = next(
+            (r["mean"] for r in systems[system]["runs"] if r.get("rate") == top["rate"] and "mean" in r), None)
     b_sus = sustained_rate(b_rates, b_means, 2 * b_unloaded)
     s_sus = sustained_rate(s_rates, s_means, 2 * s_unloaded)
     out["baseline_sustained_rate"] = b_sus
@@ -258,7 +265,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
                          f"{f(c.get('system_mean_at_knee'))}s -> {f(c.get('ttft_reduction_at_knee'))}x lower"
                          + goal(0))
         else:
-            lines.append("rate where prefix reaches 3x its unloaded TTFT: " + _not_reached(report, c))
+            lines.append("rate where prefix reaches 3x its unloaded TTFT: " + _not_reached(c))
         lines.append(f"highest rate with mean TTFT <= 2x unloaded: prefix {f(c.get('baseline_sustained_rate'))}, "
                      f"tessera {f(c.get('system_sustained_rate'))} req/s -> {f(c.get('sustained_rate_ratio'))}x"
                      + goal(1))
@@ -266,19 +273,15 @@ def format_report(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _not_reached(report: dict[str, Any], c: dict[str, Any]) -> str:
+def _not_reached(c: dict[str, Any]) -> str:
     """The knee line when prefix caching never reached 3x its unloaded TTFT: how far it got."""
-    systems = report.get("systems") or {}
-    runs = [r for r in (systems.get("prefix") or {}).get("runs", []) if "mean" in r]
-    unloaded = c.get("baseline_unloaded_ttft")
-    if not runs or not unloaded:
+    top, mean, unloaded = c.get("baseline_top_rate"), c.get("baseline_mean_at_top"), c.get("baseline_unloaded_ttft")
+    if top is None or mean is None or not unloaded:
         return "not measured (no measured prefix rate)"
-    top = max(runs, key=lambda r: r["rate"])
-    ours = next((r["mean"] for r in (systems.get("tessera") or {}).get("runs", [])
-                 if r.get("rate") == top["rate"] and "mean" in r), None)
-    there = f"; tessera {ours:.2f}s there -> {top['mean'] / ours:.2f}x lower" if ours else ""
-    return (f"not reached by {top['rate']:g} req/s, prefix's highest rate ({top['mean']:.2f}s there, "
-            f"{top['mean'] / unloaded:.1f}x its unloaded){there}; no knee figure")
+    ours = c.get("system_mean_at_baseline_top")
+    there = f"; tessera {ours:.2f}s there -> {mean / ours:.2f}x lower" if ours else ""
+    return (f"not reached by {top:g} req/s, prefix's highest rate ({mean:.2f}s there, "
+            f"{mean / unloaded:.1f}x its unloaded){there}; no knee figure")
 
 
 def format_demo(report: dict[str, Any]) -> list[str]:
