@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.plane import B, Cluster
 
-from tessera.control.pace import first_token_deadline_s
+from tessera.control.pace import UNMEASURED_PREFILL_TOKENS_PER_S, first_token_deadline_s
 from tessera.engines.base import UnitState
 from tessera.errors import Overloaded, Unavailable
 from tessera.generation.retention import Retainer
@@ -276,6 +276,7 @@ def test_the_first_token_deadline_follows_the_prompt_and_the_queue_at_the_measur
     the node's reported prefill rate plus its queue, with first_token_timeout_s as the slack."""
     c = Cluster(nodes=1, heartbeat_timeout_s=1000.0)
     node = c.plane.generation_node("gen0")
-    assert first_token_deadline_s(node, 7000, 60.0) == 60.0  # nothing measured yet: the slack alone
+    # nothing measured yet: priced at a slow CPU's rate (the slack alone refused a fresh node's first long prompt)
+    assert first_token_deadline_s(node, 7000, 60.0) == pytest.approx(60.0 + 7000 / UNMEASURED_PREFILL_TOKENS_PER_S)
     c.plane.load(LoadReport(WIRE_VERSION, "gen0", inflight=1, queued_tokens=1000, prefill_tokens_per_s=100.0))
     assert first_token_deadline_s(node, 7000, 60.0) == pytest.approx(60.0 + 8000 / 100.0)

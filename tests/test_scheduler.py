@@ -25,7 +25,8 @@ async def scheduler(engine: Any, max_batch_tokens: int) -> AsyncIterator[Schedul
 
 
 async def _slots(s: Scheduler, n: int = 64) -> KVSlots:
-    return await s.allocate(n)
+    slots, _ = await s.begin(n, ())
+    return slots
 
 
 def _extend(s: Scheduler, slots: KVSlots, n: int, start: int = 0) -> asyncio.Task[Any]:

@@ -6,8 +6,10 @@ that as a dead node (the request was retried elsewhere, missed again, and both n
 routing). So the deadline follows the work: the request's prompt tokens and the tokens
 queued ahead of it, at the prefill rate the node measured and reports with its heartbeat,
 plus the node's expected queueing (:meth:`GenerationMember.expected_wait_s`), plus
-``control.first_token_timeout_s`` as slack. Until a node has measured its rate, the slack
-alone is the deadline.
+``control.first_token_timeout_s`` as slack. Until a node has reported a measured rate (its
+first heartbeat after its first prompt, up to a second later) the work is priced at
+:data:`UNMEASURED_PREFILL_TOKENS_PER_S`, slower than any configuration we serve: with the
+slack alone, a node's first long prompt after a start was judged slow and refused (503).
 
 Missing the deadline is judged by the heartbeat (:class:`NodeWatch`): a node heard since the
 wait began is slow (its request fails, the node keeps serving the others and stays in
@@ -30,11 +32,16 @@ from typing import Protocol
 
 from tessera.control.membership import GenerationMember
 
+# tokens/s assumed for a node that has not reported a measured prefill rate yet: an 8th of
+# SmolLM2-135M's fp32 rate on one CPU thread (~400 tok/s), so an unmeasured node is given the
+# benefit of the doubt; a node that stops reporting is still caught by its heartbeats
+UNMEASURED_PREFILL_TOKENS_PER_S = 50.0
+
 
 def first_token_deadline_s(node: GenerationMember, prompt_tokens: int, slack_s: float) -> float:
     """Seconds a request of ``prompt_tokens`` may take to its first token on ``node``."""
-    rate = node.prefill_tokens_per_s
-    work_s = (prompt_tokens + node.queued_tokens) / rate if rate > 0 else 0.0
+    rate = node.prefill_tokens_per_s if node.prefill_tokens_per_s > 0 else UNMEASURED_PREFILL_TOKENS_PER_S
+    work_s = (prompt_tokens + node.queued_tokens) / rate
     return slack_s + work_s + node.expected_wait_s()
 
 
