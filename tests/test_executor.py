@@ -1,10 +1,9 @@
-"""The executor over a fake engine (CPU, no model): preparation paths, fallback, cancellation, engine hops."""
+"""The executor over a fake engine (CPU, no model): preparation paths, fallback, cancellation."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -72,7 +71,7 @@ class Reader:
 class Node:
     """An executor wired as on a generation node, with a fake engine and a recording lease release."""
 
-    def __init__(self, engine: Any, reader: Reader | None, mode: str = "compose") -> None:
+    def __init__(self, engine: Any, reader: Reader | None) -> None:
         self.engine = engine
         self.released: list[str] = []
         self.scheduler = Scheduler(engine, max_batch_tokens=64)
@@ -80,17 +79,7 @@ class Node:
         self.retainer = Retainer(self.cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
         policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
         self.executor = Executor(self.scheduler, PrefillCoalescer(self.scheduler), self.cache, self.retainer, reader,
-                                 self.released.append, policy, mode)
-        self.hops: list[str] = []  # every call queued on the engine thread, in order
-        pool = self.scheduler.worker._pool
-        submit = pool.submit
-
-        def counted(fn: Any, *args: Any) -> Any:
-            target = args[0] if fn == self.scheduler.worker.timed else fn
-            self.hops.append(getattr(target, "__name__", "call"))
-            return submit(fn, *args)
-
-        pool.submit = counted  # type: ignore[method-assign]
+                                 self.released.append, policy, "compose")
 
     async def run(self, preparation: Preparation, max_tokens: int = 3,
                   layout: PromptLayout = LAYOUT) -> tuple[list[int], DoneEvent]:
@@ -109,8 +98,8 @@ def request(preparation: Preparation, max_tokens: int = 3, layout: PromptLayout 
 
 
 @contextlib.asynccontextmanager
-async def node(engine: Any, reader: Reader | None = None, mode: str = "compose") -> AsyncIterator[Node]:
-    n = Node(engine, reader, mode)
+async def node(engine: Any, reader: Reader | None = None) -> AsyncIterator[Node]:
+    n = Node(engine, reader)
     n.scheduler.start()
     try:
         yield n
@@ -204,66 +193,6 @@ async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(fake
     assert sum(d.stats.coalesced_units + d.stats.local_units for d in dones) == 11
 
 
-async def _hops_to_first_token(n: Node, req: ExecuteRequest) -> tuple[list[str], list[TokenEvent | DoneEvent]]:
-    events: list[TokenEvent | DoneEvent] = []
-    hops: list[str] = []
-    async for e in n.executor.run(req):
-        if not events:
-            hops = list(n.hops)
-        events.append(e)
-    return hops, events
-
-
-@pytest.mark.parametrize("preparation", [Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE])
-async def test_a_request_reaches_its_first_token_in_two_engine_calls_plus_its_unit_prefills(
-        fake_engine: Any, preparation: Preparation) -> None:
-    """Regression: every engine-thread call waits behind the running forward, and a request made
-    one for its slots, one for its prefix match and one per unit placement before its extend (up
-    to a whole step each under load). Now the slots and the match are one call and the states
-    are placed by the extend's own batch: two calls, plus the step that prefills a missing unit."""
-    async with node(fake_engine, Reader("ok")) as n:
-        if preparation is Preparation.LOCAL:
-            n.cache.insert("u1", unit_state())
-        hops, events = await _hops_to_first_token(n, request(preparation))
-    expected = ["_begin", "_place_and_step"] if preparation is not Preparation.COMPUTE else \
-        ["_begin", "_place_and_step", "_place_and_step"]  # the unit's prefill, then the extend
-    # the leading text "1 2" was not cached: its insert is queued after the extend, not awaited
-    # (test_the_first_token_does_not_wait_for_the_prefix_cache_insert)
-    assert hops == [*expected, "insert_prefix"]
-    done = events[-1]
-    assert isinstance(done, DoneEvent) and done.stats.unit_sources == {"u1": preparation.value.replace(
-        "compute", "computed")}
-    assert fake_engine.placed == [(PLACED_OFFSET, PLACED_TOKENS)]
-
-
-class SlowInsertEngine(FakeEngine):
-    """Its prefix-cache insert blocks until the test has seen the first token (or 10 s pass)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first_token_seen = threading.Event()
-        self.insert_waited_for_first_token: bool | None = None
-
-    def insert_prefix(self, slots: Any, token_ids: Any, namespace: str = "") -> None:
-        self.insert_waited_for_first_token = self.first_token_seen.wait(timeout=10.0)
-
-
-async def test_the_first_token_does_not_wait_for_the_prefix_cache_insert() -> None:
-    """Regression: prefix mode awaited inserting the prompt into the prefix cache before it
-    returned the first token, one more engine call behind the next step. Now the insert is
-    queued and the first token goes out; it still runs before the request's slots are freed."""
-    engine = SlowInsertEngine()
-    async with node(engine, mode="prefix") as n:
-        events: list[Any] = []
-        async for e in n.executor.run(request(Preparation.COMPUTE)):
-            if not events:
-                engine.first_token_seen.set()
-            events.append(e)
-    assert engine.insert_waited_for_first_token is True
-    assert [s.freed for s in engine.allocated] == [True]
-    assert n.hops.index("insert_prefix") < n.hops.index("free")
-
-
 class UnplaceableEngine(FakeEngine):
     """Refuses to place states of ``bad_tokens`` tokens (as a foreign dtype would be refused)."""
 
@@ -278,9 +207,8 @@ class UnplaceableEngine(FakeEngine):
 
 
 async def test_a_reused_state_the_extend_cannot_place_is_computed_and_the_extend_runs_once() -> None:
-    """A local state refused at placement (inside the extend's batch) costs its prefill: the
-    extend is not computed over the missing state, the unit is prefilled, placed, and the same
-    extend runs; the reply is the one a computed unit gives."""
+    """A local state refused at placement costs its prefill: the unit is prefilled and placed,
+    and the request's one extend runs over it; the reply is the one a computed unit gives."""
     engine = UnplaceableEngine(PLACED_TOKENS)
     async with node(engine) as n:
         n.cache.insert("u1", UnitState(torch.zeros(1, len(UNIT), 1, 2, dtype=torch.float64),
@@ -299,8 +227,7 @@ class BrokenMatchEngine(FakeEngine):
 
 
 async def test_slots_taken_for_a_request_whose_prefix_match_fails_are_freed() -> None:
-    """Taking the slots and matching the prefix are one engine call; if the match raises, the
-    slots go back before the error reaches the request."""
+    """If the prefix match raises, the request's slots go back before the error reaches it."""
     engine = BrokenMatchEngine()
     async with node(engine) as n:
         with pytest.raises(RuntimeError, match="corrupt"):

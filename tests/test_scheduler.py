@@ -25,8 +25,7 @@ async def scheduler(engine: Any, max_batch_tokens: int) -> AsyncIterator[Schedul
 
 
 async def _slots(s: Scheduler, n: int = 64) -> KVSlots:
-    slots, _ = await s.begin(n, ())
-    return slots
+    return await s.allocate(n)
 
 
 def _extend(s: Scheduler, slots: KVSlots, n: int, start: int = 0) -> asyncio.Task[Any]:

@@ -1,16 +1,11 @@
 """Execution of one planned request on a generation node (paper §5.3, Fig. 11).
 
-    fix the layout; take the request's KV slots and match the exact prefix (the leading
-        text, e.g. the system prompt) in one engine call
-    prepare every needed unit concurrently: local copy | remote fetch | prefill (coalesced);
-        retain computed ones at once, reused ones once placed (in the background)
-    final extend: the policy's recomputed tokens + the remaining text, in one batch item that
-        first places every prepared state at its offset (RoPE at its real positions)
-    sample (the prompt goes to the prefix cache meanwhile), then decode until a stop token
-        or max_tokens
-
-Each awaited engine call waits behind the running forward, so a request makes two before its
-first token: the slots-and-prefix call and the extend (see the scheduler's "Hops").
+    fix the layout and allocate the request's KV slots
+    match the exact prefix (the leading text, e.g. the system prompt)
+    prepare every needed unit concurrently: local copy | remote fetch | prefill (coalesced)
+        -> place it at its offset (RoPE at its real positions); retain it in the background
+    final extend: the policy's recomputed tokens + the remaining text, in one batch item
+    sample, then decode until a stop token or max_tokens
 
 A remote fetch that fails, times out or fails its checksum, and a local or fetched state that
 cannot be copied to the device or placed (:class:`PlacementError`), fall back to computing
@@ -32,10 +27,10 @@ from tessera.composition.layout import Placement, leading_text_tokens, placement
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import KVSlots, UnitState
 from tessera.engines.sampling import Sampler
-from tessera.errors import Overloaded, TransferError
+from tessera.errors import Overloaded, PlacementError, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import Scheduler, StartDeadline, UnplacedUnits
+from tessera.generation.scheduler import Scheduler, StartDeadline
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import (
     DoneEvent,
@@ -72,8 +67,6 @@ class Run:
     alone: bool  # nothing else was running on this node when it arrived (its work is the unloaded kind)
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
-    matched: int = 0  # leading tokens copied from the prefix cache when the slots were taken
-    inserting: asyncio.Future[None] | None = None  # the prompt's prefix-cache insert, queued after the extend
 
     @property
     def layout(self) -> PromptLayout:
@@ -109,12 +102,12 @@ class Executor:
         deadline = self.scheduler.deadline(req.queue_budget_s)  # from receipt: waiting for KV pages counts
         sp = req.sampling
         sampler = Sampler(sp, self.scheduler.eos_token_ids)
-        slots, matched = await self._begin(req.layout.n_tokens + sp.max_tokens, self._lead(req), req.tenant)
+        slots = await self._allocate(req.layout.n_tokens + sp.max_tokens)
         alone = self.active == 0
         self.active += 1  # taken back in the finally below
         run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
                   deadline, alone,
-                  {u.lease.lease_id for u in req.plan.units if u.lease is not None}, matched)
+                  {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
             logits = await self._prefill(run)
             position = req.layout.n_tokens
@@ -148,11 +141,6 @@ class Executor:
             for lease_id in run.unreleased:
                 self.release_lease(lease_id)
             self.cache.unpin_request(req.request_id)
-            if run.inserting is not None:
-                try:
-                    await run.inserting
-                except Exception:  # the reply is already under way: a lost cache insert only costs a later miss
-                    log.exception("inserting request %s's prompt into the prefix cache failed", req.request_id)
             await self.scheduler.free(slots)
 
     def _timed(self, run: Run) -> None:
@@ -164,104 +152,76 @@ class Executor:
         run.stats.node_first_token_s = round(now - run.received_at, 4)
         self.scheduler.work.observe(now - started, run.alone)
 
-    def _lead(self, req: ExecuteRequest) -> list[int]:
-        """The tokens the exact prefix cache may cover: the whole prompt in prefix mode, else its
-        leading text; never the last token (its logits are the extend's output)."""
-        layout = req.layout
-        if self.mode == "prefix" or not req.plan.units:
-            return layout.token_ids()[:-1]
-        return leading_text_tokens(layout)[: layout.n_tokens - 1]
-
-    async def _begin(self, n_slots: int, lead: Sequence[int], tenant: str) -> tuple[KVSlots, int]:
-        """The request's slots and its matched prefix (the prefix cache is per tenant: another
-        tenant's prompts never show as a hit); while a paged engine's pool is full
-        (Overloaded), wait for pages."""
+    async def _allocate(self, n_slots: int) -> KVSlots:
+        """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""
         deadline = time.monotonic() + ALLOCATE_WAIT_S
         while True:
             try:
-                return await self.scheduler.begin(n_slots, lead, tenant)
+                return await self.scheduler.allocate(n_slots)
             except Overloaded:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(ALLOCATE_POLL_S)  # pages come back when a request ends
 
     async def _prefill(self, run: Run) -> torch.Tensor:
-        layout, slots, stats, matched = run.layout, run.slots, run.stats, run.matched
-        stats.prefix_cached_tokens = matched
+        layout, slots, stats = run.layout, run.slots, run.stats
         if self.mode == "prefix" or not run.req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
+            matched = await self.scheduler.match_prefix(slots, prompt[:-1], run.req.tenant)
+            stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline)
-            run.inserting = self.scheduler.insert_prefix_soon(slots, prompt, run.req.tenant)
+            await self.scheduler.insert_prefix(slots, prompt, run.req.tenant)
             return logits
+        lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
+        # the prefix cache is per tenant: another tenant's prompts never show as a hit
+        matched = await self.scheduler.match_prefix(slots, lead, run.req.tenant) if lead else 0
+        stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)
         plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
-        # the three preparation paths overlap; units the policy recomputes entirely need no
-        # state at all. Every state is placed by the extend itself (no engine call of its own).
-        ready = await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid]) for uid in spans))
-        prepared = dict(zip(spans, ready, strict=True))
+        # the three preparation paths overlap; each unit is placed as soon as it is ready.
+        # units the policy recomputes entirely need no state at all.
+        await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans)
+                               for uid, unit_spans in spans.items()))
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
         stats.recomputed_tokens = len(token_ids)
-        placing = {uid: (spans[uid], state) for uid, (state, _) in prepared.items()}
-        while True:
-            try:
-                logits = await self.scheduler.extend(slots, token_ids, positions, run.deadline, placing)
-                break
-            except UnplacedUnits as exc:
-                # a reused state that cannot be copied or placed only costs its prefill; the
-                # other units are in place, so the extend goes again with just these
-                placing = {}
-                for uid, error in exc.failed.items():
-                    state, reused = prepared[uid]
-                    if reused is None:
-                        raise error from None  # a state computed here cannot be placed: nothing to fall back to
-                    log.warning("placing unit %s (%s) failed (%s); computing it instead", uid, reused, error)
-                    stats.fallbacks += 1
-                    prepared[uid] = (await self._compute(run, plans[uid], tokens[uid]), None)
-                    placing[uid] = (spans[uid], prepared[uid][0])
-        for uid, (state, reused) in prepared.items():
-            if reused is not None:
-                self._reused(run, plans[uid], state, len(tokens[uid]))
-        lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
+        logits = await self.scheduler.extend(slots, token_ids, positions, run.deadline)
         if lead and matched < len(lead):
-            run.inserting = self.scheduler.insert_prefix_soon(slots, lead, run.req.tenant)
+            await self.scheduler.insert_prefix(slots, lead, run.req.tenant)
         return logits
 
-    def _reused(self, run: Run, plan: UnitPlan, state: UnitState, n: int) -> None:
-        """A reused state is in place: count it, and retain it off the critical path (a local
-        hit is already retained locally)."""
-        stats = run.stats
-        if plan.preparation is Preparation.LOCAL:
-            stats.local_tokens += n
-            stats.local_units += 1
-            stats.unit_sources[plan.unit_id] = "local"
-        else:
-            stats.remote_tokens += n
-            stats.remote_units += 1
-            stats.bytes_fetched += state.nbytes()
-            stats.unit_sources[plan.unit_id] = "remote"
-        self.retainer.retain(plan.unit_id, state,
-                             plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                             plan.grant, run.req.plan.local_evict, run.received_at)
-
-    async def _prepare(self, run: Run, plan: UnitPlan,
-                       token_ids: Sequence[int]) -> tuple[UnitState, Preparation | None]:
-        """The unit's state, and how it was reused (None: computed here, already counted)."""
-        state = await self._reuse(run, plan, len(token_ids))
-        if state is not None:
-            return state, plan.preparation
-        return await self._compute(run, plan, token_ids), None
-
-    async def _compute(self, run: Run, plan: UnitPlan, token_ids: Sequence[int]) -> UnitState:
-        """The unit's state when it is not reused as planned: another request's fresh local
-        copy, or a prefill (coalesced with any in flight); counted and retained here."""
+    async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement]) -> None:
         stats = run.stats
         n = len(token_ids)
+        state = await self._reuse(run, plan, n)
+        if state is not None:
+            try:
+                await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
+            except PlacementError as exc:
+                # a state that cannot be copied or placed only costs its prefill
+                log.warning("placing unit %s (%s) failed (%s); computing it instead", plan.unit_id,
+                            plan.preparation, exc)
+                stats.fallbacks += 1
+            else:
+                if plan.preparation is Preparation.LOCAL:
+                    stats.local_tokens += n
+                    stats.local_units += 1
+                    stats.unit_sources[plan.unit_id] = "local"
+                else:
+                    stats.remote_tokens += n
+                    stats.remote_units += 1
+                    stats.bytes_fetched += state.nbytes()
+                    stats.unit_sources[plan.unit_id] = "remote"
+                # retention happens off the critical path; a local hit is already retained locally
+                self.retainer.retain(plan.unit_id, state,
+                                     plan.retention.local and plan.preparation is not Preparation.LOCAL,
+                                     plan.grant, run.req.plan.local_evict, run.received_at)
+                return
         local = plan.retention.local
         state = self.cache.lookup(plan.unit_id) if plan.preparation is not Preparation.LOCAL else None
         if state is not None:
@@ -280,7 +240,7 @@ class Executor:
         # retained before it is placed, in the same step as the prefill's return: a request
         # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
         self.retainer.retain(plan.unit_id, state, local, plan.grant, run.req.plan.local_evict, run.received_at)
-        return state
+        await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """The unit's state from the local cache or the KV Pool, or None (compute it)."""

@@ -24,18 +24,8 @@ their first token at p99 1.14-1.74x the promise without it, issue 22). Once one 
 has begun the request is no longer queued and is never refused for time.
 
 The scheduler is the executor's only way to the engine: besides batched extends, decodes
-and unit prefills it offers the per-request calls (take slots and match the exact prefix,
-insert a prefix, free slots), each run on the engine thread.
-
-Hops: every call to the engine thread waits behind the forward that is running, and under
-load one is always running, so each awaited call costs a request up to a whole step (200-400
-ms on two CPU cores) before its first token. A request therefore makes as few as it can: one
-to take its slots and match its prefix (:meth:`Scheduler.begin`), then its extend, which
-carries the unit states to place into its slots (the batch places them on the engine thread
-just before the forward that reads them). Inserting its prompt into the prefix cache is
-queued after the extend without being awaited (:meth:`Scheduler.insert_prefix_soon`): the
-first token does not wait for it, and the engine thread's FIFO order still runs it before
-the request's slots are freed.
+and unit prefills it offers the per-request calls (allocate / free slots, match / insert an
+exact prefix, place unit states), each run on the engine thread.
 """
 
 from __future__ import annotations
@@ -45,9 +35,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -55,7 +45,7 @@ import torch
 from tessera.composition.layout import Placement
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
 from tessera.engines.offline import place_units
-from tessera.errors import Overloaded, PlacementError
+from tessera.errors import Overloaded
 from tessera.generation.batching import take_batch
 from tessera.generation.work import FirstTokenWork
 
@@ -89,21 +79,9 @@ class EngineWorker:
         self.wall_s: dict[str, float] = {}
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the engine thread (timed under its name) and await its result."""
-        return await self.submit(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Queue ``fn(*args)`` on the engine thread now, in FIFO order with every other call;
-        the returned future may be awaited later (or never: the call still runs in its turn)."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, self.timed, fn, args)
-
-    async def call_untimed(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the engine thread without timing it: ``fn`` times its own engine
-        calls with :meth:`timed` (so /metrics keeps naming step, place_units, ... not the wrapper)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        """Call ``fn(*args)`` and add its CPU and wall seconds to its name; engine thread only."""
+    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         t, w = time.thread_time(), time.perf_counter()
         try:
             return fn(*args)
@@ -129,20 +107,6 @@ class StartDeadline:
         return self.started_at is not None
 
 
-# unit id -> (its spans in the request's layout, its state): what an extend places first
-Placing = Mapping[str, tuple[Sequence[Placement], UnitState]]
-
-
-class UnplacedUnits(Exception):
-    """Some of an extend's unit states could not be placed (:class:`PlacementError` each); the
-    others were placed, and the extend did not run. The executor computes these units instead
-    and submits the extend again with just them."""
-
-    def __init__(self, failed: Mapping[str, PlacementError]) -> None:
-        super().__init__("; ".join(f"{uid}: {exc}" for uid, exc in failed.items()))
-        self.failed = dict(failed)
-
-
 @dataclass
 class _Job:
     item: UnitPrefill | Extend
@@ -150,8 +114,6 @@ class _Job:
     decode: bool
     deadline: StartDeadline | None = None
     batches_at_submit: int = 0  # batches formed before it was queued (late starts)
-    placing: Placing = field(default_factory=dict)  # placed into item's slots before it runs
-    error: BaseException | None = None  # set on the engine thread when its placement failed
 
     @property
     def tokens(self) -> int:
@@ -194,10 +156,10 @@ class Scheduler:
         return StartDeadline(time.monotonic() + max(0.0, budget_s - self.work.excess_s()))
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool,
-                deadline: StartDeadline | None = None, placing: Placing | None = None) -> asyncio.Future[Any]:
+                deadline: StartDeadline | None = None) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         queue = self._decodes if decode else self._prefills if isinstance(item, UnitPrefill) else self._extends
-        queue.append(_Job(item, future, decode, deadline, self.batches, placing or {}))
+        queue.append(_Job(item, future, decode, deadline, self.batches))
         self._wake.set()
         return future
 
@@ -208,13 +170,11 @@ class Scheduler:
         return state
 
     async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int],
-                     deadline: StartDeadline | None = None, placing: Placing | None = None) -> torch.Tensor:
+                     deadline: StartDeadline | None = None) -> torch.Tensor:
         """Compute tokens at positions (ascending) over the request's slots; logits of the last position.
 
         With a ``deadline`` it raises ``Overloaded`` instead if the request is refused as a
-        late start (above). ``placing``: unit states to place into the slots first, on the
-        engine thread in the same call as the forward (no hop of their own); if any cannot be
-        placed it raises :class:`UnplacedUnits` and nothing is computed.
+        late start (above).
 
         A prompt longer than ``max_batch_tokens`` runs in chunks of that size, one batch each
         (chunked prefill): as one item, a ~7,000-token prompt held every other request's next
@@ -226,7 +186,7 @@ class Scheduler:
         logits: torch.Tensor | None = None
         for start in range(0, len(token_ids), step):
             logits = await self._submit(Extend(slots, token_ids[start:start + step], positions[start:start + step]),
-                                        decode=False, deadline=deadline, placing=placing if start == 0 else None)
+                                        decode=False, deadline=deadline)
         assert logits is not None
         return logits
 
@@ -236,29 +196,20 @@ class Scheduler:
 
     # --- per-request engine calls (on the engine thread, outside the batches) -------------
 
-    async def begin(self, n_slots: int, lead: Sequence[int], namespace: str = "") -> tuple[KVSlots, int]:
-        """A request's slots with the longest cached exact prefix of ``lead`` copied in, and that
-        prefix's length: one engine-thread call for both (``Overloaded`` while the pool is full;
-        the slots are freed again if the match fails)."""
-        return await self.worker.call_untimed(self._begin, n_slots, lead, namespace)
-
-    def _begin(self, n_slots: int, lead: Sequence[int], namespace: str) -> tuple[KVSlots, int]:
-        slots = self.worker.timed(self.engine.allocate, (n_slots,))
-        if not lead:
-            return slots, 0
-        try:
-            return slots, self.worker.timed(self.engine.match_prefix, (slots, lead, namespace))
-        except BaseException:
-            self.engine.free(slots)
-            raise
+    async def allocate(self, n_slots: int) -> KVSlots:
+        return await self.worker.call(self.engine.allocate, n_slots)
 
     async def free(self, slots: KVSlots) -> None:
         await self.worker.call(self.engine.free, slots)
 
-    def insert_prefix_soon(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> asyncio.Future[None]:
-        """Queue offering ``token_ids``' slots to the prefix cache; not awaited before the first
-        token. It runs before anything queued after it (the request's :meth:`free` included)."""
-        return self.worker.submit(self.engine.insert_prefix, slots, token_ids, namespace)
+    async def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
+        return await self.worker.call(self.engine.match_prefix, slots, token_ids, namespace)
+
+    async def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
+        await self.worker.call(self.engine.insert_prefix, slots, token_ids, namespace)
+
+    async def place(self, slots: KVSlots, spans: Sequence[Placement], states: dict[str, UnitState]) -> None:
+        await self.worker.call(place_units, self.engine, slots, spans, states)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -350,7 +301,7 @@ class Scheduler:
                 continue
             t0 = time.perf_counter()
             try:
-                await self.worker.call_untimed(self._place_and_step, batch)
+                await self.worker.call(self.engine.step, [j.item for j in batch])
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d items", len(batch))
                 for j in batch:
@@ -362,37 +313,7 @@ class Scheduler:
             for j in batch:
                 if j.future.done():
                     continue
-                if j.error is not None:
-                    j.future.set_exception(j.error)
-                    continue
                 if isinstance(j.item, UnitPrefill):
                     j.future.set_result(j.item.state)
                 else:
                     j.future.set_result(j.item.logits)
-
-    def _place_and_step(self, batch: list[_Job]) -> None:
-        """On the engine thread: place each job's unit states, then one forward over the jobs
-        whose placement succeeded. A job whose placement failed keeps its error (set on the
-        loop afterwards) and stays out of the forward; the rest of the batch is not affected."""
-        ready: list[_Job] = []
-        for job in batch:
-            if job.placing:
-                job.error = self._place(job)
-                if job.error is not None:
-                    continue
-            ready.append(job)
-        if ready:
-            self.worker.timed(self.engine.step, ([j.item for j in ready],))
-
-    def _place(self, job: _Job) -> BaseException | None:
-        slots = job.item.slots if isinstance(job.item, Extend) else None
-        assert slots is not None, "only an extend places unit states"
-        failed: dict[str, PlacementError] = {}
-        for unit_id, (spans, state) in job.placing.items():
-            try:
-                self.worker.timed(place_units, (self.engine, slots, spans, {unit_id: state}))
-            except PlacementError as exc:
-                failed[unit_id] = exc
-            except Exception as exc:  # a bug or a bad state: this request fails, not the batch
-                return exc
-        return UnplacedUnits(failed) if failed else None
