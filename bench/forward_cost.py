@@ -1,7 +1,7 @@
 """What one engine forward costs by the number of tokens it computes (prints, never asserts).
 
     flock /tmp/tessera-cpu.lock python bench/forward_cost.py [--tokens 1,50,90,150,244] [--context 301]
-        [--compare 244,116] [--threads 1] [--repeats 12] [--config tessera.toml]
+        [--compare 244,116] [--batch 3] [--threads 1] [--repeats 12] [--config tessera.toml]
 
 Each size computes its tokens as one extend over a request's slots of ``--context`` positions
 (the last ones, so every query attends to the whole context, as a served prompt's do), with
@@ -12,6 +12,11 @@ two requests computing A and B tokens in a forward of their own: the ratio of th
 time, which bounds how much faster the second system can serve than the first when each
 request is its own forward (README "locomo ... the sustained rate with 30-request
 references").
+
+``--batch K`` then times 1..K requests of A tokens each (their own slots) in ONE forward, as
+the scheduler batches them, against that many forwards apart: if the fixed part were paid
+once per forward, a batch of K would save (K-1) times it; what it saves is the part the batch
+really shares. It is also what every member of a batch waits for before its first token.
 """
 
 from __future__ import annotations
@@ -49,6 +54,27 @@ def forward_ms(engine: ReferenceEngine, n_tokens: int, context: int, repeats: in
         engine.free(slots)
 
 
+def batch_ms(engine: ReferenceEngine, k: int, n_tokens: int, context: int, repeats: int) -> float:
+    """Median milliseconds of one step holding ``k`` extends of ``n_tokens`` (one request each)."""
+    rng = random.Random(k)
+    positions = list(range(context - n_tokens, context))
+    slots = [engine.allocate(context) for _ in range(k)]
+    for s in slots:  # zeroed, as in forward_ms
+        s.keys.zero_()
+        s.values.zero_()
+    try:
+        samples = []
+        for _ in range(repeats + 2):
+            work = [Extend(s, [rng.randrange(1000, 20000) for _ in range(n_tokens)], positions) for s in slots]
+            t = time.perf_counter()
+            engine.step(work)
+            samples.append(time.perf_counter() - t)
+        return statistics.median(samples[2:]) * 1000
+    finally:
+        for s in slots:
+            engine.free(s)
+
+
 def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """Least squares ``y = fixed + per_token * x``; returns (fixed, per_token)."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -73,6 +99,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,50,90,150,244", help="computed tokens per forward, comma-separated")
     ap.add_argument("--context", type=int, default=301, help="positions of the request (its prompt length)")
     ap.add_argument("--compare", default="244,116", help="A,B: the engine-time ratio of A- and B-token requests")
+    ap.add_argument("--batch", type=int, default=0, help="K: also time 1..K requests of A tokens in one forward")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a generation node's default: 1)")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--config", type=Path, default=None)
@@ -82,8 +109,10 @@ def main() -> None:
         raise SystemExit("--tokens needs at least two different sizes to split fixed and per-token cost")
     if max(tokens) > args.context:
         raise SystemExit(f"--context {args.context} is shorter than the largest of --tokens ({max(tokens)})")
-    if len(compare) != 2 or args.repeats < 1 or args.threads < 1:
-        raise SystemExit("--compare takes two counts (A,B); --repeats and --threads must be >= 1")
+    if len(compare) != 2 or args.repeats < 1 or args.threads < 1 or args.batch < 0:
+        raise SystemExit("--compare takes two counts (A,B); --repeats and --threads must be >= 1, --batch >= 0")
+    if max(compare) > args.context:
+        raise SystemExit(f"--context {args.context} is shorter than the largest of --compare ({max(compare)})")
     cfg = load_config(args.config)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, threads=args.threads))
     engine = ReferenceEngine.from_config(cfg)
@@ -98,6 +127,14 @@ def main() -> None:
     ta, tb = fixed + per_token * a, fixed + per_token * b
     print(f"a request computing {a} tokens {ta:.0f} ms, one computing {b} tokens {tb:.0f} ms: "
           f"engine-time ratio {ta / tb:.2f}x (token ratio {a / b:.2f}x)")
+    if args.batch:
+        alone = batch_ms(engine, 1, a, args.context, args.repeats)
+        for k in range(2, args.batch + 1):
+            together = batch_ms(engine, k, a, args.context, args.repeats)
+            saved = k * alone - together
+            print(f"{k} requests of {a} tokens in one forward: {together:.0f} ms vs {k * alone:.0f} ms apart; "
+                  f"the batch shares {saved / (k - 1):.0f} ms per extra request (fit's fixed part {fixed:.0f} ms), "
+                  f"and each member waits {together:.0f} ms, not {alone:.0f}, for its first token")
 
 
 if __name__ == "__main__":
