@@ -33,41 +33,23 @@ from tessera.engines.base import Extend
 from tessera.engines.reference import ReferenceEngine
 
 
-def forward_ms(engine: ReferenceEngine, n_tokens: int, context: int, repeats: int) -> float:
-    """Median milliseconds of one extend of ``n_tokens`` at the last positions of ``context``."""
+def forward_ms(engine: ReferenceEngine, n_tokens: int, context: int, repeats: int, requests: int = 1) -> float:
+    """Median milliseconds of one step holding ``requests`` extends (each its own request's
+    slots) of ``n_tokens`` at the last positions of ``context``."""
     rng = random.Random(n_tokens)
     ids = [rng.randrange(1000, 20000) for _ in range(n_tokens)]
     positions = list(range(context - n_tokens, context))
-    slots = engine.allocate(context)
-    # a served request's slots below its computed tokens hold placed states; allocate() leaves
-    # them uninitialised, and garbage there (denormals, NaN) would time the wrong arithmetic
-    slots.keys.zero_()
-    slots.values.zero_()
+    slots = [engine.allocate(context) for _ in range(requests)]
     try:
+        for s in slots:
+            # a served request's slots below its computed tokens hold placed states; allocate() leaves
+            # them uninitialised, and garbage there (denormals, NaN) would time the wrong arithmetic
+            s.keys.zero_()
+            s.values.zero_()
         samples = []
         for _ in range(repeats + 2):  # two warm-up forwards: allocator and kernel caches
             t = time.perf_counter()
-            engine.step([Extend(slots, ids, positions)])
-            samples.append(time.perf_counter() - t)
-        return statistics.median(samples[2:]) * 1000
-    finally:
-        engine.free(slots)
-
-
-def batch_ms(engine: ReferenceEngine, k: int, n_tokens: int, context: int, repeats: int) -> float:
-    """Median milliseconds of one step holding ``k`` extends of ``n_tokens`` (one request each)."""
-    rng = random.Random(k)
-    positions = list(range(context - n_tokens, context))
-    slots = [engine.allocate(context) for _ in range(k)]
-    for s in slots:  # zeroed, as in forward_ms
-        s.keys.zero_()
-        s.values.zero_()
-    try:
-        samples = []
-        for _ in range(repeats + 2):
-            work = [Extend(s, [rng.randrange(1000, 20000) for _ in range(n_tokens)], positions) for s in slots]
-            t = time.perf_counter()
-            engine.step(work)
+            engine.step([Extend(s, ids, positions) for s in slots])
             samples.append(time.perf_counter() - t)
         return statistics.median(samples[2:]) * 1000
     finally:
@@ -128,9 +110,9 @@ def main() -> None:
     print(f"a request computing {a} tokens {ta:.0f} ms, one computing {b} tokens {tb:.0f} ms: "
           f"engine-time ratio {ta / tb:.2f}x (token ratio {a / b:.2f}x)")
     if args.batch:
-        alone = batch_ms(engine, 1, a, args.context, args.repeats)
+        alone = forward_ms(engine, a, args.context, args.repeats)
         for k in range(2, args.batch + 1):
-            together = batch_ms(engine, k, a, args.context, args.repeats)
+            together = forward_ms(engine, a, args.context, args.repeats, requests=k)
             saved = k * alone - together
             print(f"{k} requests of {a} tokens in one forward: {together:.0f} ms vs {k * alone:.0f} ms apart; "
                   f"the batch shares {saved / (k - 1):.0f} ms per extra request (fit's fixed part {fixed:.0f} ms), "

@@ -194,22 +194,19 @@ async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(fake
 
 
 class UnplaceableEngine(FakeEngine):
-    """Refuses to place states of ``bad_tokens`` tokens (as a foreign dtype would be refused)."""
-
-    def __init__(self, bad_tokens: int) -> None:
-        super().__init__()
-        self.bad_tokens = bad_tokens
+    """Refuses to place float64 states, as a real engine refuses a state of a foreign dtype
+    (its own prefills are float32)."""
 
     def place(self, slots: Any, offset: int, state: UnitState) -> None:
-        if state.n_tokens == self.bad_tokens and state.keys.dtype == torch.float64:
+        if state.keys.dtype == torch.float64:
             raise PlacementError("state.keys is torch.float64, this engine holds torch.float32")
         super().place(slots, offset, state)
 
 
-async def test_a_reused_state_the_extend_cannot_place_is_computed_and_the_extend_runs_once() -> None:
+async def test_a_reused_state_that_cannot_be_placed_is_computed_and_the_extend_runs_once() -> None:
     """A local state refused at placement costs its prefill: the unit is prefilled and placed,
     and the request's one extend runs over it; the reply is the one a computed unit gives."""
-    engine = UnplaceableEngine(PLACED_TOKENS)
+    engine = UnplaceableEngine()
     async with node(engine) as n:
         n.cache.insert("u1", UnitState(torch.zeros(1, len(UNIT), 1, 2, dtype=torch.float64),
                                        torch.zeros(1, len(UNIT), 1, 2, dtype=torch.float64)))
@@ -222,6 +219,8 @@ async def test_a_reused_state_the_extend_cannot_place_is_computed_and_the_extend
 
 
 class BrokenMatchEngine(FakeEngine):
+    """Its exact prefix cache raises on every match."""
+
     def match_prefix(self, slots: Any, token_ids: Any, namespace: str = "") -> int:
         raise RuntimeError("prefix cache is corrupt")
 
