@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.engines import FakeEngine
+from helpers.engines import FakeEngine, FusingFakeEngine
 from helpers.executor import QuietControl
 
 from tessera.composition.policies import policy_from_config
@@ -172,13 +172,17 @@ async def test_a_miss_that_the_cache_holds_by_now_is_reused_not_prefilled(fake_e
     assert [len(UNIT)] not in fake_engine.batches  # no prefill of the unit
 
 
-async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(fake_engine: Any) -> None:
+@pytest.mark.parametrize("engine_cls", [FakeEngine, FusingFakeEngine])
+async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(engine_cls: type[FakeEngine]) -> None:
     """Requests missing one unit, started at staggered moments, prefill it once on the node.
 
     Each arrives while the prefill is in flight (coalesced) or after it was retained (local):
     the retention happens in the same step as the prefill's return, so there is no gap between.
+    On an engine that fuses unit prefills the one computation is a request's own extend, which
+    the others join as they would join a prefill.
     """
-    async with node(fake_engine) as n:
+    engine = engine_cls()
+    async with node(engine) as n:
         async def one(i: int, delay: float) -> DoneEvent:
             await asyncio.sleep(delay)
             events = [e async for e in n.executor.run(request(Preparation.COMPUTE, 2, LAYOUT, Retention.LOCAL,
@@ -191,6 +195,47 @@ async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(fake
     assert n.executor.prefills.started == 1
     assert sum(d.stats.computed_units - d.stats.coalesced_units for d in dones) == 1
     assert sum(d.stats.coalesced_units + d.stats.local_units for d in dones) == 11
+    assert ([len(UNIT)] in engine.batches) == (engine_cls is FakeEngine)  # a prefill of its own, or none
+
+
+async def test_a_miss_on_a_fusing_engine_is_prefilled_in_the_requests_own_forward() -> None:
+    """On an engine that fuses unit prefills, a missed unit costs no step of its own: the request's
+    one extend carries it (its placed rows, then its recomputed head and the text), and the
+    state is retained as a separate prefill's would be."""
+    engine = FusingFakeEngine()
+    async with node(engine) as n:
+        events = [e async for e in n.executor.run(request(Preparation.COMPUTE, 3, LAYOUT, Retention.LOCAL))]
+        done = events[-1]
+        assert isinstance(done, DoneEvent)
+        await n.retainer.drain(timeout=1.0)
+        assert n.cache.lookup("u1") is not None
+        assert len(n.executor.prefills) == 0  # the claim is settled
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == [9, 10, 11]
+    s = done.stats
+    assert (s.computed_units, s.computed_unit_tokens, s.coalesced_units, s.unit_sources) == \
+        (1, len(UNIT), 0, {"u1": "computed"})
+    extend_tokens = len(LAYOUT.token_ids()) - PLACED_TOKENS
+    assert [b for b in engine.batches if b != [1]] == [[extend_tokens + len(UNIT)]]  # one forward, no prefill
+    assert engine.placed == [(PLACED_OFFSET, PLACED_TOKENS)]
+
+
+class FailingFusedEngine(FusingFakeEngine):
+    """Its step fails whenever an extend carries a unit."""
+
+    def step(self, work: Any) -> None:
+        if any(getattr(item, "units", ()) for item in work):
+            raise RuntimeError("engine step failed")
+        super().step(work)
+
+
+async def test_a_request_whose_fused_extend_fails_releases_its_claim() -> None:
+    """The request fails with the engine's error, and its claim on the unit is abandoned, not
+    left in flight for later requests to wait on forever."""
+    async with node(FailingFusedEngine()) as n:
+        with pytest.raises(RuntimeError, match="engine step failed"):
+            await n.run(Preparation.COMPUTE)
+        assert len(n.executor.prefills) == 0
+        assert n.executor.prefills.claim("u1") is not None  # a later miss may claim it again
 
 
 class UnplaceableEngine(FakeEngine):

@@ -98,3 +98,42 @@ async def test_a_waiter_going_away_does_not_cancel_the_shared_prefill() -> None:
         assert coalesced and st.n_tokens == 2
         with pytest.raises(asyncio.CancelledError):
             await first
+
+
+async def test_joiners_of_a_claim_get_its_state_without_a_prefill() -> None:
+    """A request computing a unit in its own extend holds a claim; others missing the unit join
+    it and get the claimant's state (coalesced), and no separate prefill runs."""
+    engine = CountingEngine()
+    async with running_coalescer(engine) as coalescer:
+        claim = coalescer.claim("u")
+        assert claim is not None and coalescer.claim("u") is None  # one claimant at a time
+        joiners = [asyncio.ensure_future(coalescer.state("u", [7, 8])) for _ in range(2)]
+        await asyncio.sleep(0)
+        st = state(2)
+        coalescer.finish("u", claim, st)
+        assert [await j for j in joiners] == [(st, True), (st, True)]
+        assert engine.prefilled == [] and len(coalescer) == 0 and coalescer.started == 1
+
+
+async def test_joiners_of_an_abandoned_claim_compute_the_unit_once_themselves() -> None:
+    """A claimant whose request failed or went away abandons its claim: its joiners do not fail
+    with it, they compute the unit, sharing one prefill."""
+    engine = CountingEngine()
+    async with running_coalescer(engine) as coalescer:
+        claim = coalescer.claim("u")
+        assert claim is not None
+        joiners = [asyncio.ensure_future(coalescer.state("u", [7, 8])) for _ in range(3)]
+        await asyncio.sleep(0)
+        coalescer.abandon("u", claim)
+        results = [await j for j in joiners]
+        assert all(st.n_tokens == 2 for st, _ in results)
+        assert engine.prefilled == [(7, 8)]
+        assert len(coalescer) == 0
+
+
+async def test_an_abandoned_claim_nobody_joined_is_forgotten() -> None:
+    async with running_coalescer(CountingEngine()) as coalescer:
+        claim = coalescer.claim("u")
+        assert claim is not None
+        coalescer.abandon("u", claim)
+        assert len(coalescer) == 0 and coalescer.claim("u") is not None

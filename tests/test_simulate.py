@@ -449,3 +449,28 @@ def test_the_comparison_reads_each_runs_machine_speed_from_its_first_requests() 
     rows = compare_runs(simulated, measured)
     assert [round(r["idle_start"], 2) for r in rows] == [1.0, 1.3]
     assert "| 1.30 |" in comparison_table(rows)
+
+
+def test_simulated_nodes_prefill_a_missing_unit_as_their_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the reference engine a miss rides its request's extend (no prefill job of its own), as
+    on the real node; on the paged engine, which does not fuse, it is a prefill job first."""
+    jobs: list[int] = []
+    real = SimEngine.prefill_unit
+
+    def counted(self: SimEngine, tokens: int, done: object) -> None:
+        jobs.append(tokens)
+        real(self, tokens, done)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SimEngine, "prefill_unit", counted)
+    wl = synthetic_workload(24, n_units=10, seed=2)
+    computed = {}
+    for engine in ("reference", "paged"):
+        config = system_config(cluster_config(), "tessera")
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, engine=engine))
+        jobs.clear()
+        run = simulate_run(config, COSTS, render(config, wl, unit_texts(config, wl)), 2.0,
+                           SimOptions(["tessera"], [2.0]))
+        assert all(node.fuse_units == (engine == "reference") for node in run.cluster.nodes.values())
+        computed[engine] = sum(r.usage["tessera"]["computed_unit_tokens"] for r in run.results)
+        assert computed[engine] > 0
+        assert (len(jobs) == 0) == (engine == "reference")

@@ -12,6 +12,11 @@ engine-specific leaks into the node. A backend provides:
   extends (recomputed unit tokens + suffix, or one decode token), where every token carries an
   explicit position and a key is visible to a query iff its position is <= the query's within
   the same request;
+* optionally (:attr:`EngineAdapter.fuses_unit_prefills`), a unit prefill carried inside a
+  request's extend (:class:`UnitFeed`): the unit is prefilled independently in the same
+  forward, and each layer's slice of its captured state is placed into the request's slots
+  before the request's tokens attend at that layer, so a request that misses a unit reaches
+  its first token in one forward instead of two;
 * exact prefix caching over token ids (match into slots / insert from slots);
 * freeing a request's slots (abort), and the model geometry.
 
@@ -77,6 +82,22 @@ class UnitPrefill:
 
 
 @dataclass
+class UnitFeed:
+    """A unit prefilled inside a request's extend, and placed into that request's slots.
+
+    The unit is computed as a :class:`UnitPrefill` would be (independently, from position 0;
+    ``state`` holds the captured reusable form after the step), and each ``(start, end,
+    position)`` span puts the state's rows ``start..end`` at positions ``position..`` of the
+    extend's slots, RoPE applied, exactly as :meth:`EngineAdapter.place` of those rows would:
+    the request sees the same storage-dtype state a separate prefill and placement give it.
+    """
+
+    token_ids: Sequence[int]
+    spans: Sequence[tuple[int, int, int]]
+    state: UnitState | None = None
+
+
+@dataclass
 class Extend:
     """Compute ``token_ids`` at ``positions`` for one request, attending to its slots.
 
@@ -84,6 +105,10 @@ class Extend:
     (placed, prefix-matched or computed earlier); the computed tokens' K/V are written to
     their slots. After the step, ``logits`` holds the logits of the token at the highest
     position, ``[vocab]`` in float32.
+
+    ``units`` (only for an engine whose :attr:`~EngineAdapter.fuses_unit_prefills` is true):
+    units prefilled in the same forward and placed into these slots before the extend's
+    tokens attend to them.
     """
 
     slots: KVSlots
@@ -91,6 +116,12 @@ class Extend:
     positions: Sequence[int]
     logits: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    units: Sequence[UnitFeed] = ()
+
+    @property
+    def n_computed(self) -> int:
+        """Tokens this extend computes, its units' included (what it costs a batch's budget)."""
+        return len(self.token_ids) + sum(len(u.token_ids) for u in self.units)
 
 
 class EngineAdapter(ABC):
@@ -102,6 +133,9 @@ class EngineAdapter(ABC):
 
     geometry: ModelGeometry
     fingerprint: ServingFingerprint
+    # True: step() honours Extend.units (a missing unit is prefilled in its request's own
+    # forward); False: the node prefills it as a separate UnitPrefill and places it first
+    fuses_unit_prefills: bool = False
 
     @abstractmethod
     def allocate(self, n_slots: int) -> KVSlots:

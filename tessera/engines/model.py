@@ -12,7 +12,11 @@ Two kinds of item:
 * *slotted* (``kv`` given): tokens at arbitrary ``positions`` of a request whose post-RoPE K/V
   live in ``kv`` (``[L, S, H_kv, D]``, position p in slot p). Their K/V are written to their
   slots first, then each token attends to every slot whose position is <= its own. Slots
-  below a computed token's position must already be filled by the caller.
+  below a computed token's position must already be filled by the caller, or by a fresh
+  item's ``feeds``: at every layer, right after a fresh item's capture and before any item
+  attends, each :class:`Feed` rotates captured rows into a slotted item's KV at that layer.
+  A layer's captured K/V depend only on the fresh item's own tokens, so feeding them within
+  the forward places exactly what a separate prefill and placement would.
 
 This module knows nothing about units, requests or prefix caches.
 """
@@ -28,7 +32,17 @@ import torch.nn.functional as F
 
 from tessera.engines.rope import RopeTable
 from tessera.engines.weights import LayerWeights, ModelSpec, Weights, checkpoint_weights
-from tessera.kernels.rope import rotate_into
+from tessera.kernels.rope import rope_place_span, rotate_into
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Captured rows ``start..end`` of a fresh item, placed at ``position..`` of slot tensors ``kv``."""
+
+    kv: tuple[torch.Tensor, torch.Tensor]  # the receiving item's slots [L, S, H_kv, D], compute dtype
+    start: int
+    end: int
+    position: int
 
 
 @dataclass
@@ -41,6 +55,7 @@ class Item:
     capture: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, T, H_kv, D] pre-RoPE K and V
     capture_from: int = 0  # rows before this are not captured (e.g. a BOS sink)
     logits: bool = False  # return logits of the token at the highest position
+    feeds: Sequence[Feed] = ()  # capture items only: rows placed into other items' slots per layer
 
 
 @dataclass
@@ -86,6 +101,7 @@ class Model:
             n = len(it.token_ids)
             assert n > 0, "an item must compute at least one token"
             assert it.kv is not None or it.positions is None, "a fresh item always sits at positions 0..n-1"
+            assert not it.feeds or it.capture is not None, "only a capturing item feeds other items"
             pos = list(range(n)) if it.positions is None else list(it.positions)
             assert len(pos) == n, (len(pos), n)
             top = max(pos)
@@ -112,7 +128,7 @@ class Model:
     def forward(self, items: Sequence[Item]) -> torch.Tensor:
         """Run one batched forward; returns float32 logits ``[n_logit_items, vocab]`` in item order."""
         plans, positions, logit_rows = self._plan(items)
-        self.rope.ensure(max(positions) + 1)
+        self.rope.ensure(max([*positions, *(f.position + f.end - f.start for it in items for f in it.feeds)]) + 1)
         pos = torch.tensor(positions, device=self.device)
         cos, sin = self.rope.lookup(pos)  # [N, 1, D]: shared by every layer
         ids = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
@@ -131,6 +147,13 @@ class Model:
             if it.capture is not None:  # the reusable form: keys before RoPE, values
                 it.capture[0][layer].copy_(raw[p.start + it.capture_from:p.end, h:])
                 it.capture[1][layer].copy_(v[p.start + it.capture_from:p.end])
+                # placed from the captured (storage-dtype) rows, as a later placement of the
+                # state would be: the receiving request sees the bits a cached state gives it
+                keys, values = it.capture[0][layer:layer + 1], it.capture[1][layer]
+                for f in it.feeds:
+                    rope_place_span(keys[:, f.start:f.end], f.position, self.rope.cos, self.rope.sin,
+                                    f.kv[0][layer:layer + 1])
+                    f.kv[1][layer, f.position:f.position + f.end - f.start].copy_(values[f.start:f.end])
         q, k = qk[:, :h], qk[:, h:]
         attn = torch.empty((x.shape[0], h, self.spec.head_dim), dtype=x.dtype, device=x.device)
         for p in plans:

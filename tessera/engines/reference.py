@@ -22,13 +22,14 @@ from tessera.engines.base import (
     EngineAdapter,
     Extend,
     KVSlots,
+    UnitFeed,
     UnitPrefill,
     UnitState,
 )
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
 from tessera.engines.device import check_state, to_device
 from tessera.engines.geometry import ModelGeometry
-from tessera.engines.model import Item, Model
+from tessera.engines.model import Feed, Item, Model
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
 from tessera.engines.weights import ModelSpec
@@ -51,6 +52,8 @@ class TorchSlots(KVSlots):
 
 @ENGINES.register("reference")
 class ReferenceEngine(EngineAdapter):
+    fuses_unit_prefills = True  # Extend.units: see tessera.engines.model (Feed)
+
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
@@ -107,26 +110,24 @@ class ReferenceEngine(EngineAdapter):
     # --- forward --------------------------------------------------------------------------
 
     def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
-        g = self.geometry
         items: list[Item] = []
         extends: list[Extend] = []
         for w in work:
             if isinstance(w, UnitPrefill):
-                n = len(w.token_ids)
-                shape = (g.n_layers, n, g.n_kv_heads, g.head_dim)
-                dev = self.model.device
-                w.state = UnitState(torch.empty(shape, dtype=self.kv_dtype, device=dev),
-                                    torch.empty(shape, dtype=self.kv_dtype, device=dev))
-                if n == 0:
-                    continue
-                lead = [] if self.bos is None else [self.bos]
-                items.append(Item(lead + list(w.token_ids), capture=(w.state.keys, w.state.values),
-                                  capture_from=len(lead)))
+                w.state, item = self._unit_item(w.token_ids)
+                if item is not None:
+                    items.append(item)
             else:
                 s = _torch_slots(w.slots)
                 if not w.token_ids or len(w.token_ids) != len(w.positions):
                     raise ValueError(f"an extend needs >= 1 token and one position per token; got "
                                      f"{len(w.token_ids)} tokens, {len(w.positions)} positions")
+                # the request's own units first: their rows reach its slots layer by layer,
+                # before its tokens attend (an item's place in the batch does not matter)
+                for u in w.units:
+                    u.state, item = self._unit_item(u.token_ids, self._feeds(u, s))
+                    if item is not None:
+                        items.append(item)
                 items.append(Item(w.token_ids, w.positions, kv=(s.keys, s.values), logits=True))
                 extends.append(w)
         if not items:
@@ -134,6 +135,30 @@ class ReferenceEngine(EngineAdapter):
         logits = self.model.forward(items)
         for ext, row in zip(extends, logits, strict=True):
             ext.logits = row
+
+    def _unit_item(self, token_ids: Sequence[int], feeds: Sequence[Feed] = ()) -> tuple[UnitState, Item | None]:
+        """An empty state of the unit's shape, and the fresh item that captures into it (None: no tokens)."""
+        g, dev = self.geometry, self.model.device
+        shape = (g.n_layers, len(token_ids), g.n_kv_heads, g.head_dim)
+        state = UnitState(torch.empty(shape, dtype=self.kv_dtype, device=dev),
+                          torch.empty(shape, dtype=self.kv_dtype, device=dev))
+        if not token_ids:
+            return state, None
+        lead = [] if self.bos is None else [self.bos]
+        return state, Item(lead + list(token_ids), capture=(state.keys, state.values), capture_from=len(lead),
+                           feeds=feeds)
+
+    @staticmethod
+    def _feeds(unit: UnitFeed, slots: TorchSlots) -> list[Feed]:
+        n = len(unit.token_ids)
+        out = []
+        for start, end, position in unit.spans:
+            if not (0 <= start <= end <= n and 0 <= position <= slots.n_slots - (end - start)):
+                raise ValueError(f"a unit span {start}..{end} at position {position} does not fit a unit of "
+                                 f"{n} tokens in {slots.n_slots} slots")
+            if end > start:
+                out.append(Feed((slots.keys, slots.values), start, end, position))
+        return out
 
     # --- exact prefix cache ---------------------------------------------------------------
 

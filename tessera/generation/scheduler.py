@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from tessera.composition.layout import Placement
-from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
+from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitFeed, UnitPrefill, UnitState
 from tessera.engines.offline import place_units
 from tessera.errors import Overloaded
 from tessera.generation.batching import take_batch
@@ -117,7 +117,7 @@ class _Job:
 
     @property
     def tokens(self) -> int:
-        return len(self.item.token_ids)
+        return len(self.item.token_ids) if isinstance(self.item, UnitPrefill) else self.item.n_computed
 
     def cancelled(self) -> bool:
         """Its requester went away (client disconnected): the batch drops it."""
@@ -169,9 +169,18 @@ class Scheduler:
         state: UnitState = await self._submit(UnitPrefill(token_ids), decode=False, deadline=deadline)
         return state
 
+    @property
+    def fuses_unit_prefills(self) -> bool:
+        """The engine prefills a request's missing units inside its extend (``extend(units=...)``)."""
+        return self.engine.fuses_unit_prefills
+
     async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int],
-                     deadline: StartDeadline | None = None) -> torch.Tensor:
+                     deadline: StartDeadline | None = None, units: Sequence[UnitFeed] = ()) -> torch.Tensor:
         """Compute tokens at positions (ascending) over the request's slots; logits of the last position.
+
+        ``units`` (an engine that :attr:`fuses_unit_prefills` only): units prefilled in the same
+        forward as the first chunk and placed into the slots before its tokens attend; their
+        states are in each :class:`UnitFeed` when this returns.
 
         With a ``deadline`` it raises ``Overloaded`` instead if the request is refused as a
         late start (above).
@@ -184,9 +193,11 @@ class Scheduler:
         step = self.max_batch_tokens
         assert len(token_ids) == len(positions) > 0, (len(token_ids), len(positions))
         logits: torch.Tensor | None = None
+        assert not units or self.fuses_unit_prefills, "this engine does not prefill units inside an extend"
         for start in range(0, len(token_ids), step):
-            logits = await self._submit(Extend(slots, token_ids[start:start + step], positions[start:start + step]),
-                                        decode=False, deadline=deadline)
+            chunk = Extend(slots, token_ids[start:start + step], positions[start:start + step],
+                           units=units if start == 0 else ())
+            logits = await self._submit(chunk, decode=False, deadline=deadline)
         assert logits is not None
         return logits
 

@@ -27,6 +27,7 @@ from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
 from tessera.control.simulated import memory_node_hello
+from tessera.engines.base import ENGINES
 from tessera.errors import PublishRejected
 from tessera.generation.node import HEARTBEAT_S
 from tessera.messages import (
@@ -132,8 +133,10 @@ class SimCluster:
         policy = policy_from_config(config.composition)
         hosts = {g.host: Host(self.loop, costs) for g in config.generation}  # nodes of one host share its cores
         self.hosts = hosts
+        # the real node prefills a missing unit inside its request's extend iff its engine can
+        fuse = ENGINES.get(config.model.engine).fuses_unit_prefills
         self.nodes = {g.name: SimNode(g, config.transport, config.block_tokens, self.loop, costs, policy, self.mode,
-                                      self.timed, hosts[g.host]) for g in config.generation}
+                                      self.timed, hosts[g.host], fuse) for g in config.generation}
         # the other roles' CPU goes to the host they run on; one without engines has nothing to slow
         self._front = hosts.get(config.retrieval.host)  # the retrieval role, and the load generator beside it
         self._pool_host = hosts.get(config.kvpools[0].host) if config.kvpools else None

@@ -27,15 +27,23 @@ Done = Callable[[], None]
 
 @dataclass
 class Work:
-    """One batch item: ``tokens`` new tokens whose last attends to ``context`` positions."""
+    """One batch item: ``tokens`` new tokens whose last attends to ``context`` positions, plus
+    the lengths of the ``units`` an extend prefills in its own forward (each from position 0)."""
 
     tokens: int
     context: int
     decode: bool
     done: Done
+    units: tuple[int, ...] = ()
 
     def cancelled(self) -> bool:
         return False  # simulated clients never go away
+
+    @property
+    def items(self) -> list[StepItem]:
+        """What the cost model charges for it: the extend, then each unit's own prefill."""
+        return [StepItem(self.tokens - sum(self.units), self.context, self.decode),
+                *(StepItem(n, n) for n in self.units)]
 
 
 class _Running:
@@ -156,15 +164,22 @@ class SimEngine:
 
     # --- submission (the Scheduler's verbs) ----------------------------------------------
 
-    def extend(self, tokens: int, start: int, done: Done) -> None:
-        """``tokens`` new tokens from position ``start``, in chunks of ``max_batch_tokens`` (chunked prefill)."""
+    def extend(self, tokens: int, start: int, done: Done, units: tuple[int, ...] = (),
+               units_done: Done | None = None) -> None:
+        """``tokens`` new tokens from position ``start``, in chunks of ``max_batch_tokens`` (chunked
+        prefill); ``units``: unit lengths prefilled in the first chunk's forward (an engine that
+        fuses unit prefills), ``units_done`` called when that chunk ends."""
         step = self.max_batch_tokens
         chunks = [(s, min(step, tokens - s)) for s in range(0, tokens, step)]
 
         def submit(i: int) -> None:
             s, n = chunks[i]
             last = i == len(chunks) - 1
-            self._extends.append(Work(n, start + s + n, False, done if last else lambda: submit(i + 1)))
+            then = done if last else lambda: submit(i + 1)
+            if i == 0 and units_done is not None:
+                then = _both(units_done, then)
+            fed = units if i == 0 else ()
+            self._extends.append(Work(n + sum(fed), start + s + n, False, then, fed))
             self._wake()
 
         submit(0)
@@ -207,7 +222,7 @@ class SimEngine:
         if not batch:
             self.busy = False
             return
-        seconds = self.costs.step_s(StepItem(w.tokens, w.context, w.decode) for w in batch)
+        seconds = self.costs.step_s(item for w in batch for item in w.items)
         self.steps += 1
         # engines sharing a host's cores and memory bandwidth slow each other (CPU nodes)
         self.host.run(seconds, partial(self._finish_batch, batch, self.loop.now))
@@ -220,8 +235,15 @@ class SimEngine:
         seconds = self.loop.now - started
         self.busy_s += seconds
         if not all(w.decode for w in batch):
-            self._recent_tokens = 0.8 * self._recent_tokens + sum(w.tokens for w in batch)
+            self._recent_tokens = 0.8 * self._recent_tokens + sum(w.tokens for w in batch)  # units included
             self._recent_s = 0.8 * self._recent_s + seconds
         for w in batch:
             w.done()
         self._next()
+
+
+def _both(first: Done, then: Done) -> Done:
+    def run() -> None:
+        first()
+        then()
+    return run

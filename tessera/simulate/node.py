@@ -6,6 +6,10 @@
         -> place it (an engine call); retain it as the plan authorizes, reporting to the plane
     final extend: the policy's recomputed tokens + the remaining text; then decode
 
+On an engine that fuses unit prefills (``fuse_units``, as the real node on the reference
+engine) a miss that no one here is computing rides its request's final extend instead of a
+prefill of its own, and others missing it wait for that extend's first chunk.
+
 The caches hold zero-size tensors: their capacity accounting, pins, victims and LRU are the
 real code's, no state is ever computed. Prompt layouts, the policy's ranges and the tokens
 to compute come from the real composition functions. Every report goes to the control plane
@@ -65,7 +69,7 @@ class Execution:
 class SimNode:
     def __init__(self, cfg: GenerationNodeConfig, transport: TransportConfig, block_tokens: int, loop: EventLoop,
                  costs: CostModel, policy: CompositionPolicy, mode: str, reports: NodeReports,
-                 host: Host | None = None) -> None:
+                 host: Host | None = None, fuse_units: bool = False) -> None:
         self.name = cfg.name
         self.loop = loop
         self.costs = costs
@@ -82,6 +86,7 @@ class SimNode:
         self.served = 0
         self.published = 0
         self.coalesced = 0
+        self.fuse_units = fuse_units
 
     # --- the request path ----------------------------------------------------------------
 
@@ -110,6 +115,7 @@ class SimNode:
         start = layout.n_tokens - len(token_ids)
         plans = {u.unit_id: u for u in plan.units}
         left = [len(needed)]
+        fused: list[UnitPlan] = []  # misses this request's extend computes (fuse_units)
 
         def prepared() -> None:
             left[0] -= 1
@@ -119,12 +125,13 @@ class SimNode:
         def final() -> None:
             stats.recomputed_tokens = len(token_ids)
             after = (lambda: self._insert_prefix(lead, ex.tenant)) if lead and matched < len(lead) else None
-            self.engine.extend(len(token_ids), start, lambda: self._first(ex, stats, after))
+            self.engine.extend(len(token_ids), start, lambda: self._first(ex, stats, after),
+                               tuple(up.n_tokens for up in fused), (lambda: self._fed(ex, fused)) if fused else None)
 
         if not needed:
             final()
         for uid in needed:
-            self._prepare(ex, plans[uid], stats, prepared)
+            self._prepare(ex, plans[uid], stats, prepared, fused)
 
     def _first(self, ex: Execution, stats: RequestStats, after: Callable[[], None] | None) -> None:
         if after is not None:
@@ -152,7 +159,15 @@ class SimNode:
 
     # --- preparation of one unit ---------------------------------------------------------
 
-    def _prepare(self, ex: Execution, up: UnitPlan, stats: RequestStats, ready: Callable[[], None]) -> None:
+    def _fed(self, ex: Execution, fused: list[UnitPlan]) -> None:
+        """The extend that computed ``fused`` ran: retain them, then wake whoever waited for them."""
+        assert ex.plan is not None
+        for up in fused:
+            self._retain(up, up.retention.local, ex.plan.local_evict)
+            self._prefilled(up.unit_id)
+
+    def _prepare(self, ex: Execution, up: UnitPlan, stats: RequestStats, ready: Callable[[], None],
+                 fused: list[UnitPlan]) -> None:
         n = up.n_tokens
         assert ex.plan is not None
         evict = ex.plan.local_evict
@@ -194,6 +209,14 @@ class SimNode:
             stats.coalesced_units += 1
             self.coalesced += 1
             waiters.append(computed)
+            return
+        if self.fuse_units:
+            # computed by this request's own extend (placed in its forward, no engine call)
+            stats.computed_unit_tokens += n
+            stats.computed_units += 1
+            self._prefilling[up.unit_id] = []
+            fused.append(up)
+            ready()
             return
         self._prefilling[up.unit_id] = [computed]
         self.engine.prefill_unit(n, lambda: self._prefilled(up.unit_id))

@@ -122,7 +122,7 @@ class FakeEngine(EngineAdapter):
         self.placed.append((offset, state.n_tokens))
 
     def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
-        self.batches.append([len(item.token_ids) for item in work])
+        self.batches.append([item.n_computed if isinstance(item, Extend) else len(item.token_ids) for item in work])
         for item in work:
             if isinstance(item, UnitPrefill):
                 t = torch.zeros(1, len(item.token_ids), 1, 2)
@@ -152,3 +152,24 @@ class FakeEngine(EngineAdapter):
 
     def decode_tokens(self, token_ids: Sequence[int]) -> str:
         return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+
+class FusingFakeEngine(FakeEngine):
+    """A :class:`FakeEngine` that prefills an extend's units in the same step and fills their spans
+    (``fuses_unit_prefills``, as the reference engine does); ``batches`` counts their tokens too."""
+
+    fuses_unit_prefills = True
+
+    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
+        for item in work:
+            if not isinstance(item, Extend):
+                continue
+            slots = item.slots
+            assert isinstance(slots, FakeSlots) and not slots.freed
+            for unit in item.units:
+                t = torch.zeros(1, len(unit.token_ids), 1, 2)
+                unit.state = UnitState(t, t.clone())
+                for start, end, position in unit.spans:
+                    slots.filled.update(range(position, position + end - start))
+                    self.placed.append((position, end - start))
+        super().step(work)
