@@ -1,7 +1,7 @@
 """What one engine forward costs by the number of tokens it computes (prints, never asserts).
 
     flock /tmp/tessera-cpu.lock python bench/forward_cost.py [--tokens 1,50,90,150,244] [--context 301]
-        [--compare 244,116] [--batch 3] [--threads 1] [--repeats 12] [--config tessera.toml]
+        [--compare 244,116] [--batch 3] [--fused 36] [--threads 1] [--repeats 12] [--config tessera.toml]
 
 Each size computes its tokens as one extend over a request's slots of ``--context`` positions
 (the last ones, so every query attends to the whole context, as a served prompt's do), with
@@ -17,6 +17,11 @@ references").
 the scheduler batches them, against that many forwards apart: if the fixed part were paid
 once per forward, a batch of K would save (K-1) times it; what it saves is the part the batch
 really shares. It is also what every member of a batch waits for before its first token.
+
+``--fused U`` times a request of B tokens (``--compare``'s second) that misses a unit of U
+tokens both ways the node can serve it: the unit prefilled in a forward of its own, placed,
+then the request's extend (two forwards, as before the reference engine fused them), against
+one forward that prefills the unit and places it layer by layer (``Extend.units``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import time
 from pathlib import Path
 
 from tessera.config_file import load_config
-from tessera.engines.base import Extend
+from tessera.engines.base import Extend, UnitFeed, UnitPrefill, UnitState
 from tessera.engines.reference import ReferenceEngine
 
 
@@ -57,6 +62,42 @@ def forward_ms(engine: ReferenceEngine, n_tokens: int, context: int, repeats: in
             engine.free(s)
 
 
+def miss_ms(engine: ReferenceEngine, unit: int, n_tokens: int, context: int, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of serving a request of ``n_tokens`` computed tokens that misses a unit
+    of ``unit`` tokens (placed just before them): (prefill + place + extend, one fused extend)."""
+    rng = random.Random(unit)
+    unit_ids = [rng.randrange(1000, 20000) for _ in range(unit)]
+    ids = [rng.randrange(1000, 20000) for _ in range(n_tokens)]
+    positions = list(range(context - n_tokens, context))
+    at = context - n_tokens - unit
+    slots = engine.allocate(context)
+    slots.keys.zero_()
+    slots.values.zero_()
+
+    def separate() -> None:
+        prefill = UnitPrefill(unit_ids)
+        engine.step([prefill])
+        assert prefill.state is not None
+        engine.place(slots, at, UnitState(prefill.state.keys, prefill.state.values))
+        engine.step([Extend(slots, ids, positions)])
+
+    def fused() -> None:
+        engine.step([Extend(slots, ids, positions, units=[UnitFeed(unit_ids, [(0, unit, at)])])])
+
+    try:
+        out = []
+        for run in (separate, fused):
+            samples = []
+            for _ in range(repeats + 2):
+                t = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - t)
+            out.append(statistics.median(samples[2:]) * 1000)
+        return out[0], out[1]
+    finally:
+        engine.free(slots)
+
+
 def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """Least squares ``y = fixed + per_token * x``; returns (fixed, per_token)."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -82,6 +123,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=301, help="positions of the request (its prompt length)")
     ap.add_argument("--compare", default="244,116", help="A,B: the engine-time ratio of A- and B-token requests")
     ap.add_argument("--batch", type=int, default=0, help="K: also time 1..K requests of A tokens in one forward")
+    ap.add_argument("--fused", type=int, default=0,
+                    help="U: also time a B-token request missing a U-token unit, two forwards vs one")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a generation node's default: 1)")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--config", type=Path, default=None)
@@ -91,10 +134,14 @@ def main() -> None:
         raise SystemExit("--tokens needs at least two different sizes to split fixed and per-token cost")
     if max(tokens) > args.context:
         raise SystemExit(f"--context {args.context} is shorter than the largest of --tokens ({max(tokens)})")
-    if len(compare) != 2 or args.repeats < 1 or args.threads < 1 or args.batch < 0:
-        raise SystemExit("--compare takes two counts (A,B); --repeats and --threads must be >= 1, --batch >= 0")
+    if len(compare) != 2 or args.repeats < 1 or args.threads < 1 or args.batch < 0 or args.fused < 0:
+        raise SystemExit("--compare takes two counts (A,B); --repeats and --threads must be >= 1, "
+                         "--batch and --fused >= 0")
     if max(compare) > args.context:
         raise SystemExit(f"--context {args.context} is shorter than the largest of --compare ({max(compare)})")
+    if args.fused and args.fused + compare[1] > args.context:
+        raise SystemExit(f"--context {args.context} cannot hold the --fused unit ({args.fused}) before "
+                         f"the request's {compare[1]} computed tokens")
     cfg = load_config(args.config)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, threads=args.threads))
     engine = ReferenceEngine.from_config(cfg)
@@ -117,6 +164,10 @@ def main() -> None:
             print(f"{k} requests of {a} tokens in one forward: {together:.0f} ms vs {k * alone:.0f} ms apart; "
                   f"the batch shares {saved / (k - 1):.0f} ms per extra request (fit's fixed part {fixed:.0f} ms), "
                   f"and each member waits {together:.0f} ms, not {alone:.0f}, for its first token")
+    if args.fused:
+        two, one = miss_ms(engine, args.fused, b, args.context, args.repeats)
+        print(f"a {b}-token request missing a {args.fused}-token unit: {two:.0f} ms as prefill + place + extend, "
+              f"{one:.0f} ms as one fused extend ({two - one:.0f} ms saved, {two / one:.2f}x)")
 
 
 if __name__ == "__main__":

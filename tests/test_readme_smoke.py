@@ -313,7 +313,7 @@ def test_bench_engine_times_full_and_composed_prefill_on_smollm2() -> None:
 def test_bench_forward_cost_splits_a_forward_into_fixed_and_per_token_cost() -> None:
     """`python bench/forward_cost.py` times each size, fits the line and prints the two requests' ratio."""
     done = _run([PYTHON, "bench/forward_cost.py", "--tokens", "1,4,8", "--context", "12", "--compare", "8,4",
-                 "--batch", "3", "--repeats", "1"])
+                 "--batch", "3", "--fused", "5", "--repeats", "1"])
     sizes = re.findall(r"^\s+(\d+) tokens:\s+\d+\.\d ms$", done.stdout, re.M)
     assert sizes == ["1", "4", "8"], done.stdout
     assert re.search(r"^fit: -?\d+\.\d ms per forward \+ -?\d+\.\d\d ms per computed token$", done.stdout, re.M), \
@@ -323,6 +323,8 @@ def test_bench_forward_cost_splits_a_forward_into_fixed_and_per_token_cost() -> 
                          r"ms per extra request \(fit's fixed part -?\d+ ms\), and each member waits \d+ ms, not \d+, "
                          r"for its first token$", done.stdout, re.M)
     assert batches == ["2", "3"], done.stdout
+    assert re.search(r"^a 4-token request missing a 5-token unit: \d+ ms as prefill \+ place \+ extend, \d+ ms as one "
+                     r"fused extend \(-?\d+ ms saved, \d+\.\d\dx\)$", done.stdout, re.M), done.stdout
     refused = subprocess.run([PYTHON, "bench/forward_cost.py", "--tokens", "4,4", "--context", "8", "--compare", "4,2"],
                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240, check=False)
     assert refused.returncode != 0 and "two different sizes" in refused.stderr, refused.stderr

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from helpers.engines import FusingFakeEngine
 
-from tessera.engines.base import KVSlots
+from tessera.engines.base import KVSlots, UnitFeed
 from tessera.errors import Overloaded
 from tessera.generation.scheduler import Scheduler, StartDeadline
 
@@ -85,6 +86,21 @@ async def test_a_request_whose_units_are_ready_goes_before_unit_prefills_queued_
         s.start()
         await asyncio.gather(*prefills, extend)
     assert fake_engine.batches == [[3], [6], [6]]
+
+
+async def test_an_extend_that_prefills_its_own_unit_queues_behind_ready_requests() -> None:
+    """An extend carrying a missing unit (an engine that fuses unit prefills) waits, as that
+    unit's own prefill did, behind requests whose units are ready and which queued after it;
+    its unit rides its first chunk."""
+    engine = FusingFakeEngine()
+    async with scheduler(engine, max_batch_tokens=8) as s:
+        missing = asyncio.ensure_future(s.extend(await _slots(s), [1] * 3, range(6, 9),
+                                                 units=[UnitFeed([1] * 6, [(0, 6, 0)])]))
+        ready = _extend(s, await _slots(s), 3)
+        await _queued(missing, ready)
+        s.start()
+        await asyncio.gather(missing, ready)
+    assert engine.batches == [[3], [9]]
 
 
 async def test_a_cancelled_request_never_reaches_the_engine(fake_engine: Any) -> None:

@@ -11,7 +11,8 @@ keeps serving HTTP, transfers and other requests while a forward pass runs. The
 Unit prefills (internal requests for missing units) and requests' final extends join the
 same batches, the extends first (a request whose units are ready is one step from its first
 token); a request that waits for its unit states is simply not in the queue yet, so
-it never blocks anyone.
+it never blocks anyone. An extend that prefills its own missing units (an engine that
+``fuses_unit_prefills``) queues with the unit prefills, not before them.
 
 Late starts: a request may carry a :class:`StartDeadline`, what was left of
 ``control.max_queue_wait_s`` when its plan was sent. If none of its work has begun when the
@@ -158,7 +159,12 @@ class Scheduler:
     def _submit(self, item: UnitPrefill | Extend, decode: bool,
                 deadline: StartDeadline | None = None) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        queue = self._decodes if decode else self._prefills if isinstance(item, UnitPrefill) else self._extends
+        # an extend that still prefills a unit queues with the unit prefills, behind requests
+        # whose units are all ready: as when the unit was a prefill of its own, a ready request
+        # never waits behind another's missing unit (on CPU a batch shares little, and a
+        # member waits for all of it)
+        missing = isinstance(item, UnitPrefill) or bool(item.units)
+        queue = self._decodes if decode else self._prefills if missing else self._extends
         queue.append(_Job(item, future, decode, deadline, self.batches))
         self._wake.set()
         return future

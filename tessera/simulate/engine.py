@@ -179,7 +179,8 @@ class SimEngine:
             if i == 0 and units_done is not None:
                 then = _both(units_done, then)
             fed = units if i == 0 else ()
-            self._extends.append(Work(n + sum(fed), start + s + n, False, then, fed))
+            # with its own unit prefills it queues with them, as on the real node's scheduler
+            (self._prefills if fed else self._extends).append(Work(n + sum(fed), start + s + n, False, then, fed))
             self._wake()
 
         submit(0)
