@@ -238,10 +238,13 @@ class Executor:
         for plan, feed, claim, local in fused.claims if fused is not None else ():
             assert feed.state is not None
             # retained before the claim is settled, with no await between: a request arriving
-            # next finds the unit in flight (the claim) or in the local cache, never neither
-            self.retainer.retain(plan.unit_id, feed.state, local, plan.grant, run.req.plan.local_evict,
-                                 run.received_at)
-            self.prefills.finish(plan.unit_id, claim, feed.state)
+            # next finds the unit in flight (the claim) or in the local cache, never neither;
+            # settled whatever the retention does, so no joiner waits on it forever
+            try:
+                self.retainer.retain(plan.unit_id, feed.state, local, plan.grant, run.req.plan.local_evict,
+                                     run.received_at)
+            finally:
+                self.prefills.finish(plan.unit_id, claim, feed.state)
         if lead and matched < len(lead):
             await self.scheduler.insert_prefix(slots, lead, run.req.tenant)
         return logits
