@@ -31,11 +31,33 @@ import dataclasses
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tessera.config_file import load_config
-from tessera.engines.base import Extend, UnitFeed, UnitPrefill, UnitState
-from tessera.engines.reference import ReferenceEngine
+from tessera.engines.base import Extend, UnitFeed, UnitPrefill
+from tessera.engines.reference import ReferenceEngine, TorchSlots
+
+
+def median_ms(run: Callable[[], None], repeats: int) -> float:
+    """Median milliseconds of ``run()`` over ``repeats`` calls, after two warm-up calls (allocator
+    and kernel caches)."""
+    samples = []
+    for _ in range(repeats + 2):
+        t = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples[2:]) * 1000
+
+
+def zeroed_slots(engine: ReferenceEngine, context: int) -> TorchSlots:
+    """A request's slots of ``context`` positions, zeroed: a served request's slots below its
+    computed tokens hold placed states; allocate() leaves them uninitialised, and garbage there
+    (denormals, NaN) would time the wrong arithmetic."""
+    s = engine.allocate(context)
+    s.keys.zero_()
+    s.values.zero_()
+    return s
 
 
 def forward_ms(engine: ReferenceEngine, n_tokens: int, context: int, repeats: int, requests: int = 1) -> float:
@@ -44,19 +66,9 @@ def forward_ms(engine: ReferenceEngine, n_tokens: int, context: int, repeats: in
     rng = random.Random(n_tokens)
     ids = [rng.randrange(1000, 20000) for _ in range(n_tokens)]
     positions = list(range(context - n_tokens, context))
-    slots = [engine.allocate(context) for _ in range(requests)]
+    slots = [zeroed_slots(engine, context) for _ in range(requests)]
     try:
-        for s in slots:
-            # a served request's slots below its computed tokens hold placed states; allocate() leaves
-            # them uninitialised, and garbage there (denormals, NaN) would time the wrong arithmetic
-            s.keys.zero_()
-            s.values.zero_()
-        samples = []
-        for _ in range(repeats + 2):  # two warm-up forwards: allocator and kernel caches
-            t = time.perf_counter()
-            engine.step([Extend(s, ids, positions) for s in slots])
-            samples.append(time.perf_counter() - t)
-        return statistics.median(samples[2:]) * 1000
+        return median_ms(lambda: engine.step([Extend(s, ids, positions) for s in slots]), repeats)
     finally:
         for s in slots:
             engine.free(s)
@@ -70,30 +82,20 @@ def miss_ms(engine: ReferenceEngine, unit: int, n_tokens: int, context: int, rep
     ids = [rng.randrange(1000, 20000) for _ in range(n_tokens)]
     positions = list(range(context - n_tokens, context))
     at = context - n_tokens - unit
-    slots = engine.allocate(context)
-    slots.keys.zero_()
-    slots.values.zero_()
+    slots = zeroed_slots(engine, context)
 
     def separate() -> None:
         prefill = UnitPrefill(unit_ids)
         engine.step([prefill])
         assert prefill.state is not None
-        engine.place(slots, at, UnitState(prefill.state.keys, prefill.state.values))
+        engine.place(slots, at, prefill.state)
         engine.step([Extend(slots, ids, positions)])
 
     def fused() -> None:
         engine.step([Extend(slots, ids, positions, units=[UnitFeed(unit_ids, [(0, unit, at)])])])
 
     try:
-        out = []
-        for run in (separate, fused):
-            samples = []
-            for _ in range(repeats + 2):
-                t = time.perf_counter()
-                run()
-                samples.append(time.perf_counter() - t)
-            out.append(statistics.median(samples[2:]) * 1000)
-        return out[0], out[1]
+        return median_ms(separate, repeats), median_ms(fused, repeats)
     finally:
         engine.free(slots)
 

@@ -164,23 +164,20 @@ class SimEngine:
 
     # --- submission (the Scheduler's verbs) ----------------------------------------------
 
-    def extend(self, tokens: int, start: int, done: Done, units: tuple[int, ...] = (),
-               units_done: Done | None = None) -> None:
+    def extend(self, tokens: int, start: int, done: Done, units: tuple[int, ...] = ()) -> None:
         """``tokens`` new tokens from position ``start``, in chunks of ``max_batch_tokens`` (chunked
         prefill); ``units``: unit lengths prefilled in the first chunk's forward (an engine that
-        fuses unit prefills), ``units_done`` called when that chunk ends."""
+        fuses unit prefills)."""
         step = self.max_batch_tokens
         chunks = [(s, min(step, tokens - s)) for s in range(0, tokens, step)]
 
         def submit(i: int) -> None:
             s, n = chunks[i]
             last = i == len(chunks) - 1
-            then = done if last else lambda: submit(i + 1)
-            if i == 0 and units_done is not None:
-                then = _both(units_done, then)
             fed = units if i == 0 else ()
             # with its own unit prefills it queues with them, as on the real node's scheduler
-            (self._prefills if fed else self._extends).append(Work(n + sum(fed), start + s + n, False, then, fed))
+            (self._prefills if fed else self._extends).append(
+                Work(n + sum(fed), start + s + n, False, done if last else lambda: submit(i + 1), fed))
             self._wake()
 
         submit(0)
@@ -242,9 +239,3 @@ class SimEngine:
             w.done()
         self._next()
 
-
-def _both(first: Done, then: Done) -> Done:
-    def run() -> None:
-        first()
-        then()
-    return run

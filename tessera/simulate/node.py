@@ -125,8 +125,13 @@ class SimNode:
         def final() -> None:
             stats.recomputed_tokens = len(token_ids)
             after = (lambda: self._insert_prefix(lead, ex.tenant)) if lead and matched < len(lead) else None
-            self.engine.extend(len(token_ids), start, lambda: self._first(ex, stats, after),
-                               tuple(up.n_tokens for up in fused), (lambda: self._fed(ex, fused)) if fused else None)
+            def first() -> None:
+                # as the real executor: the fused units are retained and their waiters woken
+                # once the whole extend has run, then the first token
+                self._fed(ex, fused)
+                self._first(ex, stats, after)
+
+            self.engine.extend(len(token_ids), start, first, tuple(up.n_tokens for up in fused))
 
         if not needed:
             final()
