@@ -293,7 +293,8 @@ def report(
     out: Annotated[Path | None, typer.Option(help="Write the merged bench.json and plots here (default: only "
                                              "print).")] = None,
     keep: Annotated[str, typer.Option(help="When two runs measured one system at one rate (or both have its "
-                                      "unloaded reference): error, first or last (which file counts).")] = "error",
+                                      "unloaded reference): error, first or last (which file counts), or pool (their "
+                                      "requests pooled into one row).")] = "error",
 ) -> None:
     """Print one report over several tessera bench runs of one workload (a sweep and its extensions): each
     system's rows from every run, and the targets computed over their union."""

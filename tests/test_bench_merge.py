@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers.cluster import child_env
 
@@ -29,9 +30,13 @@ def _report(systems: dict[str, dict[str, Any]], *, warmup_rate: float | None = N
             "systems": systems, "started": started}
 
 
-def _sys(runs: list[dict[str, Any]], unloaded: float | None = None, mode: str = "compose") -> dict[str, Any]:
+def _sys(runs: list[dict[str, Any]], unloaded: float | list[float] | None = None,
+         mode: str = "compose") -> dict[str, Any]:
+    """A system's sweep; ``unloaded``: its reference's mean, or its requests' TTFTs (a list)."""
     out: dict[str, Any] = {"config": {"mode": mode}, "rates": [r["rate"] for r in runs], "runs": runs}
-    if unloaded is not None:
+    if isinstance(unloaded, list):
+        out["unloaded"] = _measured(0.0, unloaded)
+    elif unloaded is not None:
         out["unloaded"] = _run(0.0, unloaded)
     return out
 
@@ -81,6 +86,63 @@ def test_two_files_measuring_one_rate_are_refused_unless_keep_says_which_counts(
     assert (first["unloaded"]["mean"], last["unloaded"]["mean"]) == (0.5, 0.6)
     with pytest.raises(ConfigError, match="--keep takes error, first, last"):
         merge_reports([a, b], keep="newest")
+
+
+def _measured(rate: float, ttfts: list[float], **extra: Any) -> dict[str, Any]:
+    """A row as summarize writes it: its per-request TTFTs and the statistics over them."""
+    arr = np.array(ttfts)
+    return _run(rate, float(arr.mean()), requests=len(ttfts) + 1, ok=len(ttfts), failed=1,
+                p50=float(np.percentile(arr, 50)), p90=float(np.percentile(arr, 90)),
+                p99=float(np.percentile(arr, 99)), ttfts=ttfts, **extra)
+
+
+def test_repeats_of_one_rate_pool_into_one_row_over_all_their_requests() -> None:
+    """--keep pool: the TTFT statistics over every repeat's requests together, counts summed,
+    reuse efficiency over all reusable tokens, tier shares and throughput weighted by
+    successful requests; the crossing is interpolated on the pooled means."""
+    a = _tagged(_report({"tessera": _sys([_measured(4, [0.2, 0.4], reuse_efficiency=1.0, reusable_unit_tokens=100,
+                                                    mean_prompt_tokens=300.0, computed_share_of_prompt=0.5,
+                                                    hit_rate={"local": 1.0, "remote": 0.0}, throughput=4.0,
+                                                    errors=["HTTP 503"]),
+                                          _measured(5, [0.9, 1.1])], unloaded=[0.25])}), "a")
+    b = _tagged(_report({"tessera": _sys([_measured(4, [0.6, 0.8, 1.0, 1.2], reuse_efficiency=0.5,
+                                                    reusable_unit_tokens=300, mean_prompt_tokens=150.0,
+                                                    computed_share_of_prompt=0.0,
+                                                    hit_rate={"local": 0.25, "remote": 0.75}, throughput=3.0,
+                                                    errors=["timeout"])],
+                                         unloaded=[0.35])}), "b")
+    c = _tagged(_report({"tessera": _sys([_measured(4, [0.7, 0.7])], unloaded=[0.35])}), "c")
+    merged = merge_reports([a, b, c], keep="pool")["systems"]["tessera"]
+    four = merged["runs"][0]
+    assert four["rate"] == 4 and four["ttfts"] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 0.7, 0.7]
+    assert four["mean"] == pytest.approx(5.6 / 8)
+    assert four["p50"] == pytest.approx(0.7) and four["p99"] == pytest.approx(np.percentile(four["ttfts"], 99))
+    assert (four["requests"], four["ok"], four["failed"]) == (11, 8, 3)
+    assert four["errors"] == ["HTTP 503", "timeout"]
+    assert four["reuse_efficiency"] == pytest.approx((100 * 1.0 + 300 * 0.5) / 400)  # c had no reusable tokens
+    assert four["computed_share_of_prompt"] == pytest.approx(0.5 * 600 / (600 + 600 + 0))
+    assert four["hit_rate"]["local"] == pytest.approx((2 * 1.0 + 4 * 0.25 + 2 * 0) / 8)
+    assert four["throughput"] == pytest.approx((2 * 4.0 + 4 * 3.0 + 2 * 4) / 8)
+    assert four["pooled"] == ["a", "b", "c"] and four["source"] == "a + b + c"
+    assert merged["runs"][1]["source"] == "a" and "pooled" not in merged["runs"][1]
+    assert merged["unloaded"]["mean"] == pytest.approx(0.95 / 3) and merged["unloaded"]["pooled"] == ["a", "b", "c"]
+
+    from tessera.benchmark.report import compare
+
+    both = merge_reports([_tagged(_report({"prefix": _sys([_measured(2, [0.8]), _measured(3, [3.0])],
+                                                           unloaded=0.5, mode="prefix")}), "p"), a, c],
+                         keep="pool")
+    # tessera's bound: 2 x 0.3 s (a's and c's unloaded pooled) = 0.6 s, crossed between the
+    # pooled 0.5 s at 4 req/s (a's and c's four requests) and a's 1.0 s at 5
+    assert compare(both)["system_sustained_rate"] == pytest.approx(4.2)
+
+
+def test_pooling_needs_each_rows_requests() -> None:
+    """A row without its per-request TTFTs (rows written before they were kept) cannot be pooled."""
+    a = _tagged(_report({"prefix": _sys([_run(3, 1.0)], mode="prefix")}), "a")
+    b = _tagged(_report({"prefix": _sys([_measured(3, [2.0])], mode="prefix")}), "b")
+    with pytest.raises(ConfigError, match="cannot pool prefix at 3 req/s: a kept no per-request TTFTs"):
+        merge_reports([a, b], keep="pool")
 
 
 def test_a_skipped_rate_gives_way_to_a_measured_one() -> None:
@@ -144,6 +206,8 @@ def test_tessera_report_merges_runs_writes_the_merged_report_and_refuses_bad_inp
 
     again = _cli("report", str(main), str(main))
     assert again.returncode == 2 and "is in both" in again.stderr and "--keep" in again.stderr
+    pooled = _cli("report", str(main), str(main), "--keep", "pool")  # these rows kept no per-request TTFTs
+    assert pooled.returncode == 2 and "kept no per-request TTFTs" in pooled.stderr and "Traceback" not in pooled.stderr
     into = _cli("report", str(main), "--out", str(main))
     assert into.returncode == 2 and "write the merge to a folder of its own" in into.stderr
     missing = _cli("report", str(tmp_path / "none"))

@@ -9,8 +9,11 @@ the union, so the combined figures come from a command instead of a hand-written
 Files join only when what makes their rows comparable is the same: the workload, the
 requests per run, the warm-up share, the output length, and each system's cluster settings.
 Two files that both measured one system at one rate (or both have its unloaded reference)
-are refused unless ``keep`` says which one counts: the earlier file (``first``) or the later
-(``last``). Every merged row records the file it came from.
+are refused unless ``keep`` says which one counts: the earlier file (``first``), the later
+(``last``), or all of them pooled (``pool``): repeats of one rate on fresh clusters, whose
+per-request TTFTs become one sample (:func:`pool_runs`), so a crossing interpolated between
+rates rests on every repeat rather than on whichever file came last. Every merged row records
+the file it came from (a pooled row, all of them).
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tessera.errors import ConfigError
 
-KEEP_CHOICES = ("error", "first", "last")  # --keep: refuse a row two files have, or take the first's / last's
+# --keep: refuse a row two files have, take the first's / last's, or pool them
+KEEP_CHOICES = ("error", "first", "last", "pool")
 # top-level fields that must agree for two files' rows to sit on one curve
 SAME = ("workload", "requests", "warmup_frac", "max_tokens")
 
@@ -109,8 +115,60 @@ def _pick(held: dict[str, Any] | None, new: dict[str, Any], report: dict[str, An
         return tagged
     if keep == "error":
         raise ConfigError(f"{what} is in both {held['source']} and {report['_source']}; pass --keep first or "
-                          f"--keep last to say which one counts, or leave one file out")
+                          f"--keep last to say which one counts, --keep pool to pool them, or leave one file out")
+    if keep == "pool":
+        return pool_runs([held, tagged], what)
     return held  # merge order already puts the file that wins first
+
+
+def pool_runs(runs: Sequence[dict[str, Any]], what: str = "the runs") -> dict[str, Any]:
+    """One row from repeated measurements of one system at one rate (each a ``summarize`` row
+    with its ``source``; a row pooled before may be one of them).
+
+    Exact where the rows allow it: the TTFT mean and percentiles over every request's TTFT
+    together, the request counts summed, the reuse efficiency over all reusable unit tokens,
+    the computed share over all prompt tokens. The unit tokens' tier shares (local, remote,
+    computed) and the throughput are weighted by each row's successful requests: the rows keep
+    neither their unit-token totals nor a common time span, so these two are averages of
+    the repeats, not one measurement. Fields other than these are dropped unless every row
+    has the same value.
+    """
+    # a row where nothing succeeded has no TTFTs to give, and needs none
+    missing = [r.get("source", "?") for r in runs if "ttfts" not in r and r.get("ok", 0) > 0]
+    if missing:
+        raise ConfigError(f"cannot pool {what}: {', '.join(missing)} kept no per-request TTFTs (a report "
+                          f"from before they were recorded); pass --keep first or --keep last instead")
+    ttfts = np.array([t for r in runs for t in r.get("ttfts", [])], dtype=np.float64)
+    ok = [int(r["ok"]) for r in runs]
+    n_ok = max(sum(ok), 1)
+    prompt = [r.get("mean_prompt_tokens", 0.0) * k for r, k in zip(runs, ok, strict=True)]
+    reusable = [r.get("reusable_unit_tokens") or 0 for r in runs]
+    out: dict[str, Any] = {k: v for k, v in runs[0].items() if all(r.get(k) == v for r in runs[1:])}
+    out.update({
+        "requests": sum(int(r["requests"]) for r in runs),
+        "ok": sum(ok),
+        "failed": sum(int(r["failed"]) for r in runs),
+        "errors": sorted({e for r in runs for e in r.get("errors", [])})[:5],
+        "throughput": sum(r["throughput"] * k for r, k in zip(runs, ok, strict=True)) / n_ok,
+        "hit_rate": {tier: sum(r["hit_rate"].get(tier, 0.0) * k for r, k in zip(runs, ok, strict=True)) / n_ok
+                     for tier in runs[0]["hit_rate"]},
+        "mean_prompt_tokens": sum(prompt) / n_ok,
+        "reusable_unit_tokens": sum(reusable),
+        "reuse_efficiency": (sum((r.get("reuse_efficiency") or 0.0) * n for r, n in zip(runs, reusable, strict=True))
+                             / sum(reusable)) if sum(reusable) else None,
+        "source": " + ".join(s for r in runs for s in r.get("pooled", [r.get("source", "?")])),
+        "pooled": [s for r in runs for s in r.get("pooled", [r.get("source", "?")])],
+    })
+    if "computed_share_of_prompt" in runs[0]:
+        out["computed_share_of_prompt"] = sum(r.get("computed_share_of_prompt", 0.0) * p
+                                              for r, p in zip(runs, prompt, strict=True)) / max(sum(prompt), 1e-9)
+    for k in ("mean", "p50", "p90", "p99", "ttfts"):
+        out.pop(k, None)
+    if len(ttfts):
+        out.update({"mean": float(ttfts.mean()), "p50": float(np.percentile(ttfts, 50)),
+                    "p90": float(np.percentile(ttfts, 90)), "p99": float(np.percentile(ttfts, 99)),
+                    "ttfts": [float(x) for x in ttfts]})
+    return out
 
 
 def run_report(paths: Sequence[Path], out: Path | None, keep: str = "error") -> dict[str, Any]:
