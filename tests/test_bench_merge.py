@@ -208,6 +208,12 @@ def test_tessera_report_merges_runs_writes_the_merged_report_and_refuses_bad_inp
     assert again.returncode == 2 and "is in both" in again.stderr and "--keep" in again.stderr
     pooled = _cli("report", str(main), str(main), "--keep", "pool")  # these rows kept no per-request TTFTs
     assert pooled.returncode == 2 and "kept no per-request TTFTs" in pooled.stderr and "Traceback" not in pooled.stderr
+    r1 = _write(tmp_path / "r1", _report({"tessera": _sys([_measured(4, [0.2, 0.4])], unloaded=[0.3])}))
+    r2 = _write(tmp_path / "r2", _report({"tessera": _sys([_measured(4, [0.6, 0.8])], unloaded=[0.2])}))
+    both = _cli("report", str(r1), str(r2), "--keep", "pool")
+    assert both.returncode == 0, both.stderr
+    assert "| tessera | unloaded | 0.250 |" in both.stdout and "| tessera | 4 | 0.500 |" in both.stdout
+    assert "| 4/6 |" in both.stdout  # two repeats of 2 ok / 3 sent each
     into = _cli("report", str(main), "--out", str(main))
     assert into.returncode == 2 and "write the merge to a folder of its own" in into.stderr
     missing = _cli("report", str(tmp_path / "none"))
