@@ -143,6 +143,7 @@ def pool_runs(runs: Sequence[dict[str, Any]], what: str = "the runs") -> dict[st
     n_ok = max(sum(ok), 1)
     prompt = [r.get("mean_prompt_tokens", 0.0) * k for r, k in zip(runs, ok, strict=True)]
     reusable = [r.get("reusable_unit_tokens") or 0 for r in runs]
+    sources = [s for r in runs for s in r.get("pooled", [r.get("source", "?")])]  # a pooled row brings its own
     out: dict[str, Any] = {k: v for k, v in runs[0].items() if all(r.get(k) == v for r in runs[1:])}
     out.update({
         "requests": sum(int(r["requests"]) for r in runs),
@@ -156,8 +157,8 @@ def pool_runs(runs: Sequence[dict[str, Any]], what: str = "the runs") -> dict[st
         "reusable_unit_tokens": sum(reusable),
         "reuse_efficiency": (sum((r.get("reuse_efficiency") or 0.0) * n for r, n in zip(runs, reusable, strict=True))
                              / sum(reusable)) if sum(reusable) else None,
-        "source": " + ".join(s for r in runs for s in r.get("pooled", [r.get("source", "?")])),
-        "pooled": [s for r in runs for s in r.get("pooled", [r.get("source", "?")])],
+        "source": " + ".join(sources),
+        "pooled": sources,
     })
     if "computed_share_of_prompt" in runs[0]:
         out["computed_share_of_prompt"] = sum(r.get("computed_share_of_prompt", 0.0) * p
