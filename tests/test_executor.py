@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -277,3 +278,63 @@ async def test_slots_taken_for_a_request_whose_prefix_match_fails_are_freed() ->
         with pytest.raises(RuntimeError, match="corrupt"):
             await n.run(Preparation.COMPUTE)
     assert [s.freed for s in engine.allocated] == [True]
+
+
+class HeldStepsEngine(FakeEngine):
+    """Each step waits on the engine thread until the test releases it; prefix inserts are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = [threading.Event(), threading.Event()]
+        self.inserted: list[int] = []
+
+    def step(self, work: Any) -> None:
+        n = len(self.batches)
+        if n < len(self.release):
+            assert self.release[n].wait(60), f"the test never released step {n + 1}"
+        super().step(work)
+
+    def insert_prefix(self, slots: Any, token_ids: Any, namespace: str = "") -> None:
+        self.inserted.append(len(token_ids))
+
+
+async def _events(run: Any) -> list[Any]:
+    return [e async for e in run]
+
+
+async def _until(check: Any) -> None:
+    while not check():
+        await asyncio.sleep(0.005)
+
+
+async def test_with_prefix_caching_a_first_token_never_waits_for_the_next_batch() -> None:
+    """Regression (issue 25, the baseline of every bench): in prefix mode the executor awaited
+    the prefix cache insert as an engine call of its own after the extend, so it queued behind
+    the batch the scheduler had already started, and whenever the node had other work queued a
+    request's first token came one whole forward late. Here the second request's batch is held
+    until the first request's first token arrives; with the old order it never does."""
+    engine = HeldStepsEngine()
+    prompt = PromptLayout((Segment(SegmentKind.TEXT, (1, 2, 3, 4, 5, 6)),))
+    scheduler = Scheduler(engine, max_batch_tokens=8)  # one 6-token prompt a batch
+    cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
+    retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
+    executor = Executor(scheduler, PrefillCoalescer(scheduler), cache, retainer, None, lambda _: None,
+                        policy_from_config(CompositionConfig()), "prefix")
+    scheduler.start()
+    try:
+        first, second = (executor.run(request(Preparation.COMPUTE, 1, prompt, request_id=r)) for r in ("a", "b"))
+        first_token = asyncio.ensure_future(anext(first))
+        rest = asyncio.ensure_future(_events(second))
+        # the first request's batch is held on the engine thread, the second request queued behind it
+        await asyncio.wait_for(_until(lambda: scheduler.batches == 1 and scheduler.queued_tokens == 6), 30)
+        engine.release[0].set()
+        event = await asyncio.wait_for(first_token, 30)  # the second batch is still held
+        assert isinstance(event, TokenEvent) and event.token_id == 7
+        assert not rest.done() and engine.inserted == [6]
+        engine.release[1].set()
+        await asyncio.wait_for(rest, 30)
+        assert [type(e) for e in await _events(first)] == [DoneEvent]
+    finally:
+        await scheduler.stop()
+    assert engine.inserted == [6, 6]
+    assert [s.freed for s in engine.allocated] == [True, True]

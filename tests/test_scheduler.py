@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-from helpers.engines import FusingFakeEngine
+from helpers.engines import FakeEngine, FakeSlots, FusingFakeEngine
 
-from tessera.engines.base import KVSlots, UnitFeed
+from tessera.engines.base import Extend, KVSlots, UnitFeed, UnitPrefill
 from tessera.errors import Overloaded
 from tessera.generation.scheduler import Scheduler, StartDeadline
 
@@ -201,3 +202,88 @@ async def test_a_deadline_starts_earlier_by_the_nodes_measured_excess_work(fake_
         deadline = s.deadline(10.0)
         assert before + 6.0 <= deadline.at <= time.monotonic() + 6.0
         assert s.deadline(None).at == float("inf")
+
+
+class _InsertRecordingEngine(FakeEngine):
+    """Records steps and prefix inserts in order; its second step waits until the test releases it."""
+
+    def __init__(self, fail_insert: bool = False) -> None:
+        super().__init__()
+        self.events: list[str] = []
+        self.release_second_step = threading.Event()
+        self.fail_insert = fail_insert
+
+    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
+        self.events.append(f"step {len(self.batches) + 1}")
+        if len(self.batches) == 1:
+            assert self.release_second_step.wait(60), "the test never released the second step"
+        super().step(work)
+
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
+        assert isinstance(slots, FakeSlots) and not slots.freed, "inserted from freed slots"
+        self.events.append(f"insert {len(token_ids)} {namespace}")
+        if self.fail_insert:
+            raise RuntimeError("prefix cache is broken")
+
+
+def _inserting(s: Scheduler, slots: KVSlots, n: int, prefix: int) -> asyncio.Task[Any]:
+    return asyncio.ensure_future(s.extend(slots, [1] * n, range(n), insert_prefix=([1] * prefix, "t")))
+
+
+async def test_a_prefix_insert_runs_before_the_next_batch_and_never_delays_the_first_token() -> None:
+    """Regression: the executor awaited the prefix insert as a call of its own after the extend,
+    so it queued behind the batch the loop had already started, and the request's first token
+    waited for that whole forward (prefix caching paid it on every request under load). The
+    insert now rides on the extend: it runs on the engine thread right after the extend's step,
+    before the next batch, and the request has its logits while the next batch still runs."""
+    engine = _InsertRecordingEngine()
+    async with scheduler(engine, max_batch_tokens=8) as s:
+        first = _inserting(s, await _slots(s), 6, prefix=5)
+        second = _extend(s, await _slots(s), 6)
+        await _queued(first, second)
+        s.start()
+        # the second batch is held on the engine thread until the first request has its logits:
+        # with the old order this could never happen (the hang guard below would fire)
+        logits = await asyncio.wait_for(first, 60)
+        assert int(logits.argmax()) == 2
+        assert not second.done()
+        engine.release_second_step.set()
+        await second
+    assert engine.events == ["step 1", "insert 5 t", "step 2"]
+    assert engine.batches == [[6], [6]]
+
+
+async def test_a_chunked_extend_inserts_its_prefix_after_its_last_chunk_only() -> None:
+    engine = _InsertRecordingEngine()
+    engine.release_second_step.set()
+    async with scheduler(engine, max_batch_tokens=8) as s:
+        s.start()
+        await _inserting(s, await _slots(s, 32), 20, prefix=19)
+        await _extend(s, await _slots(s), 2)  # formed only once the insert has run
+    assert engine.events == ["step 1", "step 2", "step 3", "insert 19 t", "step 4"]
+
+
+async def test_a_failed_prefix_insert_is_logged_and_the_request_still_gets_its_logits(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = _InsertRecordingEngine(fail_insert=True)
+    engine.release_second_step.set()
+    async with scheduler(engine, max_batch_tokens=8) as s:
+        s.start()
+        logits = await _inserting(s, await _slots(s), 4, prefix=3)
+        again = await _inserting(s, await _slots(s), 4, prefix=3)  # the loop goes on
+    assert int(logits.argmax()) == int(again.argmax()) == 2
+    assert "prefix cache insert of 3 tokens failed" in caplog.text
+
+
+async def test_a_cancelled_request_inserts_no_prefix() -> None:
+    """Its slots may be freed as soon as it is cancelled: nothing is read from them afterwards."""
+    engine = _InsertRecordingEngine()
+    engine.release_second_step.set()
+    async with scheduler(engine, max_batch_tokens=64) as s:
+        gone, kept = _inserting(s, await _slots(s), 5, prefix=4), _inserting(s, await _slots(s), 7, prefix=6)
+        await _queued(gone, kept)
+        gone.cancel()
+        s.start()
+        await kept
+        await _extend(s, await _slots(s), 2)  # formed only once the insert has run
+    assert engine.events == ["step 1", "insert 6 t", "step 2"]

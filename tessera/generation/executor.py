@@ -208,9 +208,8 @@ class Executor:
             matched = await self.scheduler.match_prefix(slots, prompt[:-1], run.req.tenant)
             stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
-            logits = await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline)
-            await self.scheduler.insert_prefix(slots, prompt, run.req.tenant)
-            return logits
+            return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
+                                               insert_prefix=(prompt, run.req.tenant))
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
         # the prefix cache is per tenant: another tenant's prompts never show as a hit
         matched = await self.scheduler.match_prefix(slots, lead, run.req.tenant) if lead else 0
@@ -229,8 +228,9 @@ class Executor:
                                    for uid, unit_spans in spans.items()))
             token_ids, positions = tokens_to_compute(layout, ranges, matched)
             stats.recomputed_tokens = len(token_ids)
-            logits = await self.scheduler.extend(slots, token_ids, positions, run.deadline,
-                                                 fused.feeds if fused is not None else ())
+            logits = await self.scheduler.extend(
+                slots, token_ids, positions, run.deadline, fused.feeds if fused is not None else (),
+                insert_prefix=(lead, run.req.tenant) if lead and matched < len(lead) else None)
         except BaseException:
             if fused is not None:
                 fused.abandon()  # whoever joined its claims computes those units instead
@@ -245,8 +245,6 @@ class Executor:
                                      run.received_at)
             finally:
                 self.prefills.finish(plan.unit_id, claim, feed.state)
-        if lead and matched < len(lead):
-            await self.scheduler.insert_prefix(slots, lead, run.req.tenant)
         return logits
 
     async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement],

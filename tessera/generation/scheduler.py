@@ -25,8 +25,11 @@ their first token at p99 1.14-1.74x the promise without it, issue 22). Once one 
 has begun the request is no longer queued and is never refused for time.
 
 The scheduler is the executor's only way to the engine: besides batched extends, decodes
-and unit prefills it offers the per-request calls (allocate / free slots, match / insert an
-exact prefix, place unit states), each run on the engine thread.
+and unit prefills it offers the per-request calls (allocate / free slots, match an exact
+prefix, place unit states), each run on the engine thread. Inserting a prefix is not one of
+them: it rides on the extend that filled the slots (``extend(insert_prefix=...)``) and runs
+right after that extend's step, because a call of its own would queue behind the batch the
+loop starts next and hold the request's first token for that whole forward.
 """
 
 from __future__ import annotations
@@ -80,7 +83,11 @@ class EngineWorker:
         self.wall_s: dict[str, float] = {}
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` on the engine thread now (calls run in the order submitted)."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
 
     def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         t, w = time.thread_time(), time.perf_counter()
@@ -115,6 +122,9 @@ class _Job:
     decode: bool
     deadline: StartDeadline | None = None
     batches_at_submit: int = 0  # batches formed before it was queued (late starts)
+    # (token ids, namespace): the prefix to insert into the engine's prefix cache from this
+    # extend's slots once its step has run, before the next batch (see Scheduler._loop)
+    insert_prefix: tuple[Sequence[int], str] | None = None
 
     @property
     def tokens(self) -> int:
@@ -156,8 +166,8 @@ class Scheduler:
             return StartDeadline(float("inf"))
         return StartDeadline(time.monotonic() + max(0.0, budget_s - self.work.excess_s()))
 
-    def _submit(self, item: UnitPrefill | Extend, decode: bool,
-                deadline: StartDeadline | None = None) -> asyncio.Future[Any]:
+    def _submit(self, item: UnitPrefill | Extend, decode: bool, deadline: StartDeadline | None = None,
+                insert_prefix: tuple[Sequence[int], str] | None = None) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # an extend that still prefills a unit queues with the unit prefills, behind requests
         # whose units are all ready: as when the unit was a prefill of its own, a ready request
@@ -165,7 +175,7 @@ class Scheduler:
         # member waits for all of it)
         missing = isinstance(item, UnitPrefill) or bool(item.units)
         queue = self._decodes if decode else self._prefills if missing else self._extends
-        queue.append(_Job(item, future, decode, deadline, self.batches))
+        queue.append(_Job(item, future, decode, deadline, self.batches, insert_prefix))
         self._wake.set()
         return future
 
@@ -181,8 +191,16 @@ class Scheduler:
         return self.engine.fuses_unit_prefills
 
     async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int],
-                     deadline: StartDeadline | None = None, units: Sequence[UnitFeed] = ()) -> torch.Tensor:
+                     deadline: StartDeadline | None = None, units: Sequence[UnitFeed] = (),
+                     insert_prefix: tuple[Sequence[int], str] | None = None) -> torch.Tensor:
         """Compute tokens at positions (ascending) over the request's slots; logits of the last position.
+
+        ``insert_prefix`` ((token ids, namespace)): once the (last chunk's) step has run, insert
+        that prefix of the slots into the engine's prefix cache, on the engine thread before the
+        next batch. Awaited by the request as a call of its own, the insert queued behind the
+        batch the loop had already started, so a request whose extend was done reached its first
+        token one whole forward late whenever the node had other work queued (prefix caching
+        paid this on every request at load). A failed insert is logged: it only costs later hits.
 
         ``units`` (an engine that :attr:`fuses_unit_prefills` only): units prefilled in the same
         forward as the first chunk and placed into the slots before its tokens attend; their
@@ -203,7 +221,9 @@ class Scheduler:
         for start in range(0, len(token_ids), step):
             chunk = Extend(slots, token_ids[start:start + step], positions[start:start + step],
                            units=units if start == 0 else ())
-            logits = await self._submit(chunk, decode=False, deadline=deadline)
+            last = start + step >= len(token_ids)
+            logits = await self._submit(chunk, decode=False, deadline=deadline,
+                                        insert_prefix=insert_prefix if last else None)
         assert logits is not None
         return logits
 
@@ -221,9 +241,6 @@ class Scheduler:
 
     async def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
         return await self.worker.call(self.engine.match_prefix, slots, token_ids, namespace)
-
-    async def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
-        await self.worker.call(self.engine.insert_prefix, slots, token_ids, namespace)
 
     async def place(self, slots: KVSlots, spans: Sequence[Placement], states: dict[str, UnitState]) -> None:
         await self.worker.call(place_units, self.engine, slots, spans, states)
@@ -327,6 +344,13 @@ class Scheduler:
                 continue
             self._measure(batch, time.perf_counter() - t0)
             self.steps += 1
+            # prefix inserts are queued on the engine thread before any result is set: a woken
+            # request's later calls (its free) run after them, and they run while its first
+            # token goes out, before the next batch (which waits for them below)
+            inserts = [(len(j.insert_prefix[0]), self.worker.submit(self.engine.insert_prefix, j.item.slots,
+                                                                    *j.insert_prefix))
+                       for j in batch
+                       if j.insert_prefix is not None and isinstance(j.item, Extend) and not j.future.done()]
             for j in batch:
                 if j.future.done():
                     continue
@@ -334,3 +358,8 @@ class Scheduler:
                     j.future.set_result(j.item.state)
                 else:
                     j.future.set_result(j.item.logits)
+            for n_tokens, insert in inserts:
+                try:
+                    await insert
+                except Exception:
+                    log.exception("prefix cache insert of %d tokens failed; later requests only miss it", n_tokens)
