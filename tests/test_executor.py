@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
-from helpers.engines import FakeEngine, FusingFakeEngine
+from helpers.engines import FakeEngine, FusingFakeEngine, HeldStepsFakeEngine
 from helpers.executor import QuietControl
 
 from tessera.composition.policies import policy_from_config
@@ -280,24 +279,6 @@ async def test_slots_taken_for_a_request_whose_prefix_match_fails_are_freed() ->
     assert [s.freed for s in engine.allocated] == [True]
 
 
-class HeldStepsEngine(FakeEngine):
-    """Each step waits on the engine thread until the test releases it; prefix inserts are recorded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = [threading.Event(), threading.Event()]
-        self.inserted: list[int] = []
-
-    def step(self, work: Any) -> None:
-        n = len(self.batches)
-        if n < len(self.release):
-            assert self.release[n].wait(60), f"the test never released step {n + 1}"
-        super().step(work)
-
-    def insert_prefix(self, slots: Any, token_ids: Any, namespace: str = "") -> None:
-        self.inserted.append(len(token_ids))
-
-
 async def _events(run: Any) -> list[Any]:
     return [e async for e in run]
 
@@ -313,7 +294,7 @@ async def test_with_prefix_caching_a_first_token_never_waits_for_the_next_batch(
     the batch the scheduler had already started, and whenever the node had other work queued a
     request's first token came one whole forward late. Here the second request's batch is held
     until the first request's first token arrives; with the old order it never does."""
-    engine = HeldStepsEngine()
+    engine = HeldStepsFakeEngine(held=(1, 2))
     prompt = PromptLayout((Segment(SegmentKind.TEXT, (1, 2, 3, 4, 5, 6)),))
     scheduler = Scheduler(engine, max_batch_tokens=8)  # one 6-token prompt a batch
     cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
@@ -327,14 +308,16 @@ async def test_with_prefix_caching_a_first_token_never_waits_for_the_next_batch(
         rest = asyncio.ensure_future(_events(second))
         # the first request's batch is held on the engine thread, the second request queued behind it
         await asyncio.wait_for(_until(lambda: scheduler.batches == 1 and scheduler.queued_tokens == 6), 30)
-        engine.release[0].set()
+        engine.release[1].set()
         event = await asyncio.wait_for(first_token, 30)  # the second batch is still held
         assert isinstance(event, TokenEvent) and event.token_id == 7
-        assert not rest.done() and engine.inserted == [6]
-        engine.release[1].set()
+        # the loop forms the second batch only once the first request's insert has run
+        await asyncio.wait_for(_until(lambda: "step 2" in engine.events), 30)
+        assert not rest.done() and engine.events == ["step 1", "insert 6 ", "step 2"]
+        engine.release[2].set()
         await asyncio.wait_for(rest, 30)
         assert [type(e) for e in await _events(first)] == [DoneEvent]
     finally:
         await scheduler.stop()
-    assert engine.inserted == [6, 6]
+    assert engine.events == ["step 1", "insert 6 ", "step 2", "insert 6 "]
     assert [s.freed for s in engine.allocated] == [True, True]

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from helpers.engines import FakeEngine, FakeSlots, FusingFakeEngine
+from helpers.engines import FusingFakeEngine, HeldStepsFakeEngine
 
-from tessera.engines.base import Extend, KVSlots, UnitFeed, UnitPrefill
+from tessera.engines.base import KVSlots, UnitFeed
 from tessera.errors import Overloaded
 from tessera.generation.scheduler import Scheduler, StartDeadline
 
@@ -204,28 +203,6 @@ async def test_a_deadline_starts_earlier_by_the_nodes_measured_excess_work(fake_
         assert s.deadline(None).at == float("inf")
 
 
-class _InsertRecordingEngine(FakeEngine):
-    """Records steps and prefix inserts in order; its second step waits until the test releases it."""
-
-    def __init__(self, fail_insert: bool = False) -> None:
-        super().__init__()
-        self.events: list[str] = []
-        self.release_second_step = threading.Event()
-        self.fail_insert = fail_insert
-
-    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
-        self.events.append(f"step {len(self.batches) + 1}")
-        if len(self.batches) == 1:
-            assert self.release_second_step.wait(60), "the test never released the second step"
-        super().step(work)
-
-    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
-        assert isinstance(slots, FakeSlots) and not slots.freed, "inserted from freed slots"
-        self.events.append(f"insert {len(token_ids)} {namespace}")
-        if self.fail_insert:
-            raise RuntimeError("prefix cache is broken")
-
-
 def _inserting(s: Scheduler, slots: KVSlots, n: int, prefix: int) -> asyncio.Task[Any]:
     return asyncio.ensure_future(s.extend(slots, [1] * n, range(n), insert_prefix=([1] * prefix, "t")))
 
@@ -236,7 +213,7 @@ async def test_a_prefix_insert_runs_before_the_next_batch_and_never_delays_the_f
     waited for that whole forward (prefix caching paid it on every request under load). The
     insert now rides on the extend: it runs on the engine thread right after the extend's step,
     before the next batch, and the request has its logits while the next batch still runs."""
-    engine = _InsertRecordingEngine()
+    engine = HeldStepsFakeEngine(held=(2,))
     async with scheduler(engine, max_batch_tokens=8) as s:
         first = _inserting(s, await _slots(s), 6, prefix=5)
         second = _extend(s, await _slots(s), 6)
@@ -247,15 +224,14 @@ async def test_a_prefix_insert_runs_before_the_next_batch_and_never_delays_the_f
         logits = await asyncio.wait_for(first, 60)
         assert int(logits.argmax()) == 2
         assert not second.done()
-        engine.release_second_step.set()
+        engine.release[2].set()
         await second
     assert engine.events == ["step 1", "insert 5 t", "step 2"]
     assert engine.batches == [[6], [6]]
 
 
 async def test_a_chunked_extend_inserts_its_prefix_after_its_last_chunk_only() -> None:
-    engine = _InsertRecordingEngine()
-    engine.release_second_step.set()
+    engine = HeldStepsFakeEngine()
     async with scheduler(engine, max_batch_tokens=8) as s:
         s.start()
         await _inserting(s, await _slots(s, 32), 20, prefix=19)
@@ -265,8 +241,7 @@ async def test_a_chunked_extend_inserts_its_prefix_after_its_last_chunk_only() -
 
 async def test_a_failed_prefix_insert_is_logged_and_the_request_still_gets_its_logits(
         caplog: pytest.LogCaptureFixture) -> None:
-    engine = _InsertRecordingEngine(fail_insert=True)
-    engine.release_second_step.set()
+    engine = HeldStepsFakeEngine(fail_insert=True)
     async with scheduler(engine, max_batch_tokens=8) as s:
         s.start()
         logits = await _inserting(s, await _slots(s), 4, prefix=3)
@@ -277,8 +252,7 @@ async def test_a_failed_prefix_insert_is_logged_and_the_request_still_gets_its_l
 
 async def test_a_cancelled_request_inserts_no_prefix() -> None:
     """Its slots may be freed as soon as it is cancelled: nothing is read from them afterwards."""
-    engine = _InsertRecordingEngine()
-    engine.release_second_step.set()
+    engine = HeldStepsFakeEngine()
     async with scheduler(engine, max_batch_tokens=64) as s:
         gone, kept = _inserting(s, await _slots(s), 5, prefix=4), _inserting(s, await _slots(s), 7, prefix=6)
         await _queued(gone, kept)

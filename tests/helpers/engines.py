@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,29 @@ class FusingFakeEngine(FakeEngine):
                     slots.filled.update(range(position, position + end - start))
                     self.placed.append((position, end - start))
         super().step(work)
+
+
+class HeldStepsFakeEngine(FakeEngine):
+    """A :class:`FakeEngine` that logs its steps and prefix inserts in order (``events``: "step N",
+    "insert <tokens> <namespace>"). Each step numbered in ``held`` waits on the engine thread
+    until the test sets ``release[N]``; with ``fail_insert`` every insert raises. An insert
+    from freed slots fails the test."""
+
+    def __init__(self, held: Sequence[int] = (), fail_insert: bool = False) -> None:
+        super().__init__()
+        self.events: list[str] = []
+        self.release = {n: threading.Event() for n in held}
+        self.fail_insert = fail_insert
+
+    def step(self, work: Sequence[UnitPrefill | Extend]) -> None:
+        n = len(self.batches) + 1
+        self.events.append(f"step {n}")
+        if n in self.release:
+            assert self.release[n].wait(60), f"the test never released step {n}"
+        super().step(work)
+
+    def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
+        assert isinstance(slots, FakeSlots) and not slots.freed, "inserted from freed slots"
+        self.events.append(f"insert {len(token_ids)} {namespace}")
+        if self.fail_insert:
+            raise RuntimeError("prefix cache is broken")
