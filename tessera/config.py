@@ -303,6 +303,11 @@ class GenerationNodeConfig:
     # tokens per extend batch. CPU: a forward's cost per token rises past ~512 tokens, so
     # batching more only delays TTFT; a GPU step is cheap per token and wants far more
     max_batch_tokens: int = 512
+    # prompt items (extends, unit prefills) per batch; 0: as many as max_batch_tokens allows.
+    # CPU: a batch costs the sum of its prompts and every member waits for all of it, so one
+    # prompt a forward (decodes still ride along) serves queued requests in arrival order
+    # without holding the first for the rest; a GPU step shares its cost and wants 0
+    max_batch_prompts: int = 1
     # exact-prefix (radix) cache capacity in tokens
     prefix_cache_tokens: int = 16384
 
@@ -313,6 +318,7 @@ class GenerationNodeConfig:
         _non_negative(f"generation.{self.name}.local_capacity_blocks", self.local_capacity_blocks)
         _positive(f"generation.{self.name}.max_inflight", self.max_inflight)
         _positive(f"generation.{self.name}.max_batch_tokens", self.max_batch_tokens)
+        _non_negative(f"generation.{self.name}.max_batch_prompts", self.max_batch_prompts)
         _non_negative(f"generation.{self.name}.prefix_cache_tokens", self.prefix_cache_tokens)
 
 

@@ -321,3 +321,29 @@ async def test_with_prefix_caching_a_first_token_never_waits_for_the_next_batch(
         await scheduler.stop()
     assert engine.events == ["step 1", "insert 6 ", "step 2", "insert 6 "]
     assert [s.freed for s in engine.allocated] == [True, True]
+
+
+@pytest.mark.parametrize("preparation", [Preparation.LOCAL, Preparation.REMOTE])
+async def test_a_reused_unit_costs_no_engine_call_of_its_own(preparation: Preparation) -> None:
+    """Hops: every engine call a request awaits queues behind the running forward. A request
+    takes its slots and matches its prefix in one call, and its reused state is placed by
+    its extend's own batch call: two calls to its first token (the loop then inserts the
+    uncached leading text into the prefix cache), then the free."""
+    engine = FakeEngine()
+    async with node(engine, Reader("ok")) as n:
+        if preparation is Preparation.LOCAL:
+            n.cache.insert("u1", unit_state())
+        calls: list[str] = []
+        worker = n.scheduler.worker
+        run, submit = worker.run, worker.submit
+
+        def spy(through: Any) -> Any:
+            def call(fn: Any, *args: Any) -> Any:
+                calls.append(fn.__name__)
+                return through(fn, *args)
+            return call
+        worker.run, worker.submit = spy(run), spy(submit)  # type: ignore[method-assign]
+        _, done = await n.run(preparation, max_tokens=1)
+    assert calls == ["_begin", "_run_batch", "insert_prefix", "free"]
+    assert engine.placed == [(PLACED_OFFSET, PLACED_TOKENS)]
+    assert done.stats.unit_sources == {"u1": preparation.value}

@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from helpers.engines import FusingFakeEngine, HeldStepsFakeEngine
+import torch
+from helpers.engines import FakeEngine, FusingFakeEngine, HeldStepsFakeEngine
 
-from tessera.engines.base import KVSlots, UnitFeed
-from tessera.errors import Overloaded
-from tessera.generation.scheduler import Scheduler, StartDeadline
+from tessera.composition.layout import Placement
+from tessera.engines.base import KVSlots, UnitFeed, UnitState
+from tessera.errors import Overloaded, PlacementError
+from tessera.generation.scheduler import Scheduler, StartDeadline, UnplacedUnits
 
 
 @contextlib.asynccontextmanager
@@ -26,7 +28,8 @@ async def scheduler(engine: Any, max_batch_tokens: int) -> AsyncIterator[Schedul
 
 
 async def _slots(s: Scheduler, n: int = 64) -> KVSlots:
-    return await s.allocate(n)
+    slots, _ = await s.begin(n, [])
+    return slots
 
 
 def _extend(s: Scheduler, slots: KVSlots, n: int, start: int = 0) -> asyncio.Task[Any]:
@@ -48,6 +51,20 @@ async def test_extends_are_batched_up_to_the_token_budget(fake_engine: Any) -> N
         s.start()
         await asyncio.gather(*tasks)
     assert fake_engine.batches == [[4, 4], [4]]
+
+
+async def test_max_batch_prompts_runs_queued_prompts_one_forward_each_in_arrival_order(fake_engine: Any) -> None:
+    """On a CPU a batch costs the sum of its prompts and each member waits for all of it, so
+    with max_batch_prompts = 1 the first request queued is not held by the ones behind it."""
+    s = Scheduler(fake_engine, max_batch_tokens=64, max_batch_prompts=1)
+    try:
+        tasks = [_extend(s, await _slots(s), n) for n in (4, 3, 2)]
+        await _queued(*tasks)
+        s.start()
+        await asyncio.gather(*tasks)
+    finally:
+        await s.stop()
+    assert fake_engine.batches == [[4], [3], [2]]
 
 
 async def test_an_extend_longer_than_the_budget_runs_in_chunks_that_others_interleave(fake_engine: Any) -> None:
@@ -261,3 +278,66 @@ async def test_a_cancelled_request_inserts_no_prefix() -> None:
         await kept
         await _extend(s, await _slots(s), 2)  # formed only once the insert has run
     assert engine.events == ["step 1", "insert 6 t", "step 2"]
+
+
+class PickyPlacingEngine(FakeEngine):
+    """Refuses float64 states as a real engine refuses a foreign dtype (PlacementError), and
+    raises a plain bug (ValueError) on a state of 3 tokens."""
+
+    def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
+        if state.keys.dtype == torch.float64:
+            raise PlacementError("state.keys is torch.float64, this engine holds torch.float32")
+        if state.n_tokens == 3:
+            raise ValueError("a bug in placement")
+        super().place(slots, offset, state)
+
+
+def _state(n: int, dtype: torch.dtype = torch.float32) -> UnitState:
+    return UnitState(torch.zeros(1, n, 1, 2, dtype=dtype), torch.zeros(1, n, 1, 2, dtype=dtype))
+
+
+def _placing(s: Scheduler, slots: KVSlots, states: dict[str, UnitState]) -> asyncio.Task[Any]:
+    """An extend of 2 tokens after the units, which sit one after another from position 0."""
+    spans, offset = {}, 0
+    for uid, state in states.items():
+        spans[uid] = ([Placement(uid, offset, 0, state.n_tokens, state.n_tokens)], state)
+        offset += state.n_tokens
+    return asyncio.ensure_future(s.extend(slots, [1, 1], range(offset, offset + 2), place=spans))
+
+
+async def test_reused_states_are_placed_right_before_their_extends_forward_in_the_same_engine_call() -> None:
+    """Hops: the states ride on the extend, so the request waits behind no forward for them."""
+    engine = PickyPlacingEngine()
+    async with scheduler(engine, max_batch_tokens=64) as s:
+        s.start()
+        await _placing(s, await _slots(s), {"a": _state(4), "b": _state(2)})
+    assert engine.placed == [(0, 4), (4, 2)] and engine.batches == [[2]]
+    assert set(s.worker.cpu_s) >= {"place_units", "step"}  # each counted under its own name
+
+
+async def test_a_state_that_cannot_be_placed_fails_only_its_own_extend_before_the_forward() -> None:
+    """The other units of that extend are in place; the other requests of the batch run."""
+    engine = PickyPlacingEngine()
+    async with scheduler(engine, max_batch_tokens=64) as s:
+        refused = _placing(s, await _slots(s), {"a": _state(4), "b": _state(2, torch.float64)})
+        buggy = _placing(s, await _slots(s), {"c": _state(3)})
+        fine = _placing(s, await _slots(s), {"d": _state(4)})
+        await _queued(refused, buggy, fine)
+        s.start()
+        await fine
+        with pytest.raises(UnplacedUnits) as info:
+            await refused
+        with pytest.raises(ValueError, match="a bug in placement"):
+            await buggy
+    assert list(info.value.failed) == ["b"] and isinstance(info.value.failed["b"], PlacementError)
+    assert engine.placed == [(0, 4), (0, 4)]  # a of the refused extend, d of the fine one
+    assert engine.batches == [[2]]  # one forward, with the fine extend only
+
+
+async def test_begin_takes_slots_and_matches_the_prefix_in_one_engine_call() -> None:
+    engine = HeldStepsFakeEngine()
+    async with scheduler(engine, max_batch_tokens=64) as s:
+        slots, matched = await s.begin(16, [1, 2, 3], "t")
+        assert matched == 0 and engine.allocated == [slots]
+        _, none = await s.begin(8, [], "t")  # nothing to match: no match call
+    assert none == 0 and {"allocate", "match_prefix"} <= set(s.worker.cpu_s)

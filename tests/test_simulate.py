@@ -65,6 +65,16 @@ def test_an_item_larger_than_the_budget_still_runs_alone_with_the_decodes() -> N
     assert [w.tokens for w in take_batch(decodes, extends, deque(), 512)] == [1, 900]
 
 
+def test_max_prompts_caps_the_extends_and_unit_prefills_a_batch_takes_but_never_its_decodes() -> None:
+    decodes = deque([_work(1, True)] * 3)
+    extends, prefills = deque([_work(100), _work(100)]), deque([_work(50)])
+    assert [w.tokens for w in take_batch(decodes, extends, prefills, 512, max_prompts=1)] == [1, 1, 1, 100]
+    assert [w.tokens for w in take_batch(decodes, extends, prefills, 512, max_prompts=1)] == [100]
+    assert [w.tokens for w in take_batch(decodes, extends, prefills, 512, max_prompts=1)] == [50]
+    extends = deque([_work(100)] * 3)
+    assert len(take_batch(deque(), extends, deque(), 512, max_prompts=2)) == 2 and len(extends) == 1
+
+
 def test_the_same_seed_gives_the_same_simulated_report() -> None:
     """Determinism: two runs of one sweep agree on every figure but the plane's measured CPU time."""
     wl = synthetic_workload(16, n_units=20, seed=1)

@@ -5,7 +5,8 @@ before every engine step, and what ``tessera simulate``'s simulated nodes run on
 clock, so the two batch alike by construction:
 
     every pending decode (one token each), then
-    requests' own extends, then unit prefills, in arrival order, while the token budget lasts;
+    requests' own extends, then unit prefills, in arrival order, while the token budget
+    lasts and at most ``max_prompts`` of them (``generation.max_batch_prompts``; 0: no cap);
     an item larger than the budget still runs, alone with the decodes.
 
 This module knows nothing about engines, futures or time.
@@ -32,11 +33,15 @@ class Queued(Protocol):
 J = TypeVar("J", bound=Queued)
 
 
-def take_batch(decodes: deque[J], extends: deque[J], prefills: deque[J], max_batch_tokens: int) -> list[J]:
-    """Pop the next batch off the three queues (decodes are all taken; cancelled work is dropped)."""
+def take_batch(decodes: deque[J], extends: deque[J], prefills: deque[J], max_batch_tokens: int,
+               max_prompts: int = 0) -> list[J]:
+    """Pop the next batch off the three queues (decodes are all taken; cancelled work is dropped).
+
+    ``max_prompts`` (0: no limit) caps the extends and unit prefills one batch takes."""
     batch = [j for j in decodes if not j.cancelled()]
     decodes.clear()
     budget = max_batch_tokens - len(batch)
+    prompts = 0
     # requests' own extends (their first token is next) before unit prefills: a request
     # whose units are ready must not wait behind the unit prefills of every request that
     # arrived after it (that made first tokens come late and in bursts under load)
@@ -46,8 +51,9 @@ def take_batch(decodes: deque[J], extends: deque[J], prefills: deque[J], max_bat
             if job.cancelled():
                 queue.popleft()
                 continue
-            if job.tokens > budget and any(not j.decode for j in batch):
+            if prompts and (job.tokens > budget or prompts == max_prompts):
                 return batch
             batch.append(queue.popleft())
             budget -= job.tokens
+            prompts += 1
     return batch

@@ -1,11 +1,15 @@
 """Execution of one planned request on a generation node (paper §5.3, Fig. 11).
 
-    fix the layout and allocate the request's KV slots
-    match the exact prefix (the leading text, e.g. the system prompt)
+    fix the layout; take the request's KV slots and match the exact prefix (the leading
+        text, e.g. the system prompt) in one engine call
     prepare every needed unit concurrently: local copy | remote fetch | prefill (coalesced)
-        -> place it at its offset (RoPE at its real positions); retain it in the background
-    final extend: the policy's recomputed tokens + the remaining text, in one batch item
+    final extend: the policy's recomputed tokens + the remaining text, in one batch item;
+        the reused states ride on it and are placed at their offsets (RoPE at their real
+        positions) right before its forward, then retained in the background
     sample, then decode until a stop token or max_tokens
+
+Each engine call a request awaits queues behind the running forward, so it makes one before
+its extend (the scheduler's "Hops").
 
 On an engine that ``fuses_unit_prefills`` (the reference engine) a unit that no one on this
 node is computing yet is not prefilled as a job of its own: the final extend carries it
@@ -36,10 +40,10 @@ from tessera.composition.layout import Placement, leading_text_tokens, placement
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import KVSlots, UnitFeed, UnitState
 from tessera.engines.sampling import Sampler
-from tessera.errors import Overloaded, PlacementError, TransferError
+from tessera.errors import Overloaded, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
-from tessera.generation.scheduler import Scheduler, StartDeadline
+from tessera.generation.scheduler import Scheduler, StartDeadline, UnplacedUnits
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages import (
     DoneEvent,
@@ -74,12 +78,22 @@ class Run:
     stats: RequestStats
     deadline: StartDeadline  # its work must begin by then (the queueing bound), or it is refused
     alone: bool  # nothing else was running on this node when it arrived (its work is the unloaded kind)
+    matched: int  # leading tokens the exact prefix cache copied into the slots
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
 
     @property
     def layout(self) -> PromptLayout:
         return self.req.layout
+
+
+@dataclass(frozen=True)
+class Reused:
+    """A unit state a request reuses, placed by its extend (the scheduler's "Hops")."""
+
+    state: UnitState
+    local: bool  # from this node's local cache (else fetched from the KV pool)
+    keep_local: bool  # retain it in the local cache once placed
 
 
 @dataclass
@@ -139,11 +153,11 @@ class Executor:
         deadline = self.scheduler.deadline(req.queue_budget_s)  # from receipt: waiting for KV pages counts
         sp = req.sampling
         sampler = Sampler(sp, self.scheduler.eos_token_ids)
-        slots = await self._allocate(req.layout.n_tokens + sp.max_tokens)
+        slots, matched = await self._begin(req.layout.n_tokens + sp.max_tokens, self._lead(req), req.tenant)
         alone = self.active == 0
         self.active += 1  # taken back in the finally below
         run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
-                  deadline, alone,
+                  deadline, alone, matched,
                   {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
             logits = await self._prefill(run)
@@ -189,31 +203,37 @@ class Executor:
         run.stats.node_first_token_s = round(now - run.received_at, 4)
         self.scheduler.work.observe(now - started, run.alone)
 
-    async def _allocate(self, n_slots: int) -> KVSlots:
-        """The request's slots; while a paged engine's pool is full (Overloaded), wait for pages."""
+    def _lead(self, req: ExecuteRequest) -> list[int]:
+        """The tokens the exact prefix cache may cover: the whole prompt in prefix mode, else its
+        leading text; never the last token (its logits are the extend's output)."""
+        layout = req.layout
+        if self.mode == "prefix" or not req.plan.units:
+            return layout.token_ids()[:-1]
+        return leading_text_tokens(layout)[: layout.n_tokens - 1]
+
+    async def _begin(self, n_slots: int, lead: Sequence[int], tenant: str) -> tuple[KVSlots, int]:
+        """The request's slots and its matched prefix (the prefix cache is per tenant: another
+        tenant's prompts never show as a hit); while a paged engine's pool is full
+        (Overloaded), wait for pages."""
         deadline = time.monotonic() + ALLOCATE_WAIT_S
         while True:
             try:
-                return await self.scheduler.allocate(n_slots)
+                return await self.scheduler.begin(n_slots, lead, tenant)
             except Overloaded:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(ALLOCATE_POLL_S)  # pages come back when a request ends
 
     async def _prefill(self, run: Run) -> torch.Tensor:
-        layout, slots, stats = run.layout, run.slots, run.stats
+        layout, slots, stats, matched = run.layout, run.slots, run.stats, run.matched
+        stats.prefix_cached_tokens = matched
         if self.mode == "prefix" or not run.req.plan.units:
             # exact prefix caching only: the whole prompt is plain text
             prompt = layout.token_ids()
-            matched = await self.scheduler.match_prefix(slots, prompt[:-1], run.req.tenant)
-            stats.prefix_cached_tokens = matched
             stats.recomputed_tokens = len(prompt) - matched
             return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                                insert_prefix=(prompt, run.req.tenant))
         lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
-        # the prefix cache is per tenant: another tenant's prompts never show as a hit
-        matched = await self.scheduler.match_prefix(slots, lead, run.req.tenant) if lead else 0
-        stats.prefix_cached_tokens = matched
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
@@ -222,19 +242,37 @@ class Executor:
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
         fused = FusedUnits(self.prefills) if self.scheduler.fuses_unit_prefills else None
         try:
-            # the three preparation paths overlap; each unit is placed as soon as it is ready.
-            # units the policy recomputes entirely need no state at all.
-            await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans, fused)
-                                   for uid, unit_spans in spans.items()))
+            # the three preparation paths overlap; units the policy recomputes entirely need no
+            # state at all. A reused state is placed by the extend itself, right before its forward.
+            ready = await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans, fused)
+                                           for uid, unit_spans in spans.items()))
+            reused = {uid: r for uid, r in zip(spans, ready, strict=True) if r is not None}
             token_ids, positions = tokens_to_compute(layout, ranges, matched)
             stats.recomputed_tokens = len(token_ids)
-            logits = await self.scheduler.extend(
-                slots, token_ids, positions, run.deadline, fused.feeds if fused is not None else (),
-                insert_prefix=(lead, run.req.tenant) if lead and matched < len(lead) else None)
+            placing = {uid: (spans[uid], r.state) for uid, r in reused.items()}
+            while True:
+                try:
+                    logits = await self.scheduler.extend(
+                        slots, token_ids, positions, run.deadline, fused.feeds if fused is not None else (),
+                        insert_prefix=(lead, run.req.tenant) if lead and matched < len(lead) else None,
+                        place=placing)
+                    break
+                except UnplacedUnits as exc:
+                    # a state that cannot be copied or placed only costs its prefill; the others
+                    # are in place, and the extend (which did not run) goes again without them
+                    placing = {}
+                    for uid, error in exc.failed.items():
+                        log.warning("placing unit %s (%s) failed (%s); computing it instead", uid,
+                                    plans[uid].preparation, error)
+                        stats.fallbacks += 1
+                        del reused[uid]
+                        await self._compute(run, plans[uid], tokens[uid], spans[uid], plans[uid].retention.local)
         except BaseException:
             if fused is not None:
                 fused.abandon()  # whoever joined its claims computes those units instead
             raise
+        for uid, r in reused.items():
+            self._reused(run, plans[uid], r)
         for plan, feed, claim, local in fused.claims if fused is not None else ():
             assert feed.state is not None
             # retained before the claim is settled, with no await between: a request arriving
@@ -247,55 +285,56 @@ class Executor:
                 self.prefills.finish(plan.unit_id, claim, feed.state)
         return logits
 
+    def _reused(self, run: Run, plan: UnitPlan, r: Reused) -> None:
+        """A reused state is in place: count it, and retain it off the critical path."""
+        stats, n = run.stats, r.state.n_tokens
+        if r.local:
+            stats.local_tokens += n
+            stats.local_units += 1
+            stats.unit_sources[plan.unit_id] = "local"
+        else:
+            stats.remote_tokens += n
+            stats.remote_units += 1
+            stats.bytes_fetched += r.state.nbytes()
+            stats.unit_sources[plan.unit_id] = "remote"
+        self.retainer.retain(plan.unit_id, r.state, r.keep_local, plan.grant, run.req.plan.local_evict,
+                             run.received_at)
+
     async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement],
-                       fused: FusedUnits | None) -> None:
+                       fused: FusedUnits | None) -> Reused | None:
+        """A reused state for the extend to place, or None: the unit is computed here (and
+        placed) or by the extend's own forward."""
         stats = run.stats
         n = len(token_ids)
         state = await self._reuse(run, plan, n)
         if state is not None:
-            try:
-                await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
-            except PlacementError as exc:
-                # a state that cannot be copied or placed only costs its prefill
-                log.warning("placing unit %s (%s) failed (%s); computing it instead", plan.unit_id,
-                            plan.preparation, exc)
-                stats.fallbacks += 1
-            else:
-                if plan.preparation is Preparation.LOCAL:
-                    stats.local_tokens += n
-                    stats.local_units += 1
-                    stats.unit_sources[plan.unit_id] = "local"
-                else:
-                    stats.remote_tokens += n
-                    stats.remote_units += 1
-                    stats.bytes_fetched += state.nbytes()
-                    stats.unit_sources[plan.unit_id] = "remote"
-                # retention happens off the critical path; a local hit is already retained locally
-                self.retainer.retain(plan.unit_id, state,
-                                     plan.retention.local and plan.preparation is not Preparation.LOCAL,
-                                     plan.grant, run.req.plan.local_evict, run.received_at)
-                return
+            # a local hit is in the local cache already; a fetched one goes there if planned
+            local = plan.preparation is Preparation.LOCAL
+            return Reused(state, local, plan.retention.local and not local)
         local = plan.retention.local
         state = self.cache.lookup(plan.unit_id) if plan.preparation is not Preparation.LOCAL else None
         if state is not None:
             # planned as a miss, but another request on this node computed it after this plan
             # was made (the plane learns of local inserts only afterwards): reuse it
-            stats.local_tokens += n
-            stats.local_units += 1
-            stats.unit_sources[plan.unit_id] = "local"
-            local = False
-        elif fused is not None and fused.claim(plan, token_ids, spans, local):
+            return Reused(state, True, False)
+        if fused is not None and fused.claim(plan, token_ids, spans, local):
             # computed and placed by the request's own extend, retained after it (_prefill)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.unit_sources[plan.unit_id] = "computed"
-            return
         else:
-            state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline)
-            stats.computed_unit_tokens += n
-            stats.computed_units += 1
-            stats.coalesced_units += int(coalesced)
-            stats.unit_sources[plan.unit_id] = "computed"
+            await self._compute(run, plan, token_ids, spans, local)
+        return None
+
+    async def _compute(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: Sequence[Placement],
+                       local: bool) -> None:
+        """Prefill the unit (coalesced with anyone computing it already), retain it and place it."""
+        stats = run.stats
+        state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline)
+        stats.computed_unit_tokens += len(token_ids)
+        stats.computed_units += 1
+        stats.coalesced_units += int(coalesced)
+        stats.unit_sources[plan.unit_id] = "computed"
         # retained before it is placed, in the same step as the prefill's return: a request
         # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
         self.retainer.retain(plan.unit_id, state, local, plan.grant, run.req.plan.local_evict, run.received_at)

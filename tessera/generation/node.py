@@ -95,7 +95,7 @@ class GenerationNode:
         log.info("%s: engine loaded in %.1fs", self.name, time.perf_counter() - t0)
         self.control = NodeControl(self.config.control_url, self.name, timeout_s=self.config.transport.timeout_s,
                                    auth=ClusterAuth.from_config(self.config))
-        self.scheduler = Scheduler(self.engine, self.cfg.max_batch_tokens)
+        self.scheduler = Scheduler(self.engine, self.cfg.max_batch_tokens, self.cfg.max_batch_prompts)
         self.scheduler.start()
         self.prefills = PrefillCoalescer(self.scheduler)
         self.cache = LocalUnitCache(self.cfg.local_capacity_blocks, self.config.block_tokens)

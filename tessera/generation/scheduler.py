@@ -25,11 +25,19 @@ their first token at p99 1.14-1.74x the promise without it, issue 22). Once one 
 has begun the request is no longer queued and is never refused for time.
 
 The scheduler is the executor's only way to the engine: besides batched extends, decodes
-and unit prefills it offers the per-request calls (allocate / free slots, match an exact
-prefix, place unit states), each run on the engine thread. Inserting a prefix is not one of
-them: it rides on the extend that filled the slots (``extend(insert_prefix=...)``) and runs
-right after that extend's step, because a call of its own would queue behind the batch the
-loop starts next and hold the request's first token for that whole forward.
+and unit prefills it offers the per-request calls (take slots and match an exact prefix in
+one call, free slots, place unit states), each run on the engine thread.
+
+Hops: every awaited engine call queues behind the forward that is running, and when it
+returns the loop has usually started the next batch, so each call a request makes before
+its extend can cost it a whole forward under load (on this CPU a Tessera request made 3-4
+such calls: slots, prefix match, its local units' placement, its fetched units'). So a
+request makes one call before its extend: ``begin`` takes the slots and matches the prefix.
+The reused unit states it gathers meanwhile ride on the extend (``extend(place=...)``) and
+are placed on the engine thread right before the batch's forward; a state that cannot be
+placed fails only its own request's extend (:class:`UnplacedUnits`), before it runs, and
+the request computes that unit instead. The prefix-cache insert rides on the extend too
+(``extend(insert_prefix=...)``) and runs right after its step, before the next batch.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -49,7 +57,7 @@ import torch
 from tessera.composition.layout import Placement
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitFeed, UnitPrefill, UnitState
 from tessera.engines.offline import place_units
-from tessera.errors import Overloaded
+from tessera.errors import Overloaded, PlacementError
 from tessera.generation.batching import take_batch
 from tessera.generation.work import FirstTokenWork
 
@@ -87,14 +95,20 @@ class EngineWorker:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queue ``fn(*args)`` on the engine thread now (calls run in the order submitted)."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
+        return asyncio.get_running_loop().run_in_executor(self._pool, self.timed, getattr(fn, "__name__", "call"),
+                                                          fn, *args)
 
-    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine thread, not timed as a whole: ``fn`` times its engine
+        calls itself (:meth:`timed`), so each is counted under its own name."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def timed(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+        """On the engine thread: ``fn(*args)``, its CPU and wall time counted under ``name``."""
         t, w = time.thread_time(), time.perf_counter()
         try:
             return fn(*args)
         finally:
-            name = getattr(fn, "__name__", "call")
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + time.thread_time() - t
             self.wall_s[name] = self.wall_s.get(name, 0.0) + time.perf_counter() - w
 
@@ -115,6 +129,19 @@ class StartDeadline:
         return self.started_at is not None
 
 
+class UnplacedUnits(Exception):
+    """Reused unit states that an extend's batch could not place (unit id -> the engine's
+    :class:`PlacementError`). The extend did not run; every other state it carried is in place."""
+
+    def __init__(self, failed: dict[str, PlacementError]) -> None:
+        super().__init__(", ".join(f"{uid}: {exc}" for uid, exc in failed.items()))
+        self.failed = failed
+
+
+# reused unit states an extend places before its forward: unit id -> (its spans, its state)
+Placing = Mapping[str, tuple[Sequence[Placement], UnitState]]
+
+
 @dataclass
 class _Job:
     item: UnitPrefill | Extend
@@ -125,6 +152,7 @@ class _Job:
     # (token ids, namespace): the prefix to insert into the engine's prefix cache from this
     # extend's slots once its step has run, before the next batch (see Scheduler._loop)
     insert_prefix: tuple[Sequence[int], str] | None = None
+    place: Placing | None = None  # placed into the extend's slots right before its batch's forward
 
     @property
     def tokens(self) -> int:
@@ -138,10 +166,11 @@ class _Job:
 class Scheduler:
     """Queues extend/decode work and runs it in batches on the engine worker."""
 
-    def __init__(self, engine: EngineAdapter, max_batch_tokens: int) -> None:
+    def __init__(self, engine: EngineAdapter, max_batch_tokens: int, max_batch_prompts: int = 0) -> None:
         self.engine = engine
         self.worker = EngineWorker(engine)
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_prompts = max_batch_prompts
         self._extends: deque[_Job] = deque()  # requests' prompt extends (chunks of them)
         self._prefills: deque[_Job] = deque()  # unit prefills (internal requests)
         self._decodes: deque[_Job] = deque()
@@ -167,7 +196,8 @@ class Scheduler:
         return StartDeadline(time.monotonic() + max(0.0, budget_s - self.work.excess_s()))
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool, deadline: StartDeadline | None = None,
-                insert_prefix: tuple[Sequence[int], str] | None = None) -> asyncio.Future[Any]:
+                insert_prefix: tuple[Sequence[int], str] | None = None,
+                place: Placing | None = None) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # an extend that still prefills a unit queues with the unit prefills, behind requests
         # whose units are all ready: as when the unit was a prefill of its own, a ready request
@@ -175,7 +205,7 @@ class Scheduler:
         # member waits for all of it)
         missing = isinstance(item, UnitPrefill) or bool(item.units)
         queue = self._decodes if decode else self._prefills if missing else self._extends
-        queue.append(_Job(item, future, decode, deadline, self.batches, insert_prefix))
+        queue.append(_Job(item, future, decode, deadline, self.batches, insert_prefix, place))
         self._wake.set()
         return future
 
@@ -192,8 +222,14 @@ class Scheduler:
 
     async def extend(self, slots: KVSlots, token_ids: Sequence[int], positions: Sequence[int],
                      deadline: StartDeadline | None = None, units: Sequence[UnitFeed] = (),
-                     insert_prefix: tuple[Sequence[int], str] | None = None) -> torch.Tensor:
+                     insert_prefix: tuple[Sequence[int], str] | None = None,
+                     place: Placing | None = None) -> torch.Tensor:
         """Compute tokens at positions (ascending) over the request's slots; logits of the last position.
+
+        ``place`` (unit id -> (spans, state)): reused states placed into the slots on the engine
+        thread right before the (first chunk's) forward, instead of in calls of their own (see
+        Hops above). If any of them cannot be placed, the extend does not run and raises
+        :class:`UnplacedUnits`; the others are in place then.
 
         ``insert_prefix`` ((token ids, namespace)): once the (last chunk's) step has run, insert
         that prefix of the slots into the engine's prefix cache, on the engine thread before the
@@ -223,7 +259,8 @@ class Scheduler:
                            units=units if start == 0 else ())
             last = start + step >= len(token_ids)
             logits = await self._submit(chunk, decode=False, deadline=deadline,
-                                        insert_prefix=insert_prefix if last else None)
+                                        insert_prefix=insert_prefix if last else None,
+                                        place=place if start == 0 else None)
         assert logits is not None
         return logits
 
@@ -233,14 +270,23 @@ class Scheduler:
 
     # --- per-request engine calls (on the engine thread, outside the batches) -------------
 
-    async def allocate(self, n_slots: int) -> KVSlots:
-        return await self.worker.call(self.engine.allocate, n_slots)
+    async def begin(self, n_slots: int, lead: Sequence[int], namespace: str = "") -> tuple[KVSlots, int]:
+        """A request's slots, and how many of ``lead``'s tokens the exact prefix cache copied into
+        them, in one engine call (see Hops above). If the match fails the slots are freed."""
+        return await self.worker.run(self._begin, n_slots, lead, namespace)
+
+    def _begin(self, n_slots: int, lead: Sequence[int], namespace: str) -> tuple[KVSlots, int]:
+        slots = self.worker.timed("allocate", self.engine.allocate, n_slots)
+        if not lead:
+            return slots, 0
+        try:
+            return slots, self.worker.timed("match_prefix", self.engine.match_prefix, slots, lead, namespace)
+        except BaseException:
+            self.engine.free(slots)
+            raise
 
     async def free(self, slots: KVSlots) -> None:
         await self.worker.call(self.engine.free, slots)
-
-    async def match_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> int:
-        return await self.worker.call(self.engine.match_prefix, slots, token_ids, namespace)
 
     async def place(self, slots: KVSlots, spans: Sequence[Placement], states: dict[str, UnitState]) -> None:
         await self.worker.call(place_units, self.engine, slots, spans, states)
@@ -295,7 +341,8 @@ class Scheduler:
         for queue in (self._extends, self._prefills):
             if any(self._late(j, now) for j in queue):
                 self._refuse_late(queue, now)
-        batch = take_batch(self._decodes, self._extends, self._prefills, self.max_batch_tokens)
+        batch = take_batch(self._decodes, self._extends, self._prefills, self.max_batch_tokens,
+                           self.max_batch_prompts)
         if batch:
             self.batches += 1
             for job in batch:
@@ -335,7 +382,7 @@ class Scheduler:
                 continue
             t0 = time.perf_counter()
             try:
-                await self.worker.call(self.engine.step, [j.item for j in batch])
+                unplaced = await self.worker.run(self._run_batch, batch)
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d items", len(batch))
                 for j in batch:
@@ -344,6 +391,9 @@ class Scheduler:
                 continue
             self._measure(batch, time.perf_counter() - t0)
             self.steps += 1
+            for i, failed in unplaced.items():
+                if not batch[i].future.done():
+                    batch[i].future.set_exception(failed)
             # prefix inserts are queued on the engine thread before any result is set: a woken
             # request's later calls (its free) run after them, and they run while its first
             # token goes out, before the next batch (which waits for them below)
@@ -363,3 +413,32 @@ class Scheduler:
                     await insert
                 except Exception:
                     log.exception("prefix cache insert of %d tokens failed; later requests only miss it", n_tokens)
+
+    def _run_batch(self, batch: list[_Job]) -> dict[int, Exception]:
+        """On the engine thread: place the states the batch's extends carry, then run ONE
+        engine step over every item whose states all went in. Returns the extends left out
+        (index in the batch -> :class:`UnplacedUnits`, or the error placing raised)."""
+        unplaced: dict[int, Exception] = {}
+        for i, job in enumerate(batch):
+            if job.place and isinstance(job.item, Extend):
+                try:
+                    failed = self.worker.timed("place_units", self._place, job.item.slots, job.place)
+                except Exception as exc:  # a bug, not a state the engine refused: only its request fails
+                    log.exception("placing the unit states of one extend failed")
+                    unplaced[i] = exc
+                    continue
+                if failed:
+                    unplaced[i] = UnplacedUnits(failed)
+        items = [j.item for i, j in enumerate(batch) if i not in unplaced]
+        if items:
+            self.worker.timed("step", self.engine.step, items)
+        return unplaced
+
+    def _place(self, slots: KVSlots, placing: Placing) -> dict[str, PlacementError]:
+        failed = {}
+        for uid, (spans, state) in placing.items():
+            try:
+                place_units(self.engine, slots, spans, {uid: state})
+            except PlacementError as exc:
+                failed[uid] = exc
+        return failed

@@ -147,11 +147,13 @@ class Host:
 
 
 class SimEngine:
-    def __init__(self, loop: EventLoop, costs: CostModel, max_batch_tokens: int, host: Host | None = None) -> None:
+    def __init__(self, loop: EventLoop, costs: CostModel, max_batch_tokens: int, host: Host | None = None,
+                 max_batch_prompts: int = 0) -> None:
         self.loop = loop
         self.costs = costs
         self.host = host or Host(loop, costs)
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_prompts = max_batch_prompts
         self._decodes: deque[Work] = deque()
         self._extends: deque[Work] = deque()
         self._prefills: deque[Work] = deque()
@@ -216,7 +218,8 @@ class SimEngine:
             self.busy_s += seconds
             self.loop.after(seconds, lambda: self._finish_call(done))
             return
-        batch = take_batch(self._decodes, self._extends, self._prefills, self.max_batch_tokens)
+        batch = take_batch(self._decodes, self._extends, self._prefills, self.max_batch_tokens,
+                           self.max_batch_prompts)
         if not batch:
             self.busy = False
             return

@@ -76,7 +76,7 @@ class SimNode:
         self.policy = policy
         self.mode = mode
         self.reports = reports
-        self.engine = SimEngine(loop, costs, cfg.max_batch_tokens, host)
+        self.engine = SimEngine(loop, costs, cfg.max_batch_tokens, host, cfg.max_batch_prompts)
         self.cache = LocalUnitCache(cfg.local_capacity_blocks, block_tokens)
         self.prefix = PrefixCache(cfg.prefix_cache_tokens)
         self._prefilling: dict[str, list[Callable[[], None]]] = {}  # unit -> waiters of its in-flight prefill
