@@ -27,7 +27,7 @@ from tessera.auth import CapabilityIssuer
 from tessera.config import ClusterConfig
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
-from tessera.generation.pool_client import KVPoolClient, ReceiveBuffers, capabilities
+from tessera.generation.pool_client import KVPoolClient, capabilities
 from tessera.messages import BlockRef, ReadLease
 from tessera.transport.arena import Arena
 from tessera.transport.base import SlotIO
@@ -90,41 +90,6 @@ async def test_a_unit_spread_over_two_memory_nodes_is_fetched_intact(pool: KVPoo
     blocks = spread(3)
     await put(issuer, pool, blocks, state)
     assert_same_state(await pool.fetch(lease_for(issuer, blocks), 11, release=False), state)
-
-
-async def test_fetches_reuse_a_receive_buffer_and_a_failed_one_gives_none_back(pool: KVPoolClient,
-        issuer: CapabilityIssuer) -> None:
-    """A later fetch reads into the buffer an earlier one used, and still gets its own unit intact
-    (a smaller unit into a bigger buffer, a bigger one into a new buffer); a buffer of a
-    failed fetch is never kept, since a transfer may still write into it."""
-    big, small, bigger = random_state(11, seed=11), random_state(5, seed=12), random_state(16, seed=13)
-    big_blocks, small_blocks, bigger_blocks = spread(3, first=3), spread(2, first=6), spread(4, first=26)
-    for blocks, state in ((big_blocks, big), (small_blocks, small), (bigger_blocks, bigger)):
-        await put(issuer, pool, blocks, state)
-    buffers = pool.buffers
-    reused = buffers.reused
-    assert_same_state(await pool.fetch(lease_for(issuer, big_blocks), 11, release=False), big)
-    kept = buffers.idle_bytes
-    assert kept > 0
-    assert_same_state(await pool.fetch(lease_for(issuer, small_blocks), 5, release=False), small)
-    assert buffers.reused == reused + 1 and buffers.idle_bytes == kept  # the same buffer, back again
-    assert_same_state(await pool.fetch(lease_for(issuer, bigger_blocks), 16, release=False), bigger)
-    assert buffers.reused == reused + 1 and buffers.idle_bytes > kept  # too small to reuse: a new one, kept too
-    held = buffers.idle_bytes
-    with pytest.raises(ChecksumMismatch):  # the small unit's blocks under another epoch
-        await pool.fetch(lease_for(issuer, small_blocks, epoch=6), 5, release=False)
-    assert buffers.reused == reused + 2 and buffers.idle_bytes < held  # taken, and not given back
-
-
-def test_idle_receive_buffers_stay_under_their_cap() -> None:
-    buffers = ReceiveBuffers(max_bytes=100)
-    a, b = buffers.take(60), buffers.take(50)
-    assert len(a) == 60 and len(b) == 50 and buffers.reused == 0
-    buffers.give(a)
-    buffers.give(b)  # 110 bytes would pass the cap: dropped
-    assert buffers.idle_bytes == 60
-    assert buffers.take(70) is not a  # too small
-    assert buffers.take(10) is a and buffers.idle_bytes == 0 and buffers.reused == 1
 
 
 async def test_a_flipped_byte_in_a_stored_block_fails_the_fetch(pool: KVPoolClient, two_nodes: Cluster,

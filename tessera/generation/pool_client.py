@@ -13,7 +13,6 @@ Safe publication (paper §5.4), from the writer's side:
 A reader's ``fetch`` reads the leased blocks from their memory nodes, verifies every header
 and checksum against the lease and assembles the ``[L, T, H_kv, D]`` tensors; any mismatch is
 a failed fetch (:class:`ChecksumMismatch`), and the caller falls back to computing the unit.
-The blocks land in a receive buffer that later fetches reuse (:class:`ReceiveBuffers`).
 """
 
 from __future__ import annotations
@@ -44,45 +43,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # encode/decode larger than this run on a thread (crc32 and tensor copies release the GIL)
 OFFLOAD_BYTES = 1 << 20
-
-
-class ReceiveBuffers:
-    """Receive buffers that fetches reuse, at most ``max_bytes`` of them kept idle.
-
-    A fresh buffer per fetch cost more than the read itself: the allocator hands a buffer
-    of a unit's size (~1 MB for a 40-token unit) straight from the kernel, and every page of
-    it faults in when it is zero-filled (~6.6 ms of a LoCoMo request's ~11 ms of fetch CPU
-    at saturation, README "Where the cycles go at saturation"). A fetch copies the blocks out into the
-    unit's own tensors, so its buffer is free again once the fetch returns.
-
-    A buffer comes back only from a fetch that succeeded. After a failed one a transfer
-    may still be writing into it (a timed-out RDMA read), and nothing may reuse it.
-    What a reused buffer held before is never read: each fetch's blocks overwrite the
-    bytes that are checked.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._idle: list[bytearray] = []
-        self.idle_bytes = 0
-        self.reused = 0  # fetches that got a kept buffer
-
-    def take(self, n_bytes: int) -> bytearray:
-        """A buffer of at least ``n_bytes``: the smallest idle one that fits, or a new one."""
-        fits = [i for i, b in enumerate(self._idle) if len(b) >= n_bytes]
-        if not fits:
-            return bytearray(n_bytes)
-        i = min(fits, key=lambda i: len(self._idle[i]))
-        buf = self._idle.pop(i)
-        self.idle_bytes -= len(buf)
-        self.reused += 1
-        return buf
-
-    def give(self, buf: bytearray) -> None:
-        """Keep ``buf`` for a later fetch, unless that would pass ``max_bytes``."""
-        if self.idle_bytes + len(buf) <= self.max_bytes:
-            self._idle.append(buf)
-            self.idle_bytes += len(buf)
 
 
 class KVPoolClient:
@@ -116,8 +76,6 @@ class KVPoolClient:
         # timeout (Mooncake's engine rounds it up to whole seconds); the cancel waits that out
         self.settle_s = math.ceil(config.transport.timeout_s) + 1.0
         self.timeout_s = config.transport.timeout_s
-        # as many idle receive bytes as one client may have in flight
-        self.buffers = ReceiveBuffers(config.transport.max_inflight_bytes)
 
     async def close(self) -> None:
         await self.transport.close()
@@ -142,19 +100,16 @@ class KVPoolClient:
                 raise ChecksumMismatch(f"unit {lease.unit_id}: lease lists {len(lease.blocks)} blocks, "
                                        f"{n_tokens} tokens need {self.layout.n_blocks(n_tokens)}")
             sizes = [self.layout.used_bytes(b, n_tokens) for b in range(len(lease.blocks))]
-            buf = self.buffers.take(sum(sizes))
-            whole = memoryview(buf)
+            whole = memoryview(bytearray(sum(sizes)))
             views, offset = [], 0
             for size in sizes:
                 views.append(whole[offset : offset + size])
                 offset += size
             await self._move(lease.blocks, views, write=False, epoch=lease.epoch, tokens=lease.tokens)
             try:
-                state = await self._maybe_offload(
-                    offset, lambda: decode_unit(self.layout, views, lease.unit_id, lease.epoch, n_tokens,
-                                                pin_memory=self.pin_memory))
-                self.buffers.give(buf)
-                return state
+                return await self._maybe_offload(
+                    len(whole), lambda: decode_unit(self.layout, views, lease.unit_id, lease.epoch, n_tokens,
+                                               pin_memory=self.pin_memory))
             except ChecksumMismatch as exc:
                 for node in {ref.node for ref in lease.blocks}:  # a restarted node shows up as this
                     self.endpoints.forget(node)
