@@ -78,7 +78,8 @@ class Run:
     stats: RequestStats
     deadline: StartDeadline  # its work must begin by then (the queueing bound), or it is refused
     alone: bool  # nothing else was running on this node when it arrived (its work is the unloaded kind)
-    matched: int  # leading tokens the exact prefix cache copied into the slots
+    lead: list[int]  # the tokens the exact prefix cache may cover (Executor._lead)
+    matched: int  # of those, the leading tokens it copied into the slots
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
 
@@ -153,11 +154,12 @@ class Executor:
         deadline = self.scheduler.deadline(req.queue_budget_s)  # from receipt: waiting for KV pages counts
         sp = req.sampling
         sampler = Sampler(sp, self.scheduler.eos_token_ids)
-        slots, matched = await self._begin(req.layout.n_tokens + sp.max_tokens, self._lead(req), req.tenant)
+        lead = self._lead(req)
+        slots, matched = await self._begin(req.layout.n_tokens + sp.max_tokens, lead, req.tenant)
         alone = self.active == 0
         self.active += 1  # taken back in the finally below
         run = Run(req, slots, received_at, RequestStats(prompt_tokens=req.layout.n_tokens),
-                  deadline, alone, matched,
+                  deadline, alone, lead, matched,
                   {u.lease.lease_id for u in req.plan.units if u.lease is not None})
         try:
             logits = await self._prefill(run)
@@ -203,11 +205,15 @@ class Executor:
         run.stats.node_first_token_s = round(now - run.received_at, 4)
         self.scheduler.work.observe(now - started, run.alone)
 
+    def _exact_only(self, req: ExecuteRequest) -> bool:
+        """The whole prompt is plain text: exact prefix caching only, nothing composed."""
+        return self.mode == "prefix" or not req.plan.units
+
     def _lead(self, req: ExecuteRequest) -> list[int]:
         """The tokens the exact prefix cache may cover: the whole prompt in prefix mode, else its
         leading text; never the last token (its logits are the extend's output)."""
         layout = req.layout
-        if self.mode == "prefix" or not req.plan.units:
+        if self._exact_only(req):
             return layout.token_ids()[:-1]
         return leading_text_tokens(layout)[: layout.n_tokens - 1]
 
@@ -225,15 +231,13 @@ class Executor:
                 await asyncio.sleep(ALLOCATE_POLL_S)  # pages come back when a request ends
 
     async def _prefill(self, run: Run) -> torch.Tensor:
-        layout, slots, stats, matched = run.layout, run.slots, run.stats, run.matched
+        layout, slots, stats, lead, matched = run.layout, run.slots, run.stats, run.lead, run.matched
         stats.prefix_cached_tokens = matched
-        if self.mode == "prefix" or not run.req.plan.units:
-            # exact prefix caching only: the whole prompt is plain text
-            prompt = layout.token_ids()
+        if self._exact_only(run.req):
+            prompt = layout.token_ids()  # the lead is all of it but the last token
             stats.recomputed_tokens = len(prompt) - matched
             return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                                insert_prefix=(prompt, run.req.tenant))
-        lead = leading_text_tokens(layout)[: layout.n_tokens - 1]
         ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
@@ -266,7 +270,7 @@ class Executor:
                                     plans[uid].preparation, error)
                         stats.fallbacks += 1
                         del reused[uid]
-                        await self._compute(run, plans[uid], tokens[uid], spans[uid], plans[uid].retention.local)
+                        await self._compute(run, plans[uid], tokens[uid], spans[uid])
         except BaseException:
             if fused is not None:
                 fused.abandon()  # whoever joined its claims computes those units instead
@@ -311,23 +315,21 @@ class Executor:
             # a local hit is in the local cache already; a fetched one goes there if planned
             local = plan.preparation is Preparation.LOCAL
             return Reused(state, local, plan.retention.local and not local)
-        local = plan.retention.local
         state = self.cache.lookup(plan.unit_id) if plan.preparation is not Preparation.LOCAL else None
         if state is not None:
             # planned as a miss, but another request on this node computed it after this plan
             # was made (the plane learns of local inserts only afterwards): reuse it
             return Reused(state, True, False)
-        if fused is not None and fused.claim(plan, token_ids, spans, local):
+        if fused is not None and fused.claim(plan, token_ids, spans, plan.retention.local):
             # computed and placed by the request's own extend, retained after it (_prefill)
             stats.computed_unit_tokens += n
             stats.computed_units += 1
             stats.unit_sources[plan.unit_id] = "computed"
         else:
-            await self._compute(run, plan, token_ids, spans, local)
+            await self._compute(run, plan, token_ids, spans)
         return None
 
-    async def _compute(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: Sequence[Placement],
-                       local: bool) -> None:
+    async def _compute(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: Sequence[Placement]) -> None:
         """Prefill the unit (coalesced with anyone computing it already), retain it and place it."""
         stats = run.stats
         state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline)
@@ -337,7 +339,8 @@ class Executor:
         stats.unit_sources[plan.unit_id] = "computed"
         # retained before it is placed, in the same step as the prefill's return: a request
         # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
-        self.retainer.retain(plan.unit_id, state, local, plan.grant, run.req.plan.local_evict, run.received_at)
+        self.retainer.retain(plan.unit_id, state, plan.retention.local, plan.grant, run.req.plan.local_evict,
+                             run.received_at)
         await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
