@@ -14,6 +14,7 @@ from tessera.cli import app
 from tessera.config_file import load_config
 from tessera.engines.reference import ReferenceEngine
 from tessera.engines.tiny import write_tiny_checkpoint
+from tessera.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +122,27 @@ def test_calibration_without_targets_matches_the_configured_setting(tiny_config_
     assert isinstance(chosen, dict)
     assert chosen["kl"]["mean"] <= mine["kl"]["mean"] and chosen["prefix"]["mean"] >= mine["prefix"]["mean"]
     assert chosen["cost"] <= mine["cost"]
+
+
+def test_unit_bos_is_named_in_every_label_and_the_overlay(tiny_config_file: Path, tmp_path: Path) -> None:
+    """A run under ``unit_bos = true`` labels every setting ``bos`` (it changes every unit's state,
+    so the score), writes it into the overlay, and refuses a setting the engine cannot serve."""
+    bos_cfg = tmp_path / "bos.toml"
+    bos_cfg.write_text(f'base = "{tiny_config_file}"\n[composition]\nunit_bos = true\n')
+    overlay = tmp_path / "cal.toml"
+    code, report, output = _run(bos_cfg, tmp_path, "--policies", "naive", "--leads", "none", "--calibrate",
+                                "--target-agreement", "0", "--overlay", str(overlay))
+    assert code == 0, output
+    assert report["configured"] == "epic k=16 f=0.25 inline=0.75 lead=none bos"
+    rows = report["rows"]
+    assert isinstance(rows, list) and {r["setting"] for r in rows} == {
+        "epic k=16 f=0.25 inline=0.75 lead=none bos", "naive lead=none bos"}
+    assert all(r["composition"]["unit_bos"] for r in rows)
+    loaded = load_config(overlay).composition
+    assert loaded.unit_bos and Setting.of(loaded).label == "naive lead=none bos"
+    # the default labels say nothing of it: their settings are served without
+    assert Setting.of(load_config(tiny_config_file).composition).label == "epic k=16 f=0.25 inline=0.75 lead=none"
+    cfg = load_config(bos_cfg)
+    engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
+    with pytest.raises(ConfigError, match="unit_bos"):
+        verify(engine, engine.tokenizer, cfg, [], [Setting("naive")], answer_tokens=2, kl_positions=1)

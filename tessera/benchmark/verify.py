@@ -59,30 +59,37 @@ class Setting:
     recompute_fraction: float = 1.0
     unit_lead: str = ""
     inline_share: float = 1.0  # epic only: other policies inline nothing
+    # units prefilled behind BOS: the engine's, so one value for every setting of a run (the
+    # config's); named in the label, since it changes every unit's state and so the score
+    unit_bos: bool = False
 
     @property
     def label(self) -> str:
-        """Every knob that shapes what this setting serves, named (the config's unit_bos aside)."""
+        """Every knob that shapes what this setting serves, named."""
         name = self.policy
         if self.policy == "epic":
             name += f" k={self.recompute_tokens} f={self.recompute_fraction:g} inline={self.inline_share:g}"
-        return name + (f" lead={self.unit_lead}" if self.unit_lead else " lead=none")
+        name += f" lead={self.unit_lead}" if self.unit_lead else " lead=none"
+        return name + " bos" if self.unit_bos else name
 
     def composition(self, base: CompositionConfig) -> CompositionConfig:
         return dataclasses.replace(base, policy=self.policy, recompute_tokens=self.recompute_tokens,
                                    recompute_fraction=self.recompute_fraction, unit_lead=self.unit_lead,
-                                   inline_share=self.inline_share)
+                                   inline_share=self.inline_share, unit_bos=self.unit_bos)
 
     @classmethod
     def of(cls, config: CompositionConfig) -> Setting:
         if config.policy != "epic":
-            return cls(config.policy, unit_lead=config.unit_lead)
-        return cls("epic", config.recompute_tokens, config.recompute_fraction, config.unit_lead, config.inline_share)
+            return cls(config.policy, unit_lead=config.unit_lead, unit_bos=config.unit_bos)
+        return cls("epic", config.recompute_tokens, config.recompute_fraction, config.unit_lead, config.inline_share,
+                   config.unit_bos)
 
 
 def settings_grid(policies: Iterable[str], ks: Iterable[int], fractions: Iterable[float],
-                  leads: Iterable[str], inline_shares: Iterable[float] = (1.0,)) -> list[Setting]:
-    """Every policy × lead; ``epic`` also × k × fraction × inline share. Duplicates dropped, order kept."""
+                  leads: Iterable[str], inline_shares: Iterable[float] = (1.0,),
+                  unit_bos: bool = False) -> list[Setting]:
+    """Every policy × lead; ``epic`` also × k × fraction × inline share; all with ``unit_bos``
+    (the engine's). Duplicates dropped, order kept."""
     out: dict[Setting, None] = {}
     shares = list(inline_shares)
     for lead in leads:
@@ -91,9 +98,9 @@ def settings_grid(policies: Iterable[str], ks: Iterable[int], fractions: Iterabl
                 for k in ks:
                     for f in fractions:
                         for share in shares:
-                            out[Setting("epic", k, f, lead, share)] = None
+                            out[Setting("epic", k, f, lead, share, unit_bos)] = None
             else:
-                out[Setting(policy, unit_lead=lead)] = None
+                out[Setting(policy, unit_lead=lead, unit_bos=unit_bos)] = None
     return list(out)
 
 
@@ -231,9 +238,14 @@ def verify(engine: EngineAdapter, tokenizer: Tokenizer, config: ClusterConfig, p
     states ready: the warm serving path without transfers), for the speed–fidelity frontier.
     """
     assert answer_tokens > 0 and kl_positions > 0, (answer_tokens, kl_positions)
+    mixed = [s.label for s in settings if s.unit_bos != config.composition.unit_bos]
+    if mixed:  # the engine prefills units as the config says: a setting cannot change it
+        raise ConfigError(f"settings {mixed} ask for unit_bos = {not config.composition.unit_bos}, but the engine "
+                          f"prefills units with unit_bos = {config.composition.unit_bos} (the config's); "
+                          "score each unit_bos value in a run of its own")
     layouts = Layouts(engine, tokenizer, config)
     policies = {s: policy_from_config(s.composition(config.composition)) for s in settings}
-    full = policy_from_config(Setting("full").composition(config.composition))
+    full = policy_from_config(Setting("full", unit_bos=config.composition.unit_bos).composition(config.composition))
     stops = tokenizer.eos_token_ids
     out = {s: Scores() for s in settings}
     for i, prompt in enumerate(prompts):
@@ -375,4 +387,5 @@ def overlay_toml(setting: Setting, base: str = "default") -> str:
                   f"recompute_fraction = {float(setting.recompute_fraction)!r}",
                   f"inline_share = {float(setting.inline_share)!r}"]
     lines.append(f"unit_lead = {json.dumps(setting.unit_lead)}")
+    lines.append(f"unit_bos = {json.dumps(setting.unit_bos)}")
     return "\n".join(lines) + "\n"

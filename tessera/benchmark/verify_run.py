@@ -70,7 +70,7 @@ def _settings(config: ClusterConfig, opts: VerifyOptions) -> tuple[vf.Setting, l
     except ValueError:
         raise ConfigError(f"--inline-shares must be comma-separated numbers, got {opts.inline_shares!r}") from None
     grid = vf.settings_grid(options.names(opts.policies), options.ints(opts.ks, "--ks"), fracs,
-                            [lead_of[x] for x in lead_names], shares)
+                            [lead_of[x] for x in lead_names], shares, config.composition.unit_bos)
     configured = vf.Setting.of(config.composition)
     settings = list(dict.fromkeys([configured, *grid]))
     for s in settings:
