@@ -49,6 +49,8 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "python bench/overload.py": SMOKE + "test_bench_overload_drives_load_and_reports_ttft_against_the_unloaded_p99",
     "python bench/engine.py": SMOKE + "test_bench_engine_times_full_and_composed_prefill_on_smollm2",
     "python bench/forward_cost.py": SMOKE + "test_bench_forward_cost_splits_a_forward_into_fixed_and_per_token_cost",
+    "python bench/queue_model.py": "tests/test_queue_model.py::"
+                                   "test_the_command_reads_a_bench_folder_and_prints_each_runs_split",
     "python bench/fidelity.py": "tests/test_first_hour.py::test_bench_fidelity_runs_with_float16_states",
     "python bench/store_startup.py":
         SMOKE + "test_bench_store_startup_reopens_a_saved_a_crashed_and_an_index_less_store",
