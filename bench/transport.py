@@ -38,6 +38,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +101,18 @@ def bench_memcpy(block: int, n: int, seconds: float) -> float:
     return done / (time.perf_counter() - start) / 1e9
 
 
-def _sink(port: int, block: int) -> None:
-    with socket.create_server(("127.0.0.1", port)) as server:
+SINK_DEADLINE_S = 120.0  # a fresh interpreter on a loaded machine: generous, never a figure being measured
+
+
+class NotStarted(RuntimeError):
+    """A helper process this bench needs did not come up; the message is one line that says why."""
+
+
+def _sink(ready: Connection, block: int) -> None:
+    """Listen on a free loopback port, tell the parent which one, then drain one connection."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ready.send(server.getsockname()[1])  # listening: the parent's connect cannot be refused now
+        ready.close()
         conn, _ = server.accept()
         buf = memoryview(bytearray(block))
         with conn:
@@ -107,23 +120,49 @@ def _sink(port: int, block: int) -> None:
                 pass
 
 
-def bench_socket(block: int, n: int, seconds: float) -> float:
-    port = free_port()
-    sink = mp.get_context("spawn").Process(target=_sink, args=(port, block), daemon=True)
+def start_sink(block: int, deadline_s: float = SINK_DEADLINE_S,
+               target: Callable[[Connection, int], None] = _sink) -> tuple[BaseProcess, int]:
+    """A sink process (``target``) and the port it listens on, once it says it listens.
+
+    The sink is a fresh interpreter (``spawn``) that imports this module again, which on a busy
+    machine can take many seconds: the parent waits for the sink's own word, not for a number of
+    connection attempts, and stops at ``deadline_s`` or as soon as the sink dies."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    sink = ctx.Process(target=target, args=(theirs, block), daemon=True)
     sink.start()
-    for _ in range(100):
+    theirs.close()  # only the sink holds the sending end: its death reads as EOF here
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ours.poll(0.1):
+            if not sink.is_alive():
+                raise NotStarted(f"socket sink process exited with code {sink.exitcode} before it listened")
+            if time.monotonic() > deadline:
+                sink.kill()
+                raise NotStarted(f"socket sink process did not listen within {deadline_s:.0f} s")
         try:
-            sock = socket.create_connection(("127.0.0.1", port))
-            break
-        except OSError:
-            time.sleep(0.05)
+            port = int(ours.recv())
+        except EOFError:
+            sink.join(5)
+            raise NotStarted(f"socket sink process exited with code {sink.exitcode} before it listened") from None
+    finally:
+        ours.close()
+    return sink, port
+
+
+def bench_socket(block: int, n: int, seconds: float) -> float:
+    sink, port = start_sink(block)
     payload = memoryview(bytearray(os.urandom(block)))
     done, start = 0, time.perf_counter()
-    with sock:
-        while time.perf_counter() - start < seconds:
-            for _ in range(n):
-                sock.sendall(payload)
-            done += block * n
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=SINK_DEADLINE_S) as sock:
+            while time.perf_counter() - start < seconds:
+                for _ in range(n):
+                    sock.sendall(payload)
+                done += block * n
+    except OSError as exc:
+        sink.kill()
+        raise NotStarted(f"socket sink stopped reading (exit code {sink.exitcode}): {exc}") from None
     elapsed = time.perf_counter() - start
     sink.join(5)
     return done / elapsed / 1e9
@@ -167,7 +206,8 @@ class Node:
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tessera", "run", "--role", "kvpool", "--config",
                                       str(path), "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT)
         url = f"{config.scheme}://{host}:{node.port}/info"
-        for _ in range(600):
+        deadline = time.monotonic() + SINK_DEADLINE_S
+        while True:
             try:
                 signed = urllib.request.Request(url, headers=ClusterAuth(self.secret).headers("GET", url))
                 with urllib.request.urlopen(signed, timeout=1, context=self.ssl) as resp:
@@ -175,13 +215,26 @@ class Node:
                     return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError((workdir / "kvpool.log").read_text()) from None
+                    raise NotStarted(f"memory node exited with code {self.proc.returncode} before it answered: "
+                                     f"{self._last_log_line()}") from None
+                if time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise NotStarted(f"memory node did not answer {url} within {SINK_DEADLINE_S:.0f} s: "
+                                     f"{self._last_log_line()}") from None
                 time.sleep(0.1)
-        raise RuntimeError("memory node did not come up")
+
+    def _last_log_line(self) -> str:
+        self.log.flush()
+        lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(its log is empty)"
 
     def stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(20)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
         (SHM_DIR / self.endpoint.shm_name).unlink(missing_ok=True)
 
@@ -215,18 +268,8 @@ async def bench_transport(name: str, node: Node, seconds: float) -> tuple[float,
     return out[0], out[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
-    parser.add_argument("--total-mib", type=int, default=64, help="bytes per batch (MiB)")
-    parser.add_argument("--transports", default="shm,tcp,tcp+tls,mooncake", help="comma-separated subset")
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
-    parser.add_argument("--hosts", action="store_true",
-                        help="memory node and client on two hosts (network namespaces; needs root)")
-    args = parser.parse_args()
-    wanted = [t for t in args.transports.split(",") if not (args.hosts and t == "shm")]
-    with_mooncake = "mooncake" in wanted and mooncake_available()
-    transports = [t for t in wanted if t != "mooncake" or with_mooncake]
+def measure(args: argparse.Namespace, transports: list[str]) -> list[tuple[str, str, float, float]]:
+    """One row (block size, path, read GB/s, write GB/s) per measurement."""
     rows: list[tuple[str, str, float, float]] = []
     for label in args.sizes.split(","):
         block = SIZES[label]
@@ -243,18 +286,36 @@ def main() -> None:
                 net = stack.enter_context(Network.create(["kvb", "client"]))
                 where = {"host": net.address("kvb"), "prefix": ("ip", "netns", "exec", net.namespace("kvb"))}
                 stack.enter_context(net.inside("client"))  # the measuring thread: on the other host
-            node = Node(Path(tmp) / "plain", block, n, "mooncake" if with_mooncake else "tcp", **where)
-            tls = Node(Path(tmp) / "tls", block, n, "tcp", tls=True, **where) if "tcp+tls" in transports else None
-            try:
-                for name in transports:
-                    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                        on = tls if name == "tcp+tls" and tls is not None else node
-                        read, write = runner.run(bench_transport(name, on, args.seconds))
-                    rows.append((label, name, read, write))
-            finally:
-                node.stop()
-                if tls is not None:
-                    tls.stop()
+            node = Node(Path(tmp) / "plain", block, n, "mooncake" if "mooncake" in transports else "tcp", **where)
+            stack.callback(node.stop)
+            tls = None
+            if "tcp+tls" in transports:
+                tls = Node(Path(tmp) / "tls", block, n, "tcp", tls=True, **where)
+                stack.callback(tls.stop)
+            for name in transports:
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    on = tls if name == "tcp+tls" and tls is not None else node
+                    read, write = runner.run(bench_transport(name, on, args.seconds))
+                rows.append((label, name, read, write))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--total-mib", type=int, default=64, help="bytes per batch (MiB)")
+    parser.add_argument("--transports", default="shm,tcp,tcp+tls,mooncake", help="comma-separated subset")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
+    parser.add_argument("--hosts", action="store_true",
+                        help="memory node and client on two hosts (network namespaces; needs root)")
+    args = parser.parse_args()
+    wanted = [t for t in args.transports.split(",") if not (args.hosts and t == "shm")]
+    with_mooncake = "mooncake" in wanted and mooncake_available()
+    transports = [t for t in wanted if t != "mooncake" or with_mooncake]
+    try:
+        rows = measure(args, transports)
+    except NotStarted as exc:
+        sys.exit(f"bench/transport.py: {exc}")
     print(f"\n{'block':>8}  {'path':<9} {'read GB/s':>10} {'write GB/s':>11}")
     for label, name, read, write in rows:
         w = "" if write != write else f"{write:11.2f}"

@@ -14,7 +14,6 @@ import itertools
 import json
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ import orjson
 import pytest
 import torch
 from helpers.cluster import REPO, child_env, signed_get, write_config
+from helpers.http import wait_for
 from helpers.kvpool import HANG_GUARD_S, PoolConfig, random_state
 from helpers.processes import MemoryNodeProcess, RoleProcess
 
@@ -84,12 +84,12 @@ def cluster(pool_config: PoolConfig, directory: Path, model: Path, capacity: int
         with MemoryNodeProcess.started(config, directory) as node:
             retrieval.wait_healthy(config.retrieval_url, timeout=120)
             boot = node.endpoint().boot_id
-            for _ in range(int(HANG_GUARD_S / 0.1)):  # until kv0's hello has reached the control plane
+
+            def heard() -> bool:
                 raw = signed_get(config, f"{config.control_url}/control/kvpool")
-                listed = from_wire(MemoryNodeList, json.loads(raw)).nodes
-                if [n.boot_id for n in listed] == [boot]:
-                    break
-                time.sleep(0.1)
+                return [n.boot_id for n in from_wire(MemoryNodeList, json.loads(raw)).nodes] == [boot]
+
+            wait_for(heard, HANG_GUARD_S, "kv0's hello to reach the control plane", node.proc.proc)
             geometry = geometry_from_checkpoint(resolve(config.model), config.kv_dtype)
             yield Cluster(config, directory, node, geometry)
     finally:

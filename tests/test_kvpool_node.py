@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 from helpers.cluster import child_env, write_config
-from helpers.kvpool import PoolConfig, tiny_layout
+from helpers.kvpool import HANG_GUARD_S, PoolConfig, tiny_layout
 from helpers.processes import MemoryNodeProcess, StartMemoryNode
 
 from tessera.auth import ClusterAuth, term_notice
@@ -25,6 +26,16 @@ from tessera.http import application
 from tessera.messages import MemoryNodeHello
 from tessera.transport.arena import ARENA_HEADER_BYTES, SHM_DIR
 from tessera.wire import from_wire
+
+
+async def _until(condition: Callable[[], bool], what: str, proc: subprocess.Popen[Any] | None = None) -> None:
+    """Until ``condition`` holds; fails at once if ``proc`` exits, and at the hang guard otherwise."""
+    deadline = time.monotonic() + HANG_GUARD_S  # a guard against hanging only; never a time being measured
+    while not condition():
+        assert proc is None or proc.poll() is None, f"the memory node exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.05)
+
 
 
 def run_to_exit(config_path: Path, node: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -95,10 +106,9 @@ async def test_the_node_says_hello_with_a_new_boot_id_each_start_and_keeps_beati
         for _ in range(2):
             with memory_node(config, tmp_path) as node:
                 ep = await asyncio.to_thread(node.endpoint)
-                for _ in range(100):
-                    if sum(h.boot_id == ep.boot_id for h in hellos) >= 3:
-                        break
-                    await asyncio.sleep(0.05)
+                boot = ep.boot_id
+                await _until(lambda: sum(h.boot_id == boot for h in hellos) >= 3, "three hellos",  # noqa: B023
+                             node.proc.proc)
                 mine = [h for h in hellos if h.boot_id == ep.boot_id]
                 assert len(mine) >= 3 and len(set(mine)) == 1, "heartbeats repeat the same hello"
                 assert (mine[0].name, mine[0].shm_name, mine[0].block_bytes) == ("kv0", ep.shm_name, ep.slot_bytes)
@@ -127,10 +137,8 @@ async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_pat
         await web.TCPSite(runner, config.retrieval.internal_host, config.retrieval.internal_port).start()
     try:
         with memory_node(config, tmp_path) as node:
-            for _ in range(100):
-                if "control plane unreachable" in node.proc.log():
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: "control plane unreachable" in node.proc.log(), "the unreachable warning",
+                         node.proc.proc)
             assert "control plane unreachable" in node.proc.log()
             assert node.proc.proc.poll() is None
             assert (await asyncio.to_thread(node.endpoint)).name == "kv0"
@@ -147,14 +155,6 @@ async def _serve(app: web.Application, config: Any) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, config.retrieval.internal_host, config.retrieval.internal_port).start()
     return runner
-
-
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(600):  # a guard against hanging only; never a time being measured
-        if condition():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never: {what}")
 
 
 async def test_a_memory_node_takes_the_leader_term_only_under_a_valid_mac(tmp_path: Path,

@@ -24,7 +24,8 @@ import aiohttp
 import orjson
 import pytest
 from helpers.cluster import StartCluster, free_port, write_config
-from helpers.kvpool import PoolConfig
+from helpers.http import wait_for
+from helpers.kvpool import HANG_GUARD_S, PoolConfig
 from helpers.processes import MemoryNodeProcess, RoleProcess, StartRole
 
 from tessera.auth import CapabilityIssuer, ClusterAuth, capability, sign
@@ -82,10 +83,8 @@ def plane(tmp_path_factory: pytest.TempPathFactory, pool_config: PoolConfig) -> 
             retrieval.wait_healthy(config.retrieval_url, timeout=120)
             p = Plane(config, config.retrieval_url, config.control_url, ClusterAuth.from_config(config),
                       node.endpoint(), node.url)
-            for _ in range(300):  # until kv0's hello has registered
-                if asyncio.run(call(p, "GET", "/control/kvpool", signed=True))[1]["nodes"]:
-                    break
-                time.sleep(0.1)
+            wait_for(lambda: bool(asyncio.run(call(p, "GET", "/control/kvpool", signed=True))[1]["nodes"]),
+                     HANG_GUARD_S, "kv0's hello to register", node.proc.proc)
             # generation nodes are routed to only once heard: announce the configured one, as it would
             for g in config.generation:
                 heard = asyncio.run(call(p, "POST", "/control/load", {"version": V, "node": g.name, "inflight": 0},

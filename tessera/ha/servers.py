@@ -47,7 +47,7 @@ def _answers(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _wait_until(ok: object, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float = 30.0) -> None:
+def _wait_until(ok: object, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -30,8 +30,9 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
@@ -143,6 +144,20 @@ def _keep_busy(config: ClusterConfig, tokens: int, ready: Any, stop: Any) -> Non
         engine.step([UnitPrefill(ids)])
 
 
+BUSY_START_DEADLINE_S = 300.0  # a fresh interpreter loading the model on a loaded host
+
+
+def _wait_ready(procs: Sequence[BaseProcess], readies: Sequence[Any]) -> None:
+    """Until every busy engine says it runs; a dead or silent one stops the calibration, named."""
+    deadline = time.monotonic() + BUSY_START_DEADLINE_S
+    for proc, ready in zip(procs, readies, strict=True):
+        while not ready.wait(0.5):
+            if not proc.is_alive():
+                raise RuntimeError(f"a busy engine process exited with code {proc.exitcode} before it ran")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a busy engine process did not start within {BUSY_START_DEADLINE_S:.0f} s")
+
+
 def host_slowdown(config: ClusterConfig, engine: EngineAdapter, plan: CalibrationPlan) -> tuple[float, ...]:
     """Step stretch with 1..k engines of the first host busy (k: its generation nodes, at most the cores)."""
     host = config.generation[0].host
@@ -158,8 +173,7 @@ def host_slowdown(config: ClusterConfig, engine: EngineAdapter, plan: Calibratio
         for p in others:
             p.start()
         try:
-            for r in readies:
-                r.wait(300)
+            _wait_ready(others, readies)
             loaded = [_prefill_s(engine, n, plan.repeats) for n in plan.prefill_tokens]
         finally:
             stop.set()

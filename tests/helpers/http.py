@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -71,11 +72,15 @@ def node_metric(url: str, name: str, config: ClusterConfig | None = None) -> flo
     raise KeyError(name)
 
 
-def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
+def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition",
+             proc: subprocess.Popen[Any] | None = None) -> None:
+    """Until ``predicate()`` holds; stops at once, naming ``what``, if ``proc`` (the process it waits on) exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the process behind {what} exited with code {proc.returncode}")
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what}")
 
