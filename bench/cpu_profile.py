@@ -48,7 +48,7 @@ from tessera.engines.tokenizer import load_tokenizer
 from tessera.generation.scheduler import ENGINE_THREAD
 from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
-from tessera.simulate.hostcpu import process_cpu
+from tessera_lab.simulate.hostcpu import process_cpu
 
 # What a sample's stack was doing. A CONTEXT rule matches a frame anywhere on the stack and
 # wins (the first rule that matches): the torch and rope calls under a placement are the
@@ -256,7 +256,7 @@ def print_report(runs: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", type=Path, help="traffic trace (JSONL, README 'Traffic traces')")
+    ap.add_argument("--trace", type=Path, help="traffic trace (JSONL, docs/bench/traces.md)")
     ap.add_argument("--restage", action="store_true",
                     help="print OUT's earlier run again, its saved stacks staged by the current rules; runs nothing")
     ap.add_argument("--systems", default="prefix,tessera")

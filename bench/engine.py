@@ -31,7 +31,7 @@ from tessera.config_file import load_config
 from tessera.engines.base import Extend
 from tessera.engines.offline import place_units, prefill_units
 from tessera.engines.reference import ReferenceEngine
-from tessera.messages import PromptLayout
+from tessera.messages.prompt import PromptLayout
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -10,8 +10,7 @@ a fixed part, paid by every forward whatever its size (on CPU mostly reading eve
 once), and a part per computed token. ``--compare A,B`` prints what that line predicts for
 two requests computing A and B tokens in a forward of their own: the ratio of their engine
 time, which bounds how much faster the second system can serve than the first when each
-request is its own forward (README "locomo ... the sustained rate with 30-request
-references").
+request is its own forward (docs/bench/locomo.md, "What bounds the sustained ratio").
 
 ``--batch K`` then times 1..K requests of A tokens each (their own slots) in ONE forward, as
 the scheduler batches them, against that many forwards apart: if the fixed part were paid

@@ -44,7 +44,7 @@ from tessera.config_file import load_config
 from tessera.engines.base import ENGINES, EngineAdapter, UnitState
 from tessera.engines.device import to_host
 from tessera.engines.offline import compose, prefill, prefill_units
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.ports import on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,10 +25,10 @@ import aiohttp
 import orjson
 
 from tessera.auth import ClusterAuth
-from tessera.benchmark.chaos import rss_mb
 from tessera.config_file import load_config
 from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
+from tessera_lab.chaos.harness import rss_mb
 
 QUESTION = "Summarise the notes on the {} in one sentence."
 TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "observatory", "mill")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.engines.reference import ReferenceEngine
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.units import unit_id_for
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique" / "musique_s.json"

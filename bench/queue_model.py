@@ -16,7 +16,7 @@ Why: a sustained rate (mean TTFT within 2x of the unloaded one) is where queuein
 about one service time, and in such a model that happens at the same utilisation for any
 service time of the same shape. If both systems queue the same multiple of the model, the
 ratio of their sustained rates is the ratio of their service times under load, however the
-routing or the scheduler is tuned (README, "the ceiling of the sustained ratio").
+routing or the scheduler is tuned (docs/bench/locomo.md, "What bounds the sustained ratio").
 """
 
 from __future__ import annotations

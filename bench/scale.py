@@ -27,11 +27,11 @@ from typing import Any
 from tessera.benchmark.runner import system_config
 from tessera.benchmark.workloads import synthetic_workload
 from tessera.config_file import load_config
-from tessera.simulate.command import fleet
-from tessera.simulate.costs import load_cost_model
-from tessera.simulate.run import SimOptions, cluster_figures, simulate_run
-from tessera.simulate.workload import render, unit_texts
 from tessera.units import blocks_for
+from tessera_lab.simulate.command import fleet
+from tessera_lab.simulate.costs import load_cost_model
+from tessera_lab.simulate.run import SimOptions, cluster_figures, simulate_run
+from tessera_lab.simulate.workload import render, unit_texts
 
 
 def one_run(nodes: int, args: argparse.Namespace, shared_blocks: int = 0) -> dict[str, Any]:

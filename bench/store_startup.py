@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.retrieval.store import UnitStore
+from tessera.retrieval.store.unit_store import UnitStore
 
 WORDS = ["river", "harbour", "lantern", "orchard", "ledger", "copper", "meadow", "falcon", "quarry", "violet",
          "signal", "marble", "thunder", "glacier", "pepper", "saddle", "canyon", "velvet", "ember", "tundra"]

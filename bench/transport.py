@@ -14,7 +14,7 @@ included, speak TLS with a self-signed certificate (``openssl``), as a cluster w
     flock /tmp/tessera-cpu.lock python bench/transport.py [--seconds 1.0] [--total-mib 64]
     sudo flock /tmp/tessera-cpu.lock python bench/transport.py --hosts   # across network namespaces
 
-``--hosts`` puts the memory node on a host of its own (tessera/hosts/netns.py: a network
+``--hosts`` puts the memory node on a host of its own (tessera_lab/hosts/netns.py: a network
 namespace with its own address, a veth into a bridge) and measures from a second host, so
 every byte crosses two veths and a bridge: the network transports only (``shm`` needs one
 host); the ceilings stay on loopback.
@@ -59,7 +59,7 @@ from tessera.config import (
 from tessera.config_file import dump_toml
 from tessera.errors import ConfigError
 from tessera.generation.pool_client import capabilities
-from tessera.messages import BlockRef
+from tessera.messages.common import BlockRef
 from tessera.transport.arena import SHM_DIR
 from tessera.transport.base import NodeEndpoint, SlotIO, create_transport
 from tessera.transport.handshake import DataPlaneCredentials
@@ -279,7 +279,7 @@ def measure(args: argparse.Namespace, transports: list[str]) -> list[tuple[str, 
         with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp, contextlib.ExitStack() as stack:
             where: dict[str, Any] = {}
             if args.hosts:
-                from tessera.hosts.netns import Network, unavailable
+                from tessera_lab.hosts.netns import Network, unavailable
 
                 if (why := unavailable()) is not None:
                     sys.exit(f"--hosts: {why}")

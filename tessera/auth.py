@@ -46,7 +46,8 @@ from yarl import URL
 from tessera.config import ClusterConfig, SecurityConfig
 from tessera.errors import ConfigError
 from tessera.http import MAX_BODY
-from tessera.messages import BlockRef, NodeToken
+from tessera.messages.common import BlockRef
+from tessera.messages.plan import NodeToken
 from tessera.private_files import check_private
 
 log = logging.getLogger(__name__)
@@ -147,9 +148,8 @@ class Verifier:
     audience: str = ""
     _seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
     # when this listener's process began verifying: its nonce cache is empty, so a request
-    # signed earlier may have been accepted by the previous incarnation and is refused. A
-    # captured request could otherwise be replayed once at a restarted node within the skew
-    # window (issue 22). RESTART_GRACE_S covers whole-second timestamps and small clock skew.
+    # signed earlier is refused, or a captured request could be replayed once at a restarted
+    # node within the skew window. RESTART_GRACE_S covers whole-second timestamps and skew.
     started: float | None = None  # None: the clock's reading at construction
 
     def __post_init__(self) -> None:

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from tessera.benchmark.options import OptionError
+from tessera.benchmark.load_flags import with_load_flags
+from tessera.benchmark.options import LoadOptions, OptionError
 from tessera.benchmark.workloads import DataMissing, WorkloadName
 from tessera.config import ClusterConfig, Role
 from tessera.config_file import load_config
@@ -152,8 +153,9 @@ def up(
 
 @app.command()
 def analyze(
-    trace: Annotated[Path, typer.Argument(help="JSONL trace: traffic format (messages, units, ...; see the "
-                                          "README) or rendered prompts ({stream, tokens, units} per line).")],
+    trace: Annotated[Path, typer.Argument(help="JSONL trace: traffic format (messages, units, ...; see "
+                                          "docs/bench/traces.md) or rendered prompts ({stream, tokens, units} per "
+                                          "line).")],
     per_stream: Annotated[bool, typer.Option("--per-stream", help="Also print each stream's numbers.")] = False,
     config: ConfigOpt = None,
 ) -> None:
@@ -212,51 +214,60 @@ def trace_from_rendered(
         write_rendered_trace(cfg, rendered, out, private=private)
 
 
+data_app = typer.Typer(help="The data sets bench, verify and eval read (docs/data.md): fetch and check them.",
+                       no_args_is_help=True)
+app.add_typer(data_app, name="data")
+DestOpt = Annotated[Path | None, typer.Option(
+    "--dest", help="The data directory (default: ../shared/data beside the repository, where bench, verify and "
+                   "eval look without --data-dir).")]
+OnlyOpt = Annotated[list[str] | None, typer.Option("--only", help="Only this data set (repeatable): locomo, musique.")]
+
+
+@data_app.command("fetch")
+def data_fetch(
+    dest: DestOpt = None,
+    only: OnlyOpt = None,
+    base_url: Annotated[str | None, typer.Option(
+        "--base-url", help="A mirror laid out like the data directory (URL/locomo/locomo10.json, ...) instead of "
+                           "the public sources.")] = None,
+) -> None:
+    """Download each data file, verify its SHA-256 and move it into place; files already right are skipped."""
+    from tessera.benchmark.datasets import run_fetch
+
+    with _usage("data"):
+        code = run_fetch(dest, only, base_url)
+    raise typer.Exit(code)
+
+
+@data_app.command("check")
+def data_check(dest: DestOpt = None, only: OnlyOpt = None) -> None:
+    """Say which data files are present with their published SHA-256 (exit 1 if any is missing or changed)."""
+    from tessera.benchmark.datasets import run_check
+
+    with _usage("data"):
+        code = run_check(dest, only)
+    raise typer.Exit(code)
+
+
 @app.command()
+@with_load_flags(WorkloadName.rag)
 def bench(
-    workload: Annotated[WorkloadName,
-                        typer.Option(help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.rag,
-    systems: Annotated[str,
-                       typer.Option(help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
-    rates: Annotated[str, typer.Option(help="Comma-separated aggregate request rates (req/s).")] = "0.1,0.2,0.4",
-    rates_for: Annotated[list[str] | None, typer.Option(
-        help="SYSTEM=R1,R2,...: this system's own rates instead of --rates (repeatable), e.g. "
-             "tessera=1.5,2,2.5,3 to sweep each system where its curve bends.")] = None,
-    requests: Annotated[int, typer.Option(help="Requests per run (the first --warmup share warms up).")] = 60,
-    warmup: Annotated[float, typer.Option(help="Share of each run's requests excluded as warm-up.")] = 0.5,
+    load: LoadOptions,
     warmup_rate: Annotated[float, typer.Option(help="Send the warm-up share at this rate (req/s) instead of each "
                                                "run's own (0: the run's rate); the measured share starts "
                                                "once it has drained.")] = 0.0,
-    unloaded: Annotated[int, typer.Option(help="Requests measured one at a time for the unloaded TTFT (0: skip).")] = 5,
-    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 1,
-    zipf: Annotated[float, typer.Option(help="Zipf exponent of query/unit popularity.")] = 1.0,
-    top_k: Annotated[int | None,
-                     typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
-    unit_words: Annotated[int,
-                          typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
-    placement: Annotated[str, typer.Option(help="locomo: user (OpenViking style) or system (Mem0 style).")] = "user",
-    conversations: Annotated[int, typer.Option(help="locomo: use the first N conversations (0: all 10).")] = 0,
-    data_dir: Annotated[Path | None,
-                        typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for bench.json and the plots.")] = Path("results/bench"),
     dump_trace: Annotated[bool, typer.Option("--dump-trace",
                                              help="Write each run's rendered prompts as JSONL traces.")] = False,
     trace_only: Annotated[bool, typer.Option(
         "--trace-only", help="Only render the workload's prompts (retrieval included, no serving) into "
                              "OUT/trace-WORKLOAD.jsonl for tessera analyze.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
-    drain_warmup: Annotated[bool, typer.Option(help="Start the measured requests once the warm-up requests have "
-                                               "finished (steady state, no cold-start backlog).")] = True,
     saturation: Annotated[float, typer.Option(help="Skip a system's higher rates once its mean TTFT exceeds this × "
                                               "its unloaded TTFT (0: run every rate).")] = 10.0,
     fidelity: Annotated[int, typer.Option(help="Score N of the measured requests offline against full prefill "
                                           "(tessera verify's metrics) and report them next to TTFT (0: skip).")] = 0,
-    trace: Annotated[Path | None, typer.Option(help="Replay this traffic trace (JSONL, see the README) instead of "
-                                               "--workload.")] = None,
     arrivals: Annotated[str, typer.Option(help="--trace: recorded (its arrival_s), poisson (at --rates), or auto "
                                           "(recorded when the trace has times).")] = "auto",
-    time_scale: Annotated[float, typer.Option(help="--trace: multiply recorded arrival times by this "
-                                              "(0.5 replays twice as fast).")] = 1.0,
     url: Annotated[list[str] | None, typer.Option(
         help="[NAME=]URL of a running endpoint to drive instead of fresh clusters (repeatable): Tessera, or any "
              "OpenAI-compatible server (units rendered into the prompt as text). Loopback only unless "
@@ -275,12 +286,8 @@ def bench(
     from tessera.benchmark.sweep import SweepOptions, run_sweep
 
     cfg = _load(config)
-    opts = SweepOptions(workload=workload, systems=systems, rates=rates, rates_for=tuple(rates_for or ()),
-                        requests=requests, warmup=warmup, unloaded=unloaded, max_tokens=max_tokens, zipf=zipf,
-                        top_k=top_k, unit_words=unit_words, placement=placement, conversations=conversations,
-                        data_dir=data_dir, out=out, dump_trace=dump_trace, trace_only=trace_only, seed=seed,
-                        drain_warmup=drain_warmup, saturation=saturation, fidelity=fidelity, trace=trace,
-                        arrivals=arrivals, time_scale=time_scale, urls=tuple(url or ()),
+    opts = SweepOptions(load=load, out=out, dump_trace=dump_trace, trace_only=trace_only, saturation=saturation,
+                        fidelity=fidelity, arrivals=arrivals, urls=tuple(url or ()),
                         allow_hosts=tuple(allow_host or ()), api=api, api_key=api_key,
                         max_concurrency=max_concurrency, timeout_s=timeout, warmup_rate=warmup_rate)
     with _usage("bench"):
@@ -305,34 +312,10 @@ def report(
 
 
 @app.command()
+@with_load_flags(WorkloadName.synthetic)
 def simulate(
-    workload: Annotated[WorkloadName, typer.Option(
-        help="rag (MuSiQue), locomo (agent memory) or synthetic.")] = WorkloadName.synthetic,
-    systems: Annotated[str, typer.Option(
-        help="Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera.")] = "prefix,tessera",
-    rates: Annotated[str, typer.Option(help="Comma-separated aggregate request rates (req/s).")] = "0.1,0.2,0.4",
-    rates_for: Annotated[list[str] | None, typer.Option(
-        help="SYSTEM=R1,R2,...: this system's own rates instead of --rates (repeatable).")] = None,
-    requests: Annotated[int, typer.Option(help="Requests per run (the first --warmup share warms up).")] = 60,
-    warmup: Annotated[float, typer.Option(help="Share of each run's requests excluded as warm-up.")] = 0.5,
-    unloaded: Annotated[int, typer.Option(
-        help="Requests simulated one at a time for the unloaded TTFT (0: skip).")] = 5,
-    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 1,
-    zipf: Annotated[float, typer.Option(help="Zipf exponent of query/unit popularity.")] = 1.0,
-    top_k: Annotated[int | None,
-                     typer.Option(help="Units per request (default: rag 5, locomo 6, synthetic 5).")] = None,
-    unit_words: Annotated[int,
-                          typer.Option(help="Truncate units to this many words (0: keep; synthetic: length).")] = 0,
-    placement: Annotated[str, typer.Option(help="locomo: user (OpenViking style) or system (Mem0 style).")] = "user",
-    conversations: Annotated[int, typer.Option(help="locomo: use the first N conversations (0: all 10).")] = 0,
-    data_dir: Annotated[Path | None,
-                        typer.Option(help="Folder with musique/ and locomo/ (default ../shared/data).")] = None,
+    load: LoadOptions,
     out: Annotated[Path | None, typer.Option(help="Output folder for simulate.json and the plots.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the workload and the arrivals.")] = 0,
-    drain_warmup: Annotated[bool, typer.Option(help="Start the measured requests once the warm-up requests have "
-                                               "finished, as tessera bench does.")] = True,
-    trace: Annotated[Path | None, typer.Option(help="Replay this traffic trace (JSONL) instead of --workload.")] = None,
-    time_scale: Annotated[float, typer.Option(help="--trace: multiply recorded arrival times by this.")] = 1.0,
     cost_model: Annotated[str, typer.Option(
         help="A shipped cost model (llama3-8b-a100, llama3-8b-h100) or a JSON file; with --calibrate, the file "
              "to write. Default: results/cost-model.json.")] = "",
@@ -359,14 +342,10 @@ def simulate(
 ) -> None:
     """Discrete-event simulation of a cluster whose decisions are made by the real control plane;
     prints tessera bench's TTFT table, then load imbalance and the plane's CPU time per request."""
-    from tessera.simulate.command import SimulateOptions, run_command
+    from tessera_lab.simulate.command import SimulateOptions, run_command
 
     cfg = _load(config)
-    opts = SimulateOptions(workload=workload, systems=systems, rates=rates, rates_for=tuple(rates_for or ()),
-                           requests=requests, warmup=warmup, unloaded=unloaded, max_tokens=max_tokens, zipf=zipf,
-                           top_k=top_k, unit_words=unit_words, placement=placement, conversations=conversations,
-                           data_dir=data_dir, out=out, seed=seed, drain_warmup=drain_warmup, trace=trace,
-                           time_scale=time_scale, cost_model=cost_model, calibrate=calibrate, nodes=nodes,
+    opts = SimulateOptions(load=load, out=out, cost_model=cost_model, calibrate=calibrate, nodes=nodes,
                            memory_nodes=memory_nodes, local_blocks=local_blocks, shared_blocks=shared_blocks,
                            max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens,
                            compare=compare, calibrate_cpu=calibrate_cpu)
@@ -387,7 +366,7 @@ def evaluate_cmd(
     config: ConfigOpt = None,
 ) -> None:
     """Answer F1 of full / naive / epic composition on MuSiQue or LoCoMo (categories 1-4)."""
-    from tessera.benchmark.evaluate import EvalOptions, run_eval
+    from tessera_lab.eval import EvalOptions, run_eval
 
     cfg = _load(config)
     opts = EvalOptions(workload=workload, questions=questions, policies=policies, max_new_tokens=max_new_tokens,
@@ -495,19 +474,19 @@ def chaos(
     Every reply is verified against the offline composition. With --hosts, also partitions, a
     one-way heartbeat block and a slow link, and a checker of invariants over the run's history.
     """
-    from tessera.benchmark.chaos import ChaosOptions, ChaosRun
+    from tessera_lab.chaos.harness import ChaosOptions, ChaosRun
 
     cfg = _load(config)
     opts = ChaosOptions(duration_s=duration, rate=rate, fault_every_s=fault_every, max_tokens=max_tokens, seed=seed)
     typer.echo(f"tessera chaos: {duration:.0f}s at {rate} req/s, a fault every {fault_every:.0f}s", err=True)
     if hosts:
-        from tessera.hosts.chaos import run_on_hosts
+        from tessera_lab.hosts.chaos import run_on_hosts
 
         with _usage("chaos"):
             report = run_on_hosts(cfg, opts, log_dir, hosts)
     elif replicas > 1 or cfg.ha.replicas > 1:
-        from tessera.benchmark.chaos_replicas import ReplicatedChaosRun
         from tessera.ha.local import replicated
+        from tessera_lab.chaos.replicas import ReplicatedChaosRun
 
         with _usage("chaos"), replicated(cfg, replicas if replicas > 1 else None) as ha_cfg:
             report = ReplicatedChaosRun(ha_cfg, opts, log_dir).run()
@@ -530,7 +509,7 @@ def hosts_up(
     api_port: Annotated[int, typer.Option(help="Loopback port the API is forwarded to (0: a free one).")] = 0,
 ) -> None:
     """Bring up one host per role of the config, print how to reach the API; Ctrl-C deletes the hosts."""
-    from tessera.hosts.up import serve_hosts
+    from tessera_lab.hosts.up import serve_hosts
 
     raise typer.Exit(serve_hosts(_load(config), log_dir, api_port))
 
@@ -538,7 +517,7 @@ def hosts_up(
 @hosts_app.command(name="clean")
 def hosts_clean() -> None:
     """Delete the hosts a crashed `tessera hosts up` or chaos run left behind."""
-    from tessera.hosts.up import clean
+    from tessera_lab.hosts.up import clean
 
     raise typer.Exit(clean())
 

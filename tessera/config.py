@@ -79,7 +79,7 @@ class ModelConfig:
     dtype: str = "float32"
     # 0 = the model's own max_position_embeddings
     max_context: int = 0
-    # torch intra-op threads per generation process (two nodes on two cores: 1 each)
+    # torch intra-op threads per generation process (nodes sharing a host split its cores)
     threads: int = 1
     device: str = "cpu"
     # the engine adapter that runs the model (tessera.engines.registry.ENGINES)
@@ -124,7 +124,7 @@ class CompositionConfig:
     unit_bos: bool = False
     # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
     # way EPIC's chunks start with BOS). "" = none: against full prefill of the user's own prompt
-    # the lead costs fidelity on LoCoMo and MuSiQue (README, `tessera verify`)
+    # the lead costs fidelity on LoCoMo and MuSiQue (see docs/bench/fidelity.md)
     unit_lead: str = ""
     # the fidelity gate (tessera.composition.calibration): approximate composition serves only under
     # a calibration record (tessera verify --calibrate) meeting max_kl and min_agreement, else full prefill
@@ -247,7 +247,7 @@ class RetrievalConfig:
     # prompt tokens per tier): debug | info | warning | off
     access_log: str = "info"
     # where unit records live: "sqlite" (embedded, in data_dir) or "postgres" (one database that
-    # every retrieval replica reads; see [ha] and README "High availability")
+    # every retrieval replica reads; see [ha] and docs/high-availability.md)
     store: str = "sqlite"
     # libpq connection string of the "postgres" store, without the password
     postgres_dsn: str = ""
@@ -359,7 +359,7 @@ class SecurityConfig:
     # cluster secret (HMAC key of every internal request, grant and block MAC); `tessera up`
     # creates one (0600) when empty or missing. "" in a role process: internal plane unauthenticated
     secret_file: str = ""
-    # API keys of tenants (TOML or JSON, see README "Security"); "" = open API, loopback only
+    # API keys of tenants (TOML or JSON, see docs/security.md); "" = open API, loopback only
     keys_file: str = ""
     # TLS on every HTTP listener (public API and internal plane) and on the memory nodes' tcp data
     # ports (tessera/transport/handshake.py); both or neither
@@ -411,7 +411,7 @@ class ListenerConfig:
 
 @dataclass(frozen=True)
 class HAConfig:
-    """Replicated retrieval role (README "High availability"); off while ``etcd`` is empty."""
+    """Replicated retrieval role (docs/high-availability.md); off while ``etcd`` is empty."""
 
     # etcd client endpoint host:port; "" = one retrieval process, no election (the default)
     etcd: str = ""

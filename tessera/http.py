@@ -4,7 +4,7 @@ Every role's aiohttp application uses :func:`application`, so errors have one sh
 port: ``{"error": message}`` with a 4xx that says what to fix (``BadRequest``, a body that
 does not decode), 409 for a refused publish, the ``Overloaded`` status for refused work, and
 a logged 500 without a traceback in the body for anything else. The OpenAI-compatible chat
-API keeps its own error shape (see :mod:`tessera.retrieval.chat`).
+API keeps its own error shape (see :mod:`tessera.retrieval.chat.response`).
 
 This module knows nothing about any role's state.
 """
@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from tessera.errors import BadRequest, Overloaded, PublishRejected, Unavailable
-from tessera.messages import Ack, check_version
+from tessera.messages.common import Ack, check_version
 from tessera.wire import WIRE_VERSION, encode, from_wire, loads
 
 log = logging.getLogger(__name__)

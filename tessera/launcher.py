@@ -102,7 +102,7 @@ def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, u
 
     ``die_with_parent``: the child gets SIGTERM when this process exits (call from the main
     thread: see :func:`_die_with_parent`). ``prefix`` runs the command through another one
-    that execs it (``ip netns exec NS``: tessera/hosts).
+    that execs it (``ip netns exec NS``: tessera_lab/hosts).
     """
     cmd = [*prefix, sys.executable, "-m", "tessera", "run", "--role", role, "--config", str(config_path),
            "--log-level", log_level]
@@ -181,7 +181,7 @@ class LocalCluster:
         return child
 
     def _prefix(self, role: str, node: str) -> Sequence[str]:
-        """The command a role's process is started through (none here; a host's namespace in tessera/hosts)."""
+        """The command a role's process is started through (none here; a host's namespace in tessera_lab/hosts)."""
         return ()
 
     def _check_ports(self) -> None:

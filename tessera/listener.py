@@ -10,8 +10,8 @@ first complete head; later heads on a kept-alive connection are bounded by
 ``idle_timeout_s`` (aiohttp's keep-alive timer runs until the head is complete). With TLS
 the handshake has ``header_timeout_s`` too. A request refused before its body was read
 (401, 408, 413) closes its connection after at most :data:`LINGER_S` of reading and dropping
-what is left of the body (aiohttp's default, 10 s, let a client that announced a body and
-never sent it hold a connection slot for 10 s per refusal).
+what is left of the body (aiohttp's longer default would let a client that announced a body
+and never sent it hold a connection slot per refusal).
 
 This module knows nothing about routes, authentication or any role.
 """

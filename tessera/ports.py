@@ -85,7 +85,7 @@ def holder(port: int) -> str:
 
 def holds_port(pid: int, port: int) -> bool | None:
     """Whether process ``pid`` holds the listening socket of ``port``; None when /proc cannot tell."""
-    # the tables of pid's own network namespace: a role may run in another one (tessera/hosts)
+    # the tables of pid's own network namespace: a role may run in another one (tessera_lab/hosts)
     inodes = _listen_inodes(port, f"/proc/{pid}/net")
     if inodes is None:
         return None

@@ -147,9 +147,9 @@ def public_middleware(keys: KeyRing | None, open_paths: tuple[str, ...] = ("/hea
                       ) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Authenticate every public request but ``open_paths``; ``admin_paths`` need an admin key.
 
-    An authenticated request's body must then arrive within ``body_timeout_s`` (408): a client
-    that sends its head and then trickles the body held a handler, and its admission slot,
-    for as long as it liked (issue 22). The body is read here, once; handlers get it cached.
+    An authenticated request's body must then arrive within ``body_timeout_s`` (408), or a
+    client that trickles its body would hold a handler and its admission slot for as long as
+    it liked. The body is read here, once; handlers get it cached.
     """
 
     @web.middleware

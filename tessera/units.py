@@ -99,7 +99,7 @@ class TokenCache:
     """LRU cache of unit text -> token ids, so recurring units are tokenized once.
 
     Bounded in entries and in (approximate) bytes: a text larger than an eighth of the byte
-    budget is tokenized but not kept (a 20 MB chat body once stayed here for good).
+    budget is tokenized but not kept, so one huge text cannot take the cache.
     """
 
     def __init__(self, encode: Callable[[str], list[int]], capacity: int = 65536,

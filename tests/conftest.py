@@ -25,7 +25,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ
 # no sys.path edit: pytest's default (prepend) import mode puts tests/ on sys.path, so test
 # modules import the ``helpers`` package and pytest loads the ``fixtures`` plugins beside them
 
-pytest_plugins = ["fixtures.clusters", "fixtures.processes", "fixtures.kvpool", "fixtures.control", "fixtures.ha"]
+pytest_plugins = ["fixtures.tiers", "fixtures.clusters", "fixtures.processes", "fixtures.kvpool",
+                  "fixtures.control", "fixtures.ha"]
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from tessera.engines.base import DTYPES, UnitState
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.generation.pool_client import KVPoolClient, capabilities
-from tessera.messages import WriteGrant
+from tessera.messages.plan import WriteGrant
 from tessera.transport.base import SlotIO
 from tessera.transport.blocks import BlockLayout
 from tessera.wire import decode

@@ -253,10 +253,7 @@ def test_capacity_is_never_exceeded(stream: list[dict[str, int]], capacity: int,
 @given(stream=streams, capacity=st.integers(1, 8), window=st.integers(1, 6))
 def test_a_first_retrieval_only_ever_takes_free_space_by_default(stream: list[dict[str, int]], capacity: int,
                                                                  window: int) -> None:
-    """Under the demand policy a unit at its first retrieval is admitted only without victims.
-
-    (Was: never admitted at its first retrieval. Free space is now taken at first sight, issue 16.)
-    """
+    """Under the demand policy a unit at its first retrieval is admitted only without victims."""
     tier = Tier(capacity, window=window, theta=0.0)
     seen: set[str] = set()
     for request in stream:

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the public API against the OpenAPI document it serves (issue 22).
+"""Property-based fuzzing of the public API against the OpenAPI document it serves.
 
 schemathesis loads ``GET /openapi.json`` from a running cluster (tiny random Llama, one
 generation node) and runs its engine, as its CLI does: explicit examples, boundary values
@@ -27,7 +27,7 @@ from schemathesis.engine import Status, events, from_schema
 from tessera.config import ClusterConfig
 from tessera.launcher import LocalCluster
 from tessera.retrieval.app import build_retrieval_app
-from tessera.retrieval.chat_response import openapi_document
+from tessera.retrieval.chat.response import openapi_document
 
 KEYS = {"key-fuzz": ("fuzz", '["*"]', True), "key-narrow": ("narrow", '["docs"]', False)}
 KEY = "key-fuzz"  # tenant "fuzz": every scope, admin (reads /metrics)

@@ -52,7 +52,7 @@ def test_signatures_outside_the_skew_window_are_refused() -> None:
 
 
 def test_a_request_signed_before_its_listener_restarted_is_refused() -> None:
-    """Regression (issue 22): each process's nonce cache starts empty, so a request captured and
+    """Regression: each process's nonce cache starts empty, so a request captured and
     accepted before a node restarted was accepted once more by the new process within the skew
     window. A signature older than the listener's start (less a 2 s grace) is refused."""
     now = 1_000_000.0
@@ -128,7 +128,7 @@ def test_api_keys_map_to_tenants_and_their_scopes(tmp_path: Path, suffix: str) -
 
 
 def test_a_block_with_a_valid_crc_but_no_valid_mac_is_a_failed_fetch() -> None:
-    """Regression (issue 14): CRC-32 is no MAC; a forger could rewrite a block and its checksums."""
+    """Regression: CRC-32 is no MAC; a forger could rewrite a block and its checksums."""
     signed = dataclasses.replace(tiny_layout(), mac_key=block_mac_key(SECRET))
     state = random_state(6, seed=1)
     blocks = encode_unit(signed, state, "u", epoch=3)

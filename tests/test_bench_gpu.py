@@ -73,7 +73,7 @@ def test_an_unknown_section_is_refused_naming_the_known_ones(gpu_bench: ModuleTy
 def test_the_prefill_section_composes_with_the_served_policy(gpu_bench: ModuleType, tiny_model: Path,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              name: str) -> None:
-    """Regression (issue 20): the bench built its own policies, EPIC with k only (not the served
+    """Regression: the bench built its own policies, EPIC with k only (not the served
     fraction and inline share) and, for the ttft floor, naive and full with a k they refuse."""
     path = overlay(tmp_path, f'policy = "{name}"')
     served = policy_from_config(load_config(path).composition)
@@ -109,7 +109,7 @@ def _pypi_reachable() -> bool:
 
 @pytest.mark.skipif(not _pypi_reachable(), reason="bench/gpu.sh prepare downloads wheels: pypi.org is unreachable")
 def test_gpu_sh_prepare_fills_dot_gpu_with_what_the_gpu_machine_lacks_within_the_carry_limit(tmp_path: Path) -> None:
-    """`bench/gpu.sh prepare` (the README's first GPU step, run here): cp312 wheels of the four packages
+    """`bench/gpu.sh prepare` (docs/gpu.md's first GPU step, run here): cp312 wheels of the four packages
     the GPU machine lacks, SmolLM2's config and tokenizer without weights, a float16 embedder, LoCoMo
     when the data sets are there; all of it under the device tool's 64 MiB carry limit."""
     import shutil

@@ -1,4 +1,4 @@
-"""``tessera report``: a sweep and its extensions as one report (issue 25 item 6's combined figures)."""
+"""``tessera report``: a sweep and its extensions as one report (their combined figures)."""
 
 from __future__ import annotations
 
@@ -183,8 +183,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           env=child_env(), timeout=120)
 
 
+@pytest.mark.integration
 def test_tessera_report_merges_runs_writes_the_merged_report_and_refuses_bad_input(tmp_path: Path) -> None:
-    """The command the README runs on its LoCoMo sweep: the table, the targets over the union
+    """The command docs/bench/locomo.md runs on its LoCoMo sweep: the table, the targets over the union
     (and the knee line when prefix never reached 3x), the merged bench.json and plots."""
     main = _write(tmp_path / "main", _report(
         {"prefix": _sys([_run(2, 0.6), _run(3, 1.0)], unloaded=0.5, mode="prefix"),

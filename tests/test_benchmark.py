@@ -81,7 +81,7 @@ def _served(index: int, *units: tuple[str, int, str]) -> Result:
 
 
 def test_reuse_efficiency_is_cached_unit_tokens_over_those_an_earlier_request_already_carried() -> None:
-    """Issue 25: next to each TTFT, how close the serving came to what the trace allows. Units
+    """Next to each TTFT, how close the serving came to what the trace allows. Units
     first seen in the warm-up count as reusable in the window; a unit's first appearance is
     not reusable; a reusable unit computed again counts against the serving."""
     results = [
@@ -226,7 +226,7 @@ class _PhaseRecorder:
 
 async def test_warm_up_rate_sends_only_the_warm_up_share_at_its_own_rate(monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:
-    """Issue 25: a warm-up long enough that the measured window's units were seen costs minutes
+    """A warm-up long enough that the measured window's units were seen costs minutes
     at a low run rate; --warmup-rate sends the warm-up share (also the unloaded reference's) at
     its own rate, and the measured share at the run's rate, or its recorded times."""
     import dataclasses
@@ -267,6 +267,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
+@pytest.mark.integration
 def test_analyze_cli_prints_the_classification(tmp_path: Path) -> None:
     """`tessera analyze` classifies a trace's unit tokens into repeat / prefix-covered / new."""
     trace = tmp_path / "t.jsonl"
@@ -281,6 +282,7 @@ def test_analyze_cli_prints_the_classification(tmp_path: Path) -> None:
         in out.stdout
 
 
+@pytest.mark.integration
 def test_cli_errors_are_clear_and_non_zero(tmp_path: Path) -> None:
     """Bad configs, paths and options exit with code 2 and a message naming the problem."""
     bad = tmp_path / "bad.toml"

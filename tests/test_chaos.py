@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from helpers.cluster import cluster_config
 
-from tessera.benchmark.chaos import FAULTS, ChaosOptions, ChaosRun
 from tessera.engines.tiny import write_tiny_checkpoint
+from tessera_lab.chaos.harness import FAULTS, ChaosOptions, ChaosRun
 
 
 def _run(tmp_path: Path, options: ChaosOptions) -> None:
@@ -26,7 +26,7 @@ def test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Every fault kind once (~30 s of load): 200 with the offline tokens, or a clean 429/503; then normal.
 
-    Regression (issue 21): the run was silent for minutes; it says each phase and each fault as it goes.
+    Regression: the run was silent for minutes; it says each phase and each fault as it goes.
     """
     _run(tmp_path, ChaosOptions(duration_s=30.0, rate=2.0, fault_every_s=5.5, max_tokens=6, seed=1))
     progress = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tessera chaos: ")]
@@ -38,7 +38,7 @@ def test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly
 
 @pytest.mark.slow
 def test_a_long_chaos_run(tmp_path: Path) -> None:
-    """Several cycles of every fault under steady load (the README's figures come from `tessera chaos`)."""
+    """Several cycles of every fault under steady load (docs/bench/chaos.md's figures come from `tessera chaos`)."""
     _run(tmp_path, ChaosOptions(duration_s=240.0, rate=3.0, fault_every_s=6.0, max_tokens=8, seed=2))
 
 
@@ -49,10 +49,10 @@ def test_a_replicated_chaos_run_survives_leader_kills_and_pauses(tmp_path: Path)
 
     from helpers.replicated import STRIDE, port_pair
 
-    from tessera.benchmark.chaos_replicas import LEADER_FAULTS, ReplicatedChaosRun
     from tessera.config import HAConfig
     from tessera.ha.local import replicated
     from tessera.ha.servers import EtcdServer, PostgresServer
+    from tessera_lab.chaos.replicas import LEADER_FAULTS, ReplicatedChaosRun
 
     for missing in (EtcdServer.missing(), PostgresServer.missing()):
         if missing:

@@ -9,9 +9,9 @@ from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 
 from tessera.errors import BadRequest
-from tessera.messages import SamplingParams
-from tessera.retrieval.chat_request import ChatRequest, parse_chat_request
-from tessera.retrieval.chat_response import (
+from tessera.messages.generation import SamplingParams
+from tessera.retrieval.chat.request import ChatRequest, parse_chat_request
+from tessera.retrieval.chat.response import (
     Delta,
     PromptTokensDetails,
     Usage,

@@ -19,7 +19,7 @@ from helpers.http import call, chat, metrics_text, wait_for
 from tessera.config import ClusterConfig
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.launcher import Child, LocalCluster
-from tessera.messages import AbortRequest, AbortResponse, SnapshotRequest
+from tessera.messages.generation import AbortRequest, AbortResponse, SnapshotRequest
 from tessera.wire import WIRE_VERSION, from_wire, to_wire
 
 UNITS = [f"Record {i}: the harbour log lists ship {i} arriving at dawn with {i} crates of tea. " * 2

@@ -139,12 +139,15 @@ def test_a_routing_policy_registered_by_the_user_is_accepted() -> None:
         check_registered(parse_config({"control": {"routing": "mine"}, "generation": [{"name": "g"}]}))
 
 
-def test_the_root_config_is_the_embedded_default() -> None:
-    """``tessera run --config tessera.toml`` from the repository root runs the default cluster."""
+def test_the_embedded_config_is_the_only_copy_of_the_default() -> None:
+    """The default cluster lives in ``tessera/tessera.toml`` alone (no copy at the repository root,
+    which would drift from it comment by comment); a file of one's own says ``base = "default"``."""
     from tessera.config_file import DEFAULT_CONFIG
 
-    root = Path(__file__).resolve().parent.parent / "tessera.toml"
-    assert load_config(root) == load_config(DEFAULT_CONFIG)
+    repository = Path(__file__).resolve().parent.parent
+    assert repository / "tessera" / "tessera.toml" == DEFAULT_CONFIG
+    copies = [p for p in repository.glob("*.toml") if p.read_bytes() == DEFAULT_CONFIG.read_bytes()]
+    assert not (repository / "tessera.toml").exists() and not copies, copies
 
 
 def field_default(cls: type, key: str) -> Any:
@@ -171,7 +174,7 @@ def stated_values(raw: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:
 
 
 def test_the_embedded_config_restates_only_the_dataclass_defaults() -> None:
-    """Regression (issue 20): the embedded TOML gave capacity_blocks, local_capacity_blocks and
+    """Regression: the embedded TOML gave capacity_blocks, local_capacity_blocks and
     max_batch_tokens other values than the dataclasses; every value it states must be the default."""
     stated = list(stated_values(tomllib.loads(DEFAULT_CONFIG.read_text())))
     assert {key: (value, default) for key, value, default in stated if value != default} == {}

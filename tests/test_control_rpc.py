@@ -25,9 +25,9 @@ from tessera.control.pace import RemoteWatch
 from tessera.control.routes import add_control_routes
 from tessera.errors import BadRequest, ControlPlaneError, Unavailable
 from tessera.http import application
-from tessera.messages import Preparation, RequestPlan, UnitPlan
-from tessera.retrieval.generation_client import NodeSlow, NodeUnavailable, _watched
-from tessera.retrieval.leader_liveness import LeaderLiveness
+from tessera.messages.plan import Preparation, RequestPlan, UnitPlan
+from tessera.retrieval.chat.generation_client import NodeSlow, NodeUnavailable, _watched
+from tessera.retrieval.leadership.liveness import LeaderLiveness
 from tessera.runtime import BackgroundTasks
 
 # requests sharing units, so the plans hold every preparation (LOCAL, REMOTE, COMPUTE) and

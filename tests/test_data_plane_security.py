@@ -26,7 +26,7 @@ from tessera.config import SecurityConfig, TransportConfig
 from tessera.errors import TransferError
 from tessera.generation.pool_client import capabilities
 from tessera.kvpool.node import MemoryNode
-from tessera.messages import BlockRef
+from tessera.messages.common import BlockRef
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import NodeEndpoint, SlotIO
 from tessera.transport.frames import HELLO, REQUEST, RESPONSE, Capability, Op, Status, pack_request
@@ -195,7 +195,7 @@ def captured_request(up: bytes) -> bytes:
 
 
 async def test_a_sniffed_read_capability_is_useless_on_any_other_connection(node: Node) -> None:
-    """The 768-byte leak of issue 23: replaying what the victim sent returns none of its block."""
+    """Regression: a sniffed read request, replayed, leaked part of the victim's block; now none of it comes back."""
     payload = secret_block()
     async with recorder(node.ep) as sniffer:
         assert await victim_reads(node, payload, sniffer) == payload  # the victim itself is served

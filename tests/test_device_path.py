@@ -14,7 +14,7 @@ from tessera.engines.device import check_state, host_copy, to_device, to_host
 from tessera.engines.offline import compose, prefill_units
 from tessera.errors import PlacementError
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import Preparation
+from tessera.messages.plan import Preparation
 
 PARTS = [("text", 6), ("unit", 24), ("text", 2), ("unit", 18), ("text", 5)]
 

@@ -25,7 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory, EntryState
 from tessera.errors import PublishRejected
-from tessera.messages import BlockRef, ReadLease, WriteGrant
+from tessera.messages.common import BlockRef
+from tessera.messages.plan import ReadLease, WriteGrant
 
 NODES = ("m0", "m1")
 CAPACITY = 3

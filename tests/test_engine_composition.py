@@ -25,7 +25,7 @@ from tessera.config_file import load_config
 from tessera.engines.base import EngineAdapter
 from tessera.engines.offline import compose, prefill, prefill_units
 from tessera.errors import ConfigError
-from tessera.messages import PromptLayout
+from tessera.messages.prompt import PromptLayout
 
 # positions: text 0-5 | u1 5-25 | text 25-27 | u3 27-37 | text 37-44
 PARTS = [("text", 5), ("unit", 20), ("text", 2), ("unit", 10), ("text", 7)]
@@ -57,7 +57,7 @@ def test_epic_selects_all_text_and_the_first_k_tokens_of_every_unit() -> None:
 
 @pytest.mark.parametrize("name", ["epic", "naive", "full"])
 def test_get_policy_without_settings_is_the_served_policy(name: str) -> None:
-    """Regression (issue 20): get_policy("epic") had k=16, fraction 1.0, inline 1.0; the cluster serves 0.25 / 0.75."""
+    """Regression: get_policy("epic") had k=16, fraction 1.0, inline 1.0; the cluster serves 0.25 / 0.75."""
     served = policy_from_config(dataclasses.replace(load_config().composition, policy=name))
     policy = get_policy(name)
     assert type(policy) is type(served) and vars(policy) == vars(served)
@@ -110,6 +110,7 @@ def test_last_prompt_position_is_always_computed() -> None:
     assert placements(layout, get_policy("naive").select(layout), 4)[0].end == 11
 
 
+@pytest.mark.integration
 def test_full_composition_equals_plain_prefill(engine: EngineAdapter, tiny_dir: Path) -> None:
     """full over a prefix-cache hit gives the plain prefill's logits and transformers' (fp32 < 1e-3)."""
     from transformers import AutoModelForCausalLM
@@ -127,6 +128,7 @@ def test_full_composition_equals_plain_prefill(engine: EngineAdapter, tiny_dir: 
     assert max_diff(hit.logits, theirs) < 1e-3
 
 
+@pytest.mark.integration
 def test_a_unit_at_offset_zero_composes_exactly(engine: EngineAdapter) -> None:
     """With no preceding context a placed unit is exact, so naive equals prefill at every layer."""
     layout = random_layout([("unit", 60), ("text", 10)], seed=5)
@@ -136,6 +138,7 @@ def test_a_unit_at_offset_zero_composes_exactly(engine: EngineAdapter) -> None:
     assert composed.generated == plain.generated
 
 
+@pytest.mark.integration
 def test_epic_computes_exactly_its_ranges_and_places_the_rest(engine: EngineAdapter) -> None:
     """The final extend covers text + unit heads; every other unit token comes from its state."""
     layout = random_layout([("text", 8), ("unit", 40), ("text", 2), ("unit", 30), ("text", 6)], seed=6)
@@ -144,6 +147,7 @@ def test_epic_computes_exactly_its_ranges_and_places_the_rest(engine: EngineAdap
     assert out.n_placed == (40 - 16) + (30 - 16)
 
 
+@pytest.mark.integration
 def test_unit_states_are_unchanged_by_composition(engine: EngineAdapter) -> None:
     """Recomputed tokens live only in the request's slots; the reusable form is never written."""
     layout = random_layout([("text", 8), ("unit", 40), ("text", 2), ("unit", 30), ("text", 6)], seed=7)
@@ -185,6 +189,7 @@ def transformers_composition(model: Any, layout: PromptLayout, ranges: Ranges) -
 
 
 @pytest.mark.parametrize("policy", ["epic", "naive"])
+@pytest.mark.integration
 def test_composition_equals_an_independent_transformers_oracle(engine: EngineAdapter, tiny_dir: Path,
                                                               policy: str) -> None:
     """Placement + selective recompute give the logits transformers computes for the same composed cache."""

@@ -77,6 +77,7 @@ def test_inserts_beyond_capacity_are_truncated_and_zero_capacity_disables() -> N
     assert off.insert(long, kv_of(long)) == 0 and off.match(long).length == 0
 
 
+@pytest.mark.integration
 def test_engine_prefix_hit_gives_the_logits_of_a_full_prefill(tmp_path: Path) -> None:
     """Slots filled by match_prefix + extending the rest = prefilling everything."""
     engine = tiny_engine(tmp_path, "qwen3")
@@ -93,6 +94,7 @@ def test_engine_prefix_hit_gives_the_logits_of_a_full_prefill(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("n", [1, 63])
+@pytest.mark.integration
 def test_engine_match_copies_only_what_fits_the_slots(tmp_path: Path, n: int) -> None:
     """match_prefix never writes beyond the request's slots."""
     engine = tiny_engine(tmp_path, "llama")
@@ -104,7 +106,7 @@ def test_engine_match_copies_only_what_fits_the_slots(tmp_path: Path, n: int) ->
 
 
 def test_namespaces_never_match_each_others_entries() -> None:
-    """Regression (issue 14): one tenant's cached prompt showed as another tenant's prefix hit."""
+    """Regression: one tenant's cached prompt showed as another tenant's prefix hit."""
     cache = PrefixCache(64)
     kv = kv_of(list(range(16)))
     assert cache.insert(list(range(16)), kv, namespace="tenant-a") == 16

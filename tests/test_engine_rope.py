@@ -34,6 +34,7 @@ def _unit_state(engine: ReferenceEngine, tokens: tuple[int, ...]) -> UnitPrefill
 
 
 @ROPES
+@pytest.mark.integration
 def test_placed_keys_equal_transformers_rotation(tmp_path: Path, scaling: dict[str, object] | None) -> None:
     """place() gives transformers' RoPE (incl. llama3 scaling) of the cached keys at the new positions."""
     from transformers import AutoConfig
@@ -55,6 +56,7 @@ def test_placed_keys_equal_transformers_rotation(tmp_path: Path, scaling: dict[s
 
 
 @ROPES
+@pytest.mark.integration
 def test_layer0_placed_keys_equal_keys_computed_at_target_positions(tmp_path: Path,
                                                                     scaling: dict[str, object] | None) -> None:
     """Layer-0 keys do not depend on context, so a placed unit must match a prefill at its offset."""
@@ -164,6 +166,7 @@ TRITON_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.integration
 def test_triton_kernel_matches_torch_under_the_interpreter() -> None:
     """The Triton placement kernel, run by TRITON_INTERPRET=1 on CPU, equals the torch reference."""
     root = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import torch
 
 from tessera.engines.sampling import Sampler, greedy
 from tessera.errors import DecodeError
-from tessera.messages import SamplingParams
+from tessera.messages.generation import SamplingParams
 from tessera.wire import from_wire
 
 

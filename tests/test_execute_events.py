@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from tessera.errors import DecodeError
-from tessera.messages import EXECUTE_EVENTS, DoneEvent, ErrorEvent, RequestStats, TokenEvent, TopLogprob
+from tessera.messages.generation import EXECUTE_EVENTS, DoneEvent, ErrorEvent, RequestStats, TokenEvent, TopLogprob
 from tessera.wire import WIRE_VERSION, decode_tagged, encode
 
 

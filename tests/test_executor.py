@@ -21,21 +21,10 @@ from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import (
-    BlockRef,
-    DoneEvent,
-    ExecuteRequest,
-    Preparation,
-    PromptLayout,
-    ReadLease,
-    RequestPlan,
-    Retention,
-    SamplingParams,
-    Segment,
-    SegmentKind,
-    TokenEvent,
-    UnitPlan,
-)
+from tessera.messages.common import BlockRef
+from tessera.messages.generation import DoneEvent, ExecuteRequest, SamplingParams, TokenEvent
+from tessera.messages.plan import Preparation, ReadLease, RequestPlan, Retention, UnitPlan
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.wire import WIRE_VERSION
 
 UNIT = (3, 4, 5, 6)
@@ -289,7 +278,7 @@ async def _until(check: Any) -> None:
 
 
 async def test_with_prefix_caching_a_first_token_never_waits_for_the_next_batch() -> None:
-    """Regression (issue 25, the baseline of every bench): in prefix mode the executor awaited
+    """Regression (the baseline of every bench): in prefix mode the executor awaited
     the prefix cache insert as an engine call of its own after the extend, so it queued behind
     the batch the scheduler had already started, and whenever the node had other work queued a
     request's first token came one whole forward late. Here the second request's batch is held

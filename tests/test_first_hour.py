@@ -1,6 +1,6 @@
-"""What cost a newcomer their first hour (issue 21): busy ports, crashing commands, missing flags.
+"""What cost a newcomer their first hour: busy ports, crashing commands, missing flags.
 
-Each test pins one item of the issue; the README's commands themselves are checked by
+Each test pins one such bug; the commands of the README and docs/ themselves are checked by
 ``test_readme_commands.py``.
 """
 
@@ -24,13 +24,13 @@ from helpers.cluster import REPO, cluster_config
 from typer.testing import CliRunner
 
 from tessera.benchmark import targets
-from tessera.benchmark.chaos import ChaosOptions, ChaosRun
 from tessera.cli import app
 from tessera.config import ClusterConfig
 from tessera.config_file import dump_toml, load_config
 from tessera.launcher import ClusterError, LocalCluster, spawn_role, wait_healthy
-from tessera.messages import RequestStats
+from tessera.messages.generation import RequestStats
 from tessera.ports import on_free_ports
+from tessera_lab.chaos.harness import ChaosOptions, ChaosRun
 
 PYTHON = sys.executable
 
@@ -53,7 +53,7 @@ def _tessera(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.C
                           timeout=timeout, check=False)
 
 
-# --- 1. busy ports -----------------------------------------------------------------------
+# --- busy ports -------------------------------------------------------------------------------
 
 
 def test_tessera_up_on_a_busy_port_fails_at_once_naming_the_port_and_its_holder(
@@ -151,7 +151,7 @@ def test_bench_and_demo_clusters_take_ports_of_their_own(monkeypatch: pytest.Mon
         assert len(set(_ports(cfg))) == len(_ports(cfg))  # every listener its own port
 
 
-# --- 2., 7., 5. one-line errors ------------------------------------------------------------
+# --- one-line errors --------------------------------------------------------------------------
 
 
 def test_a_bad_model_source_is_one_line_not_a_traceback(tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_evals_missing_data_error_does_not_offer_a_workload_eval_refuses(tmp_pat
     assert result.exit_code == 2 and "--workload synthetic" in result.output, result.output
 
 
-# --- 8. keys_file beside its config -----------------------------------------------------------
+# --- keys_file beside its config --------------------------------------------------------------
 
 
 def test_a_relative_keys_file_is_read_beside_its_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,7 +193,7 @@ def test_a_relative_keys_file_is_read_beside_its_config(tmp_path: Path, monkeypa
     assert load_config("deploy/tessera.toml").security.keys_file == str(deploy / "keys.toml")
 
 
-# --- 9. access log -------------------------------------------------------------------------
+# --- access log -------------------------------------------------------------------------------
 
 
 async def test_the_access_log_has_one_line_per_request_with_status_ttft_and_tiers(
@@ -234,7 +234,7 @@ def test_the_access_log_level_is_configurable() -> None:
         RetrievalConfig(access_log="loud")
 
 
-# --- 10. flags of vLLM / SGLang users --------------------------------------------------------
+# --- flags of vLLM / SGLang users -------------------------------------------------------------
 
 
 def test_version_flag_prints_the_version() -> None:
@@ -256,7 +256,7 @@ def test_up_takes_host_port_model_served_name_and_log_level() -> None:
         ("127.0.0.2", 9000, "random:tiny", "smol")
 
 
-# --- 3. README commands that crashed ---------------------------------------------------------
+# --- documented commands that crashed ---------------------------------------------------------
 
 
 def test_bench_fidelity_runs_with_float16_states() -> None:

@@ -12,7 +12,7 @@ def test_nothing_measured_leaves_the_whole_budget() -> None:
 
 
 def test_the_excess_is_the_recent_slow_tail_over_the_work_alone() -> None:
-    """Regression (issue 22): under 3x load a request's own work to its first token took 4.2 s
+    """Regression: under 3x load a request's own work to its first token took 4.2 s
     (p50) to 6.0 s (p99) against 1.7 s alone, so first tokens missed the promise although no
     request queued past the bound. The deadline leaves room for the slow tail's excess."""
     work = FirstTokenWork()

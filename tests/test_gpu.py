@@ -157,7 +157,7 @@ async def test_retainer_stages_device_states_into_the_local_cache_as_pinned_host
     from helpers.executor import execute_request, run_request
 
     from tessera.generation.unit_cache import LocalUnitCache
-    from tessera.messages import Preparation
+    from tessera.messages.plan import Preparation
 
     gpu = _engine(tiny_model, "paged", "cuda", "bfloat16", "bfloat16")
     layout = random_layout(PARTS, seed=8)

@@ -24,17 +24,10 @@ from helpers.replicated import leader_index, leads, replica_child, replicated_cl
 from tessera.config import ClusterConfig
 from tessera.ha.replicas import replica_config
 from tessera.launcher import LocalCluster
-from tessera.messages import (
-    ExecuteRequest,
-    PlanRequest,
-    PromptLayout,
-    RequestPlan,
-    RouteRequest,
-    RouteResponse,
-    SamplingParams,
-    Segment,
-    SegmentKind,
-)
+from tessera.messages.control import PlanRequest, RouteRequest, RouteResponse
+from tessera.messages.generation import ExecuteRequest, SamplingParams
+from tessera.messages.plan import RequestPlan
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.wire import WIRE_VERSION, encode, from_wire
 
 V = WIRE_VERSION

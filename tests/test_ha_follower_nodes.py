@@ -1,4 +1,4 @@
-"""A follower replica handles generation-node failures as the leader does (issue 24): real processes.
+"""A follower replica handles generation-node failures as the leader does: real processes.
 
 Two retrieval replicas on real etcd and PostgreSQL, one memory node, two generation nodes (a
 random Llama wide enough that requests stay in flight while a node is killed). Every request

@@ -12,8 +12,8 @@ from tessera.config import ClusterConfig, HAConfig
 from tessera.control.plane import ControlPlane
 from tessera.errors import NotLeader
 from tessera.ha.election import Leader
-from tessera.retrieval.office import Office
-from tessera.retrieval.plane_path import LocalPath, RemotePath
+from tessera.retrieval.leadership.office import Office
+from tessera.retrieval.leadership.path import LocalPath, RemotePath
 
 
 class FakeLeadership:

@@ -15,8 +15,8 @@ from tessera.config import RetrievalConfig
 from tessera.ha.servers import PostgresServer
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.follow import IndexFollower
-from tessera.retrieval.records_pg import PgUnitRecords
-from tessera.retrieval.store import UnitStore
+from tessera.retrieval.store.postgres import PgUnitRecords
+from tessera.retrieval.store.unit_store import UnitStore
 from tessera.units import UnitFactory
 
 
@@ -97,7 +97,7 @@ def test_an_older_leader_term_is_refused_once_a_newer_one_is_recorded(postgres: 
 
 def test_the_fingerprint_is_checked_against_the_shared_database(postgres: PostgresServer, tmp_path: Path) -> None:
     """A replica serving another model cannot open the database (its token ids would be wrong)."""
-    from tessera.retrieval.records import StoreMismatch
+    from tessera.retrieval.store.records import StoreMismatch
 
     PgUnitRecords(postgres.dsn, tmp_path / "a", "fp-one").close()
     with pytest.raises(StoreMismatch, match="another serving fingerprint"):

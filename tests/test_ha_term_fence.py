@@ -15,7 +15,7 @@ from tessera.auth import CapabilityIssuer
 from tessera.config import TransportConfig
 from tessera.errors import TransferError
 from tessera.generation.pool_client import capabilities
-from tessera.messages import BlockRef
+from tessera.messages.common import BlockRef
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.base import NodeEndpoint, SlotIO
 from tessera.transport.handshake import DataPlaneCredentials
@@ -94,7 +94,7 @@ async def test_a_forged_high_term_write_leaves_the_fence_where_it_was(node: tupl
 
 async def test_the_term_is_settled_only_once_no_older_write_is_still_arriving(
         node: tuple[BlockServer, NodeEndpoint]) -> None:
-    """Issue 24: the plane ends a memory node's restart fence when the node reports the new term
+    """The plane ends a memory node's restart fence when the node reports the new term
     settled. A deposed leader's write whose payload is still arriving when the new term is learned
     could land after that report, so the term is not settled until that write ends (or its
     connection does); a new request of the old term is refused meanwhile."""

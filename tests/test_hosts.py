@@ -14,15 +14,15 @@ import pytest
 from helpers.cluster import cluster_config
 from helpers.plane import Cluster
 
-from tessera.benchmark.chaos import FAULTS, ChaosOptions
 from tessera.engines.tiny import write_tiny_checkpoint
-from tessera.hosts import checker
-from tessera.hosts.chaos import NETWORK_FAULTS, HostChaosRun
-from tessera.hosts.cluster import CLIENT_HOST, CONTROL_HOST, host_config, host_names
-from tessera.hosts.netns import Network, call_in, delete_namespace, has_nftables, remove_leftovers, unavailable
-from tessera.hosts.proxy import SlowLink
-from tessera.messages import LoadReport, ResidencyReport
+from tessera.messages.control import LoadReport, ResidencyReport
 from tessera.wire import WIRE_VERSION
+from tessera_lab.chaos.harness import FAULTS, ChaosOptions
+from tessera_lab.hosts import checker
+from tessera_lab.hosts.chaos import NETWORK_FAULTS, HostChaosRun
+from tessera_lab.hosts.cluster import CLIENT_HOST, CONTROL_HOST, host_config, host_names
+from tessera_lab.hosts.netns import Network, call_in, delete_namespace, has_nftables, remove_leftovers, unavailable
+from tessera_lab.hosts.proxy import SlowLink
 
 WHY_NOT = unavailable()
 needs_network = pytest.mark.skipif(WHY_NOT is not None, reason=f"multi-host harness: {WHY_NOT}")
@@ -290,6 +290,6 @@ def test_a_short_multi_host_chaos_run_keeps_every_invariant(tmp_path: Path) -> N
 @needs_network
 @pytest.mark.slow
 def test_a_long_multi_host_chaos_run_mixing_network_and_process_faults(tmp_path: Path) -> None:
-    """Network and process faults mixed, several cycles (the README's table comes from `tessera chaos --hosts`)."""
+    """Network and process faults mixed, several cycles (docs/bench/chaos.md's table: `tessera chaos --hosts`)."""
     _chaos(tmp_path, ChaosOptions(duration_s=240.0, rate=2.0, fault_every_s=8.0, max_tokens=8, seed=2),
            FAULTS + NETWORK_FAULTS)

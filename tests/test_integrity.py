@@ -1,4 +1,4 @@
-"""A damaged or exposed data directory, from the fault's side (issue 22), against real retrieval processes.
+"""A damaged or exposed data directory, from the fault's side, against real retrieval processes.
 
 The fault writes bytes into the files a stopped retrieval role left in ``retrieval.data_dir``;
 the role is then started on them and must rebuild what is a cache (an index file), refuse
@@ -23,8 +23,8 @@ from helpers.cluster import free_port, with_secret_file, write_config
 from helpers.processes import RoleProcess
 
 from tessera.config import ClusterConfig, ControlConfig, GenerationNodeConfig, KVPoolNodeConfig, RetrievalConfig
-from tessera.retrieval.index import index_path
-from tessera.retrieval.records import DB_NAME
+from tessera.retrieval.store.index import index_path
+from tessera.retrieval.store.sqlite import DB_NAME
 from tessera.wire import WIRE_VERSION
 
 V = WIRE_VERSION
@@ -96,7 +96,7 @@ def overwrite(path: Path, offset: int, n: int = 200, seed: int = 22) -> None:
 
 def test_an_index_file_with_overwritten_bytes_is_rebuilt_not_loaded(saved_store: SavedStore, damaged: Path,
                                                                     tmp_path: Path, cluster_secret: Path) -> None:
-    """Regression (issue 22): 200 random bytes in an index file: loaded without a warning, SIGSEGV on retrieve."""
+    """Regression: 200 random bytes in an index file: loaded without a warning, SIGSEGV on retrieve."""
     index = index_path(damaged / "index", "kb")
     vectors = 200 * 384 * 4  # usearch writes the vectors first, then the HNSW graph
     overwrite(index, vectors + 6200)  # into the graph, where the old code died on a search (SIGSEGV)
@@ -117,7 +117,7 @@ def test_an_index_file_with_overwritten_bytes_is_rebuilt_not_loaded(saved_store:
 
 def test_a_corrupt_page_in_the_unit_store_is_refused_with_how_to_recover(damaged: Path, tmp_path: Path,
                                                                          cluster_secret: Path) -> None:
-    """Regression (issue 22): a broken SQLite page: the role started without a warning, 2 of 200 units were 500s."""
+    """Regression: a broken SQLite page: the role started without a warning, 2 of 200 units were 500s."""
     db = damaged / DB_NAME
     with sqlite3.connect(db) as c:
         page_size = c.execute("PRAGMA page_size").fetchone()[0]
@@ -138,7 +138,7 @@ def test_a_corrupt_page_in_the_unit_store_is_refused_with_how_to_recover(damaged
 
 
 def test_the_data_directory_is_readable_by_its_user_only(saved_store: SavedStore) -> None:
-    """Regression (issue 22): units.sqlite3 (every tenant's text) and the index files were world-readable."""
+    """Regression: units.sqlite3 (every tenant's text) and the index files were world-readable."""
     seen = {}
     for path in [saved_store.data, *saved_store.data.rglob("*")]:
         seen[path.relative_to(saved_store.data).as_posix()] = stat.S_IMODE(os.stat(path).st_mode)

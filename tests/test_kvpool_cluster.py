@@ -34,20 +34,17 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import ModelGeometry, geometry_from_checkpoint
 from tessera.errors import ChecksumMismatch, PublishRejected, TransferError
 from tessera.generation.pool_client import KVPoolClient
-from tessera.messages import (
+from tessera.messages.control import (
     CompleteRequest,
     LoadReport,
-    MemoryNodeList,
     PlanRequest,
-    Preparation,
     PublishRequest,
-    RequestPlan,
     RouteRequest,
     RouteResponse,
     RouteUnit,
-    UnitPlan,
-    WriteGrant,
 )
+from tessera.messages.kvpool import MemoryNodeList
+from tessera.messages.plan import Preparation, RequestPlan, UnitPlan, WriteGrant
 from tessera.transport.arena import Arena
 from tessera.transport.blocks import BlockHeader, BlockLayout
 from tessera.wire import WIRE_VERSION, encode, from_wire

@@ -23,7 +23,7 @@ from tessera.config import ControlConfig
 from tessera.control.plane import ControlPlane
 from tessera.control.routes import add_control_routes
 from tessera.http import application
-from tessera.messages import MemoryNodeHello
+from tessera.messages.kvpool import MemoryNodeHello
 from tessera.transport.arena import ARENA_HEADER_BYTES, SHM_DIR
 from tessera.wire import from_wire
 
@@ -147,7 +147,7 @@ async def test_an_absent_or_failing_control_plane_does_not_stop_the_node(tmp_pat
             await runner.cleanup()
 
 
-# --- the leader's term, from the hello answer (issue 24: the restart fence ends by term) ----------
+# --- the leader's term, from the hello answer (the restart fence ends by term) ------------------
 
 
 async def _serve(app: web.Application, config: Any) -> web.AppRunner:
@@ -194,7 +194,7 @@ async def test_a_memory_node_takes_the_leader_term_only_under_a_valid_mac(tmp_pa
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_a_restarted_planes_fence_ends_once_the_memory_node_refuses_older_terms(
         tmp_path: Path, transport: str, pool_config: PoolConfig, memory_node: StartMemoryNode) -> None:
-    """Regression (issue 24): after a restart or a failover the plane fenced every memory node for the
+    """Regression: after a restart or a failover the plane fenced every memory node for the
     longest lifetime of an earlier grant (~40 s here): no shared-tier write, no re-adoption. On tcp with a
     secret the node refuses every capability of an older term once the new plane's signed term reached
     it and no older write is still arriving: its next hello says so and the fence ends, every slot free.

@@ -19,7 +19,7 @@ from helpers.http import call, metrics_text
 
 def test_a_burst_the_plane_admitted_blind_is_refused_on_the_node_once_its_bound_is_spent(
         tiny_model: Path, tmp_path: Path, start_cluster: StartCluster) -> None:
-    """Regression (issue 22): the plane admitted a whole burst to a fresh node (no service time
+    """Regression: the plane admitted a whole burst to a fresh node (no service time
     measured yet) and every request was served, the last ones far past the bound. The node now
     refuses the requests still queued behind other work when their bound runs out: a clean 429
     naming the bound, the node stays routed, and a request after the burst is served."""

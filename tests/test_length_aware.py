@@ -11,7 +11,7 @@ from tessera.composition.policies import LegoLink, get_policy, policy_from_confi
 from tessera.config import CompositionConfig
 from tessera.engines.offline import compose, prefill_units
 from tessera.errors import ConfigError
-from tessera.messages import SegmentKind
+from tessera.messages.prompt import SegmentKind
 
 
 def test_the_recompute_count_follows_the_unit_length() -> None:
@@ -43,6 +43,7 @@ def test_units_recomputed_nearly_whole_become_plain_text() -> None:
     assert short.inline(layout) is layout
 
 
+@pytest.mark.integration
 def test_an_inlined_unit_composes_as_if_recomputed_whole(tmp_path: Path) -> None:
     """Composing the inlined layout equals full prefill for a prompt whose only unit is inlined."""
     engine = tiny_engine(tmp_path)

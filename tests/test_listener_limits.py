@@ -1,8 +1,8 @@
-"""Listener limits from the attacker's side (issue 22): raw sockets against a real memory node process.
+"""Listener limits from the attacker's side: raw sockets against a real memory node process.
 
 The attacker can reach a listener's port and holds no cluster secret. Each test is one
-attack that worked before issue 22: bodies buffered before the 401, connections held open
-without a request, and no bound on how many.
+attack that once worked and must fail now: bodies buffered before the 401, connections held
+open without a request, and no bound on how many.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def test_listener_limits_are_read_from_the_config_file(tmp_path: Path) -> None:
 
 
 async def test_an_authenticated_public_body_that_trickles_is_refused_with_408(tmp_path: Path) -> None:
-    """Regression (issue 22): the public API read a body for as long as the client took, so a valid key
+    """Regression: the public API read a body for as long as the client took, so a valid key
     and a head announcing 100 bytes, then nothing, held a handler (and its admission slot) open-ended.
     The public middleware, with the real key ring, now gives the body ``body_timeout_s``; without a key
     the request is refused before any of its body is read."""

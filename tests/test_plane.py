@@ -9,7 +9,8 @@ from helpers.plane import B, Cluster, plane_config, preps, retentions
 
 from tessera.control.stats import PlaneStats
 from tessera.errors import BadRequest
-from tessera.messages import Preparation, ResidencyReport
+from tessera.messages.control import ResidencyReport
+from tessera.messages.plan import Preparation
 from tessera.units import blocks_for
 from tessera.wire import WIRE_VERSION
 
@@ -191,7 +192,7 @@ def _busy(c: Cluster, node: str) -> None:
 
 def test_a_unit_ready_in_the_shared_tier_does_not_draw_requests_to_its_local_holder() -> None:
     """Any node copies a shared-ready unit instead of computing it: a busier holder is passed over
-    for the idle node (issue 16: requests queued behind a holder while the other node idled).
+    for the idle node (regression: requests queued behind a holder while the other node idled).
     Without the shared copy, or with the paper's rule (``cache_aware_all``), the holder wins
     within the load bound."""
     for shared, routing in ((True, "cache_aware"), (False, "cache_aware"), (True, "cache_aware_all")):

@@ -13,7 +13,8 @@ from tessera.engines.base import UnitState
 from tessera.errors import Overloaded, Unavailable
 from tessera.generation.retention import Retainer
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import InvalidateRequest, LoadReport, Preparation, ReleaseRequest, ResidencyReport
+from tessera.messages.control import InvalidateRequest, LoadReport, ReleaseRequest, ResidencyReport
+from tessera.messages.plan import Preparation
 from tessera.wire import WIRE_VERSION
 
 # --- membership --------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_a_request_that_would_queue_too_long_everywhere_is_refused_with_a_retry_
 
 
 def test_the_time_a_request_spent_before_routing_counts_against_the_queueing_bound() -> None:
-    """Regression (issue 22 item 4): the bound counted only the node's queue, so the seconds a request
+    """Regression: the bound counted only the node's queue, so the seconds a request
     spent tokenizing and ingesting its units on busy cores came on top: accepted p99 13.5 s against the
     promised 11.9 s. A request that already waited 3 s may now queue only 7 s of a 10 s bound."""
     c = Cluster(nodes=1, max_queue_wait_s=10.0, heartbeat_timeout_s=1000.0)

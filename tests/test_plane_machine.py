@@ -22,17 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tessera.errors import PublishRejected, Unavailable
-from tessera.messages import (
-    BlockRef,
-    CancelRequest,
-    LoadReport,
-    Preparation,
-    PublishRequest,
-    ReadLease,
-    ReleaseRequest,
-    RequestPlan,
-    WriteGrant,
-)
+from tessera.messages.common import BlockRef
+from tessera.messages.control import CancelRequest, LoadReport, PublishRequest, ReleaseRequest
+from tessera.messages.plan import Preparation, ReadLease, RequestPlan, WriteGrant
 from tessera.wire import WIRE_VERSION
 
 UNITS = {f"u{i}": n for i, n in enumerate([3, 4, 5, 8, 9, 12, 1, 16])}

@@ -8,7 +8,8 @@ import pytest
 from helpers.plane import Cluster, hello, preps
 
 from tessera.errors import BadRequest, PublishRejected, Unavailable
-from tessera.messages import CancelRequest, LoadReport, Preparation, PublishRequest, ReleaseRequest
+from tessera.messages.control import CancelRequest, LoadReport, PublishRequest, ReleaseRequest
+from tessera.messages.plan import Preparation
 from tessera.wire import WIRE_VERSION
 
 
@@ -53,7 +54,7 @@ def test_hellos_from_unknown_or_inconsistent_memory_nodes_are_refused() -> None:
 
 
 def test_a_hello_claiming_more_than_the_config_gives_is_refused() -> None:
-    """Regression (issue 14): capacity_blocks = 1e9 in a hello sized the allocator and OOM-killed the plane."""
+    """Regression: capacity_blocks = 1e9 in a hello sized the allocator and OOM-killed the plane."""
     c = Cluster()
     for capacity in (32, 10**9):
         with pytest.raises(BadRequest, match="the config gives it 16") as info:

@@ -7,7 +7,8 @@ from helpers.plane import Cluster, hello, preps, retentions
 
 from tessera.control.directory import Directory
 from tessera.errors import PublishRejected
-from tessera.messages import Preparation, PublishRequest, ReleaseRequest, ResidencyReport
+from tessera.messages.control import PublishRequest, ReleaseRequest, ResidencyReport
+from tessera.messages.plan import Preparation
 from tessera.wire import WIRE_VERSION
 
 COMPUTE, LOCAL, REMOTE = Preparation.COMPUTE, Preparation.LOCAL, Preparation.REMOTE

@@ -1,6 +1,6 @@
 """The plane's routing over bitmasks (tessera/control/fleet.py) decides exactly as the exhaustive rule.
 
-The reference is the routing path before the fleet index (issue 26 item 4): the live nodes
+The reference is the routing path without the fleet index: the live nodes
 as a list, the queue bound over that list, the locality counts of every node, and the
 router's ``choose``. A long seeded run of the simulated cluster (more than 64 nodes, so the
 masks span machine words) asks both at every request, through node deaths and returns,

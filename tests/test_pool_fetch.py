@@ -28,7 +28,8 @@ from tessera.config import ClusterConfig
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, TransferError, TransferTimeout
 from tessera.generation.pool_client import KVPoolClient, capabilities
-from tessera.messages import BlockRef, ReadLease
+from tessera.messages.common import BlockRef
+from tessera.messages.plan import ReadLease
 from tessera.transport.arena import Arena
 from tessera.transport.base import SlotIO
 from tessera.transport.blocks import BlockLayout
@@ -143,7 +144,7 @@ async def test_a_reader_reports_a_corrupt_entry_so_it_is_invalidated(two_nodes: 
         await pool.close()
 
 
-# each case writes slots no other test wrote: a memory node takes one write per slot and grant (issue 22)
+# each case writes slots no other test wrote: a memory node takes one write per slot and grant
 @pytest.mark.parametrize(("epoch", "n_tokens", "first"), [(6, 8, 14), (5, 7, 16)])
 async def test_a_lease_that_does_not_describe_the_blocks_fails_the_fetch(
     pool: KVPoolClient, epoch: int, n_tokens: int, first: int, issuer: CapabilityIssuer

@@ -1,7 +1,7 @@
-"""``bench/cpu_profile.py``: where a role's CPU goes, staged by the code on each sampled stack (issue 25).
+"""``bench/cpu_profile.py``: where a role's CPU goes, staged by the code on each sampled stack.
 
 The staging rules are pure logic over py-spy's folded stacks and are checked on stacks written
-the way py-spy writes them; the README command itself (a real cluster, real py-spy) is run with
+the way py-spy writes them; the docs' command itself (a real cluster, real py-spy) is run with
 tiny parameters in ``test_readme_smoke.py``.
 """
 
@@ -53,7 +53,7 @@ def test_a_library_call_counts_toward_the_tessera_code_that_made_it(profile: Mod
 
 
 def test_http_and_the_event_loop_are_their_own_stages_and_unknown_code_is_other(profile: ModuleType) -> None:
-    write = _stack("Reply.stream.<locals>.send (tessera/retrieval/reply.py:188)",
+    write = _stack("Reply.stream.<locals>.send (tessera/retrieval/chat/reply.py:188)",
                    "StreamWriter.write (aiohttp/http_writer.py:203)")
     loop = _stack("run (tessera/runtime.py:49)", "Runner.run (asyncio/runners.py:118)")
     assert profile.stage_of(write) == "http"

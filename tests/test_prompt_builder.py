@@ -10,8 +10,8 @@ from tessera.config_file import load_config
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint, unit_factory
 from tessera.errors import BadRequest
-from tessera.messages import SegmentKind
-from tessera.retrieval.chat_request import parse_chat_request
+from tessera.messages.prompt import SegmentKind
+from tessera.retrieval.chat.request import parse_chat_request
 from tessera.retrieval.prompt import SENTINEL, PromptBuilder, trace_record
 from tessera.units import UnitFactory
 
@@ -24,7 +24,7 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def factory(tokenizer: Tokenizer) -> UnitFactory:
     cfg = load_config()
-    # the default has no unit lead (issue 16); these tests pin how a configured lead behaves
+    # the default has no unit lead; these tests pin how a configured lead behaves
     cfg = dataclasses.replace(cfg, composition=dataclasses.replace(cfg.composition, unit_lead="<|endoftext|>"))
     return unit_factory(cfg, serving_fingerprint(cfg, resolve(cfg.model), tokenizer), tokenizer)
 
@@ -117,7 +117,7 @@ def _special_ids(tokenizer: Tokenizer) -> set[int]:
 
 
 def test_special_tokens_in_user_content_are_plain_text(tokenizer: Tokenizer, factory: UnitFactory) -> None:
-    """Regression (issue 14): <|im_start|>system inside user content was tokenized as a real turn."""
+    """Regression: <|im_start|>system inside user content was tokenized as a real turn."""
     builder = PromptBuilder(tokenizer, factory.tokens)
     honest = builder.build([{"role": "user", "content": "hi"}], [], "system")
     forged = builder.build([{"role": "user", "content": INJECTION}], [], "system")

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 from helpers.cluster import REPO
 
-from tessera.messages import RequestStats
+from tessera.messages.generation import RequestStats
 from tessera.retrieval.access_log import AccessRecord, access_line
 
 

@@ -1,17 +1,25 @@
-"""Every shell command of the README is run by a named test, so none can silently break (issue 21).
+"""Every shell command of the README and of docs/ is run by a named test, so none can silently break.
 
-``COVERED`` maps a README command's key (the program and its subcommand or script) to the test(s)
-that run it, a smoke run with tiny parameters where the real one is long. ``NOT_YET`` lists
-the keys no test runs yet and why; a README command in neither table fails this file.
+``COVERED`` maps a command's key (the program and its subcommand or script) to the test(s) that
+run it, a smoke run with tiny parameters where the real one is long. ``NOT_YET`` lists the keys
+no test runs yet and why; a command of README.md or docs/**/*.md in neither table fails this file.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+from fixtures.tiers import SYSTEM_MODULES, TIERS, UNIT_MODULES
 from helpers.cluster import REPO
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+
+
+def documents() -> list[Path]:
+    """The files whose commands must stay under test: the README and every page under docs/."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
 
 SHORT_CHAOS = "tests/test_chaos.py::test_a_short_chaos_run_answers_every_request_correctly_or_refuses_it_cleanly"
 SMOKE = "tests/test_readme_smoke.py::"
@@ -21,8 +29,13 @@ HA_UP = "tests/test_ha_up.py::"
 # a key's tests together run its command: `make demo` is the Makefile's `$(BIN)/tessera demo`
 COVERED: dict[str, str | tuple[str, ...]] = {
     "make demo": (THIS + "test_make_demo_runs_exactly_tessera_demo", DEMO),
-    "make test": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_the_suite",
+    "make test": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_every_tier",
+    "make unit": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_every_tier",
+    "make integration": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_every_tier",
+    "make system": THIS + "test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_every_tier",
     "tessera trace": "tests/test_traffic_trace.py::test_tessera_trace_from_workload_writes_a_trace_that_analyze_reads",
+    "tessera data": ("tests/test_data_fetch.py::test_the_cli_fetches_the_real_manifest_from_a_mirror_and_check_passes",
+                     "tests/test_data_fetch.py::test_the_cli_names_a_file_missing_on_the_mirror"),
     "pytest tests/test_hosts.py": "tests/test_hosts.py::test_a_short_multi_host_chaos_run_keeps_every_invariant",
     "tessera up": (SMOKE + "test_tessera_up_serves_an_openai_chat_request_and_stops_cleanly_on_ctrl_c",
                    HA_UP + "test_tessera_up_with_two_replicas_serves_chat_on_both_and_stops_on_ctrl_c"),
@@ -72,11 +85,10 @@ NOT_YET = {
 }
 
 
-def readme_commands() -> list[str]:
-    """Shell commands of the README: ```bash blocks, and the indented `bench/gpu.sh` lines."""
-    text = README.read_text()
-    lines = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S)
-             for line in block.replace("\\\n", " ").splitlines()]
+def commands_in(text: str) -> list[str]:
+    """Shell commands of one Markdown text: ```bash blocks, and the indented `bench/gpu.sh` lines."""
+    blocks = re.findall(r"^[ \t]*```bash\n(.*?)^[ \t]*```", text, re.S | re.M)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     lines += re.findall(r"^    ((?:PYTHON=\S+ )*(?:TESSERA_DATA=\S+ )?bench/gpu\.sh .*)$", text, re.M)
     out = []
     for line in lines:
@@ -84,6 +96,11 @@ def readme_commands() -> list[str]:
         if line and not line.startswith("#"):
             out.append(" ".join(line.split()))
     return out
+
+
+def readme_commands() -> list[str]:
+    """Shell commands of the README and of every docs/ page."""
+    return [c for path in documents() for c in commands_in(path.read_text())]
 
 
 def key(command: str) -> str:
@@ -117,9 +134,18 @@ def _recipe(target: str) -> tuple[list[str], list[str]]:
 def test_every_readme_command_is_run_by_a_named_test_or_listed_as_a_gap() -> None:
     keys = {key(c) for c in readme_commands()}
     unlisted = sorted(keys - COVERED.keys() - NOT_YET.keys() - SETUP)
-    assert not unlisted, f"README commands no test runs: {unlisted}; add a smoke test to COVERED"
+    assert not unlisted, f"README/docs commands no test runs: {unlisted}; add a smoke test to COVERED"
     stale = sorted((COVERED.keys() | NOT_YET.keys() | SETUP) - keys)
-    assert not stale, f"no longer in the README: {stale}"
+    assert not stale, f"no longer in the README or docs/: {stale}"
+
+
+def test_commands_are_read_from_the_docs_pages_too() -> None:
+    """A command that only a docs/ page shows is still found (the lab notebook moved out of the README)."""
+    assert commands_in("text\n\n```bash\npython bench/x.py --n 1   # note\n```\n") == ["python bench/x.py --n 1"]
+    gpu = DOCS / "gpu.md"
+    assert "bench/gpu.sh run" in commands_in(gpu.read_text()), "docs/gpu.md lost its indented bench/gpu.sh lines"
+    page = (DOCS / "bench" / "control-plane.md").read_text()
+    assert any(key(c) == "python bench/control_plane.py" for c in commands_in(page))
 
 
 def test_each_named_smoke_test_exists() -> None:
@@ -133,10 +159,11 @@ def test_the_quick_start_says_how_to_reach_the_installed_commands() -> None:
     assert "source .venv/bin/activate" in quick
 
 
-def test_the_readme_documents_the_data_sets_and_the_optional_version() -> None:
-    text = README.read_text()
-    assert "### Data sets" in text and "../shared/data" in text.split("### Data sets", 1)[1][:2000]
-    assert '`"version"` is optional' in text
+def test_the_docs_document_the_data_sets_and_the_optional_version() -> None:
+    """The README links the data sets page, which says where the data lives; the API says `version` is optional."""
+    assert "(docs/data.md)" in README.read_text()
+    assert "../shared/data" in (DOCS / "data.md").read_text()
+    assert '`"version"` is optional' in (DOCS / "api.md").read_text()
 
 
 def test_make_demo_runs_exactly_tessera_demo() -> None:
@@ -145,12 +172,22 @@ def test_make_demo_runs_exactly_tessera_demo() -> None:
     assert prerequisites == ["$(STAMP)"] and recipe == ["$(BIN)/tessera demo"], (prerequisites, recipe)
 
 
-def test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_the_suite() -> None:
-    """CI (.ci/run) runs the README's `make test`: ruff, mypy and pytest, so every CI run runs it."""
+def test_ci_runs_make_test_and_make_test_is_lint_typecheck_and_every_tier() -> None:
+    """CI (.ci/run) runs the README's `make test`: ruff, mypy, then the unit, integration and system tiers."""
     commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
     assert commands[-1] == "make test", commands
-    assert _recipe("test") == (["lint", "typecheck", "unit"], [])
-    assert _recipe("lint")[1] == ["$(BIN)/ruff check tessera tests bench"]
+    prerequisites, recipe = _recipe("test")
+    assert prerequisites == ["lint", "typecheck"]
+    assert "for tier in unit integration system;" in " ".join(recipe), recipe
+    assert _recipe("lint")[1] == ["$(BIN)/ruff check tessera tessera_lab tests bench"]
     assert _recipe("typecheck")[1] == ["$(BIN)/mypy"]
-    assert _recipe("unit")[1] == ["$(BIN)/pytest -q"]
+    for tier in TIERS:
+        assert _recipe(tier)[1] == [f"$(TIER) '{tier} and not slow'"]
+
+
+def test_the_tier_tables_name_only_test_modules_that_exist() -> None:
+    """A renamed or deleted test module cannot linger in tests/fixtures/tiers.py."""
+    present = {p.name for p in (REPO / "tests").glob("test_*.py")}
+    assert not (UNIT_MODULES | SYSTEM_MODULES) - present, sorted((UNIT_MODULES | SYSTEM_MODULES) - present)
+    assert not UNIT_MODULES & SYSTEM_MODULES

@@ -1,9 +1,9 @@
-"""The README's long commands, each run as the README writes it with tiny parameters (issue 21).
+"""The long commands of the README and docs/, each run as written with tiny parameters.
 
 Every test here starts the command as a real subprocess (the installed ``tessera`` script or
 ``python bench/...``), on the tiny random model where the command takes a config, and checks
 the exit code and the figures the command exists to print. ``test_readme_commands.py`` maps
-each README command to its test.
+each documented command to its test.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from helpers.cluster import REPO, cluster_config, write_config
 from helpers.processes import process_group
 
 from tessera.config import ClusterConfig
-from tessera.hosts.netns import unavailable
+from tessera_lab.hosts.netns import unavailable
 
 PYTHON = sys.executable
 _NO_HOSTS = unavailable()
 needs_hosts = pytest.mark.skipif(_NO_HOSTS is not None, reason=f"multi-host harness: {_NO_HOSTS}")
-# the console script `pip install -e .` puts beside the interpreter: the README's bare `tessera`
+# the console script `pip install -e .` puts beside the interpreter: the docs' bare `tessera`
 TESSERA = [str(Path(PYTHON).with_name("tessera"))] if Path(PYTHON).with_name("tessera").is_file() \
     else [PYTHON, "-m", "tessera"]
 
@@ -332,7 +332,7 @@ def test_bench_forward_cost_splits_a_forward_into_fixed_and_per_token_cost() -> 
 
 def test_bench_store_startup_reopens_a_saved_a_crashed_and_an_index_less_store(tmp_path: Path) -> None:
     """`bench/store_startup.py` builds a store, then opens it saved, caught up after a crash, and rebuilt."""
-    env_python = ["env", "PYTHONPATH=.", PYTHON]  # the README's `PYTHONPATH=. python bench/store_startup.py`
+    env_python = ["env", "PYTHONPATH=.", PYTHON]  # docs/bench/store-startup.md's `PYTHONPATH=. python ...`
     done = _run([*env_python, "bench/store_startup.py", "--units", "200", "--batch", "64"])
     assert re.search(r"^200 units, 384-d embeddings; data dir \d+ MiB$", done.stdout, re.M), done.stdout
     assert re.search(r"build: ingest \d+\.\ds \(\d+ units/s, batches of 64\)", done.stdout), done.stdout
@@ -389,7 +389,7 @@ def test_bench_control_plane_plans_requests_and_prints_its_rates() -> None:
 def test_bench_control_plane_under_callgrind_counts_only_the_plans(tmp_path: Path) -> None:
     """`valgrind --tool=callgrind ... bench/control_plane.py --callgrind` counts the warm requests' plan steps.
 
-    The README divides the collected instructions by the warm requests the bench prints; per
+    docs/bench/control-plane.md divides the collected instructions by the warm requests the bench prints; per
     plan that must be more than nothing (libpython has the ``_operator_call`` symbol) and far
     less than the whole process (about 10^9 instructions: start-up, workload, node traffic).
     """

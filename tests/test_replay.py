@@ -1,4 +1,4 @@
-"""Replaying captured internal requests (issue 22), against real generation and memory-node processes.
+"""Replaying captured internal requests, against real generation and memory-node processes.
 
 The attacker sees signed requests on the wire (no TLS) but does not hold the cluster secret.
 It sends a request captured on its way to one listener, byte for byte, to another.

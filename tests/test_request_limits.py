@@ -18,8 +18,8 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.sampling import Sampler
 from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
 from tessera.errors import BadRequest
-from tessera.messages import MIN_TOP_P, SamplingParams
-from tessera.retrieval.chat_request import parse_chat_request
+from tessera.messages.generation import MIN_TOP_P, SamplingParams
+from tessera.retrieval.chat.request import parse_chat_request
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.limits import (
     INGEST_CHUNK_UNITS,
@@ -29,7 +29,7 @@ from tessera.retrieval.limits import (
     check_prompt_chars,
 )
 from tessera.retrieval.node import RetrievalNode
-from tessera.retrieval.store import Ingested, UnitStore
+from tessera.retrieval.store.unit_store import Ingested, UnitStore
 from tessera.units import ContextUnit, TokenCache, UnitFactory
 
 
@@ -43,7 +43,7 @@ def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
 
 @pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-39])
 def test_a_top_p_that_float32_cannot_hold_is_a_400_naming_it(top_p: float) -> None:
-    """Regression (issue 22): top_p <= 1e-300 became 0 in float32, filtered every token and answered 503."""
+    """Regression: top_p <= 1e-300 became 0 in float32, filtered every token and answered 503."""
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0}
     with pytest.raises(BadRequest, match=r"top_p = .* send a top_p of at least 1\.18e-38") as exc:
         parse_chat_request({**body, "top_p": top_p}, default_top_k=5, default_placement="system", served_model="m")
@@ -55,14 +55,14 @@ def test_a_top_p_that_float32_cannot_hold_is_a_400_naming_it(top_p: float) -> No
 
 @pytest.mark.parametrize("top_p", [1e-300, MIN_TOP_P, 1e-9])
 def test_a_top_p_below_every_probability_keeps_the_most_likely_token(top_p: float) -> None:
-    """Regression (issue 22): when top_p rounded to 0 in float32 the nucleus was empty (multinomial failed: 503)."""
+    """Regression: when top_p rounded to 0 in float32 the nucleus was empty (multinomial failed: 503)."""
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     sampler = Sampler(SamplingParams(max_tokens=1, temperature=1.0, top_p=top_p, seed=3))
     assert [sampler.pick(logits) for _ in range(5)] == [int(logits.argmax())] * 5
 
 
 def test_a_unit_too_long_for_max_unit_tokens_is_refused_without_tokenizing() -> None:
-    """Regression (issue 22): a 20 MB unit was tokenized (4.19 M tokens, 24.7 s on the worker) before its 413."""
+    """Regression: a 20 MB unit was tokenized (4.19 M tokens, 24.7 s on the worker) before its 413."""
     config = load_config()
     checkpoint = resolve(config.model)
     tokenizer = load_tokenizer(checkpoint)

@@ -13,7 +13,7 @@ from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
 from tessera.errors import BadRequest
 from tessera.retrieval.embedder import Embedder
-from tessera.retrieval.store import UnitStore
+from tessera.retrieval.store.unit_store import UnitStore
 from tessera.units import TokenCache, UnitFactory, unit_id_for
 
 PASSAGES = {

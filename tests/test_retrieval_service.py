@@ -23,7 +23,7 @@ from tessera.config import (
     KVPoolNodeConfig,
     RetrievalConfig,
 )
-from tessera.messages import RequestPlan
+from tessera.messages.plan import RequestPlan
 from tessera.wire import WIRE_VERSION, from_wire
 
 V = WIRE_VERSION
@@ -154,7 +154,7 @@ async def test_the_control_rpcs_run_a_request_through_plan_publish_and_release(s
         assert status == 200, body
         return from_wire(RequestPlan, body)
 
-    # free shared space: the unit's first sight is computed and granted a writeback (issue 16)
+    # free shared space: the unit's first sight is computed and granted a writeback
     first = await plan("h1")
     grant = first.units[0].grant
     assert first.units[0].preparation.value == "compute"
@@ -202,7 +202,7 @@ async def test_deeply_nested_metadata_is_refused_at_ingest_and_retrieval_keeps_w
 
 
 async def test_a_batch_with_an_oversized_unit_is_refused_whole_before_any_work(service: Service) -> None:
-    """Regression (issue 22): a 20 MB unit was tokenized (24.7 s, every chat waiting) before its 413,
+    """Regression: a 20 MB unit was tokenized (every chat waiting) before its 413,
     after the batch's first chunk had been committed."""
     units = [{"scope": "big", "text": f"Unit number {i} of a batch that carries one huge text."} for i in range(65)]
     units.append({"scope": "big", "text": "word " * 4_000_000})  # 20 MB, the 66th unit: past the first chunk
@@ -214,7 +214,7 @@ async def test_a_batch_with_an_oversized_unit_is_refused_whole_before_any_work(s
 
 
 async def test_query_and_unit_vectors_are_bounded_before_they_are_decoded(service: Service) -> None:
-    """Regression (issue 22): a 20 MB query vector was decoded element by element (the loop stalled 6 s)."""
+    """Regression: a 20 MB query vector was decoded element by element, stalling the loop."""
     huge = [0.5] * 4_000_000  # ~20 MB of JSON
     status, out = await call(service, "POST", "/v1/retrieve", {"version": V, "scope": "kb", "embedding": huge})
     assert status == 413 and "at most 1048576 are accepted (send one query text or one embedding)" in out["error"]

@@ -151,7 +151,7 @@ def _passed() -> StartDeadline:
 
 async def test_a_request_passed_over_beyond_its_start_deadline_is_refused_before_it_costs_a_step(
         fake_engine: Any) -> None:
-    """Regression (issue 22): at 3x saturation accepted requests reached their first token at
+    """Regression: at 3x saturation accepted requests reached their first token at
     p99 1.14-1.74x the overload control's promise, because the plane's estimate of a node's
     queue was short and nothing on the node held the bound. A request still queued behind a
     batch that left it out when its start deadline passed is refused with Overloaded (429);

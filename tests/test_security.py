@@ -1,7 +1,7 @@
-"""Security from the attacker's side (issue 14), against real retrieval and memory-node processes.
+"""Security from the attacker's side, against real retrieval and memory-node processes.
 
 The attacker holds an API port and, at best, an API key of its own tenant; it does not hold
-the cluster secret. Each test is one attack that worked before issue 14 and must fail now.
+the cluster secret. Each test is one attack that once worked and must fail now.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from tessera.auth import CapabilityIssuer, ClusterAuth, capability, sign
 from tessera.config import ClusterConfig, ControlConfig, RetrievalConfig, SecurityConfig
 from tessera.errors import TransferError
 from tessera.generation.pool_client import capabilities
-from tessera.messages import BlockRef, RequestPlan, WriteGrant
+from tessera.messages.common import BlockRef
+from tessera.messages.plan import RequestPlan, WriteGrant
 from tessera.transport.base import NodeEndpoint, SlotIO, create_transport
 from tessera.transport.frames import Capability
 from tessera.transport.handshake import DataPlaneCredentials
@@ -250,7 +251,7 @@ async def test_an_expired_capability_is_refused(plane: Plane, issuer: Capability
 
 
 async def test_a_captured_write_grant_cannot_overwrite_what_it_wrote(plane: Plane) -> None:
-    """Regression (issue 22): a write grant taken off the wire overwrote a published entry until it expired."""
+    """Regression: a write grant taken off the wire overwrote a published entry until it expired."""
     grant = await _grant(plane, "w" * 32, 8)
     cap = capabilities(grant.blocks, grant.epoch, grant.tokens)["kv0"]
     await _write(plane, list(cap.slots), cap)  # the writer
@@ -263,7 +264,7 @@ async def test_a_captured_write_grant_cannot_overwrite_what_it_wrote(plane: Plan
 
 
 async def test_a_cancelled_write_grant_cannot_write_again(plane: Plane) -> None:
-    """After the writer cancels, the slots it wrote refuse the grant's token (issue 22)."""
+    """After the writer cancels, the slots it wrote refuse the grant's token."""
     grant = await _grant(plane, "c" * 32, 8)
     cap = capabilities(grant.blocks, grant.epoch, grant.tokens)["kv0"]
     await _write(plane, [cap.slots[0]], cap)  # the writer got one block out, then gave up
@@ -346,7 +347,7 @@ async def test_a_tenant_cannot_read_or_write_another_tenants_scope(plane: Plane)
 
 
 async def test_an_unknown_scopes_404_names_the_scope_as_the_client_sent_it(plane: Plane) -> None:
-    """Regression (issue 21): with API keys the 404 showed the storage key, 'ops\\x1fmuseum'."""
+    """Regression: with API keys the 404 showed the storage key, 'ops\\x1fmuseum'."""
     status, out = await call(plane, "POST", "/v1/retrieve", {"version": V, "scope": "museum", "query": "vault"},
                              key="key-admin")
     assert status == 404
@@ -354,7 +355,7 @@ async def test_an_unknown_scopes_404_names_the_scope_as_the_client_sent_it(plane
 
 
 async def test_hand_written_bodies_may_leave_out_the_version(plane: Plane) -> None:
-    """Regression (issue 21): a first ingest without "version" was a 400 `field version is required`."""
+    """Regression: a first ingest without "version" was a 400 `field version is required`."""
     units = [{"scope": "docs", "text": "The ferry to the north island leaves at nine."}]
     status, out = await call(plane, "POST", "/v1/units", {"units": units}, key="key-a")
     assert status == 200, out
@@ -365,7 +366,7 @@ async def test_hand_written_bodies_may_leave_out_the_version(plane: Plane) -> No
 
 
 async def test_models_lists_the_served_name_and_another_name_is_404(plane: Plane) -> None:
-    """/v1/models lists model.served_name; a chat request naming another model gets OpenAI's 404 (issue 21)."""
+    """/v1/models lists model.served_name; a chat request naming another model gets OpenAI's 404."""
     status, out = await call(plane, "GET", "/v1/models", key="key-a")
     assert status == 200 and [m["id"] for m in out["data"]] == [plane.config.model.served_name], out
     status, out = await call(plane, "POST", "/v1/chat/completions",
@@ -390,7 +391,7 @@ async def test_the_same_text_is_two_units_for_two_tenants(plane: Plane) -> None:
 
 
 async def test_deleting_another_tenants_deleted_unit_is_a_404(plane: Plane) -> None:
-    """Regression (issue 22): a tombstone answered 200 {"already": [id]} to any tenant, confirming the id."""
+    """Regression: a tombstone answered 200 {"already": [id]} to any tenant, confirming the id."""
     units = [{"scope": "docs", "text": "The board meets on the first Tuesday of each month."}]
     status, out = await call(plane, "POST", "/v1/units", {"version": V, "units": units}, key="key-b")
     unit_id = out["units"][0]["unit_id"]
@@ -414,12 +415,12 @@ def test_a_public_interface_without_keys_is_refused(tmp_path: Path, pool_config:
     proc = start_role("retrieval", write_config(tmp_path, config))
     assert proc.proc.wait(120) == 2
     proc.stop()
-    assert "without API keys" in proc.log()
+    assert "without API keys" in proc.log() and "set security.keys_file (see docs/security.md)" in proc.log()
 
 
 def test_a_keys_file_other_users_can_read_is_refused(tmp_path: Path, pool_config: PoolConfig,
         start_role: StartRole) -> None:
-    """Regression (issue 22): a world-readable keys file with plain keys was accepted without a word."""
+    """Regression: a world-readable keys file with plain keys was accepted without a word."""
     config = pool_config(tmp_path, transport="tcp", model_source="smollm2")
     keys = keys_file(tmp_path)
     keys.write_text(keys.read_text() + '[[tenants]]\nname = "plain"\nscopes = ["p"]\nkeys = ["hunter2"]\n')
@@ -532,7 +533,7 @@ def test_generation_nodes_refuse_snapshot_execute_abort_without_the_secret(clust
 
 
 def test_generation_nodes_metrics_take_the_admin_api_key(cluster: tuple[ClusterConfig, Any]) -> None:
-    """Regression (issue 21): a generation node's /metrics needed the cluster's signature, which no
+    """Regression: a generation node's /metrics needed the cluster's signature, which no
     Prometheus scraper holds; it takes the admin key of the retrieval role's /metrics (tenant keys: 403)."""
     cfg, _ = cluster
     url = f"http://127.0.0.1:{cfg.generation[0].port}/metrics"
@@ -546,7 +547,7 @@ def test_generation_nodes_metrics_take_the_admin_api_key(cluster: tuple[ClusterC
 
 
 def test_memory_nodes_serve_metrics_to_the_admin_api_key_and_nothing_else(cluster: tuple[ClusterConfig, Any]) -> None:
-    """Issue 21 item 6: every role is Prometheus-scrapable; a memory node had no /metrics at all.
+    """Regression: every role is Prometheus-scrapable; a memory node had no /metrics at all.
     The admin key reads it, a tenant key gets 403, no key 401; /info stays signed-only."""
     cfg, _ = cluster
     base = f"http://127.0.0.1:{cfg.kvpools[0].port}"

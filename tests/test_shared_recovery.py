@@ -10,14 +10,9 @@ from helpers.plane import Cluster, hello, preps
 
 from tessera.errors import PublishRejected
 from tessera.kvpool.inventory import scan
-from tessera.messages import (
-    InventoryBlock,
-    LoadReport,
-    MemoryNodeInventory,
-    Preparation,
-    PublishRequest,
-    ResidencyReport,
-)
+from tessera.messages.control import LoadReport, PublishRequest, ResidencyReport
+from tessera.messages.kvpool import InventoryBlock, MemoryNodeInventory
+from tessera.messages.plan import Preparation
 from tessera.transport.arena import Arena, segment_name
 from tessera.transport.unit_blocks import encode_unit
 from tessera.units import unit_key_hex
@@ -131,7 +126,7 @@ def test_a_generation_node_re_reports_its_cache_to_a_restarted_plane() -> None:
 
 
 def test_a_fence_for_this_terms_own_stale_writes_is_not_ended_by_term() -> None:
-    """The term rule ends only the fence that guards an earlier incarnation's grants (issue 24). A
+    """The term rule ends only the fence that guards an earlier incarnation's grants. A
     memory node that died with a write of this term still pending is fenced for that write; its
     new boot reporting the term settled must not lift that fence (the same term is not refused)."""
     import os

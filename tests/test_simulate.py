@@ -21,16 +21,16 @@ from tessera.control.router import N, Router, register_router
 from tessera.errors import ConfigError
 from tessera.generation.batching import take_batch
 from tessera.generation.scheduler import ENGINE_THREAD
-from tessera.simulate.calibrate import CalibrationPlan, calibrate, fit
-from tessera.simulate.command import fleet
-from tessera.simulate.costs import CostModel, StepItem, builtin_models, load_cost_model
-from tessera.simulate.engine import Host, SimEngine, Work
-from tessera.simulate.events import EventLoop
-from tessera.simulate.hostcpu import ProcessCpu, fit_role_cpu, process_cpu
-from tessera.simulate.hostcpu import per_request as per_request_cpu
-from tessera.simulate.run import SimOptions, run_simulation, simulate_run
-from tessera.simulate.validate import compare_runs, comparison_table
-from tessera.simulate.workload import render, unit_texts
+from tessera_lab.simulate.calibrate import CalibrationPlan, calibrate, fit
+from tessera_lab.simulate.command import fleet
+from tessera_lab.simulate.costs import CostModel, StepItem, builtin_models, load_cost_model
+from tessera_lab.simulate.engine import Host, SimEngine, Work
+from tessera_lab.simulate.events import EventLoop
+from tessera_lab.simulate.hostcpu import ProcessCpu, fit_role_cpu, process_cpu
+from tessera_lab.simulate.hostcpu import per_request as per_request_cpu
+from tessera_lab.simulate.run import SimOptions, run_simulation, simulate_run
+from tessera_lab.simulate.validate import compare_runs, comparison_table
+from tessera_lab.simulate.workload import render, unit_texts
 
 COSTS = CostModel("test", "hand-written for the tests", base_s=0.02, per_token_s=0.002, per_attn_s=0.0005,
                   per_decode_s=0.001, place_per_token_s=1e-5, kv_bytes_per_token=23040, link_latency_s=5e-4,
@@ -144,6 +144,7 @@ def test_the_fit_recovers_the_step_formula_from_exact_samples() -> None:
     assert coef == pytest.approx((0.01, 0.001, 0.002, 0.003), rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.integration
 def test_calibrate_measures_the_configured_engine(tiny_model: Path) -> None:
     """A quick calibration of the tiny model: non-negative coefficients, the pool's bytes per token."""
     config = cluster_config(str(tiny_model), nodes=1)
@@ -166,6 +167,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.mark.integration
 def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Path, tmp_path: Path) -> None:
     """`tessera simulate --calibrate` writes a cost model; `tessera simulate` prints the bench's table with it."""
     config: ClusterConfig = cluster_config(str(tiny_model), nodes=2)
@@ -204,6 +206,7 @@ def test_the_cli_measures_each_roles_cpu_on_a_real_tiny_cluster(tiny_model: Path
                for r in runs)
 
 
+@pytest.mark.integration
 def test_bench_scale_prints_a_row_per_fleet_size_and_the_shared_tier_sweep(tmp_path: Path) -> None:
     """`python bench/scale.py` (tiny fleets): one table row per fleet size, the tier sweep, scale.json and plots."""
     done = subprocess.run([sys.executable, "bench/scale.py", "--nodes", "2,4", "--requests-per-node", "4", "--units",
@@ -248,6 +251,7 @@ def test_engines_of_one_host_stretch_each_others_steps_by_the_models_slowdown() 
     assert done[-1] == pytest.approx(step * 3.0)  # alone: its plain cost after the first pair
 
 
+@pytest.mark.integration
 def test_a_simulation_replays_identically_under_another_string_hash_seed(tmp_path: Path) -> None:
     """Regression: units were prepared in set order, so a process with another PYTHONHASHSEED diverged."""
     ttfts = []
@@ -263,6 +267,7 @@ def test_a_simulation_replays_identically_under_another_string_hash_seed(tmp_pat
     assert ttfts[0] == ttfts[1]
 
 
+@pytest.mark.integration
 def test_a_traffic_trace_replays_at_its_recorded_times() -> None:
     """`tessera simulate --trace`: one run per system at the trace's own send times, labelled with their mean rate."""
     done = _cli("--trace", "bench/traces/example.jsonl", "--cost-model", "llama3-8b-a100", "--unloaded", "0")
@@ -432,7 +437,7 @@ def test_the_engine_worker_counts_its_threads_cpu_by_call() -> None:
 
 def test_the_in_cluster_stretch_is_fitted_back_from_the_engines_cpu_per_request() -> None:
     """Engine CPU per request made by a model with known slowdowns: the fit, started from none, finds them."""
-    from tessera.simulate.incluster import fit_host_slowdown, measured_work
+    from tessera_lab.simulate.incluster import fit_host_slowdown, measured_work
 
     config = system_config(cluster_config(), "tessera")
     wl = synthetic_workload(40, n_units=20, seed=6)

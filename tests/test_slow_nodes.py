@@ -1,4 +1,4 @@
-"""Slow is not dead: real generation nodes that are slow, or killed under load (issue 22, item 3)."""
+"""Slow is not dead: real generation nodes that are slow, or killed under load."""
 
 from __future__ import annotations
 

@@ -142,8 +142,9 @@ def test_units_go_into_a_plain_prompt_where_the_prompt_builder_places_them(rende
     assert user[1]["content"].startswith(f"<relevant-memories>\n{A}\n</relevant-memories>\n\n")
 
 
+@pytest.mark.integration
 def test_tessera_trace_from_workload_writes_a_trace_that_analyze_reads(tmp_path: Path) -> None:
-    """The README's `tessera trace from-workload` command, run as written (tiny workload), then analyzed."""
+    """The docs' `tessera trace from-workload` command, run as written (tiny workload), then analyzed."""
     out = tmp_path / "synthetic.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     done = subprocess.run([sys.executable, "-m", "tessera", "trace", "from-workload", "--workload", "synthetic",

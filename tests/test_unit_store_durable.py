@@ -21,8 +21,9 @@ from helpers.store import DOCS, QUERIES, store_parts
 from tessera.config import RetrievalConfig
 from tessera.errors import BadRequest
 from tessera.retrieval.embedder import Embedder
-from tessera.retrieval.records import NewRecord, StoreMismatch, UnitRecords
-from tessera.retrieval.store import UnitStore
+from tessera.retrieval.store.records import NewRecord, StoreMismatch
+from tessera.retrieval.store.sqlite import UnitRecords
+from tessera.retrieval.store.unit_store import UnitStore
 from tessera.units import ServingFingerprint, UnitFactory
 
 
@@ -178,7 +179,8 @@ _CRASHER = """
 import sys, time
 from pathlib import Path
 import numpy as np
-from tessera.retrieval.records import NewRecord, UnitRecords
+from tessera.retrieval.store.records import NewRecord
+from tessera.retrieval.store.sqlite import UnitRecords
 
 directory, ready = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -196,6 +198,7 @@ records.write(Batch(NewRecord(f"u{i}", "s", f"text {i}", (1, 2, i), {}, vec, Non
 """
 
 
+@pytest.mark.integration
 def test_a_crash_in_the_middle_of_an_ingest_batch_leaves_none_of_it(tmp_path: Path) -> None:
     """kill -9 while a batch's transaction is half written: after reopening, none of it is there."""
     ready = tmp_path / "ready"

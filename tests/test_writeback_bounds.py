@@ -10,7 +10,7 @@ from helpers.executor import QuietControl
 from tessera.engines.base import UnitState
 from tessera.generation.retention import Retainer
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import WriteGrant
+from tessera.messages.plan import WriteGrant
 
 
 class _BlockedWriter:

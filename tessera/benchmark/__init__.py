@@ -1,3 +1,3 @@
-"""Workloads, the open-loop load client, ``tessera bench`` / ``demo`` / ``eval`` / ``analyze``,
-and report printing.
+"""Workloads, the open-loop load client, ``tessera bench`` / ``demo`` / ``report`` / ``analyze`` /
+``trace`` / ``verify``, and report printing.
 """

@@ -18,8 +18,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-from tqdm import tqdm
 
+from tessera.benchmark.extras import progress_bar
 from tessera.benchmark.workloads import BenchRequest, CorpusUnit
 
 # how long the load generator waits for one reply: the bench measures queueing, however long
@@ -52,7 +52,7 @@ async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progre
     """
     if not corpus:
         return 0
-    bar = tqdm(total=len(corpus), desc="ingest", unit="unit", disable=not progress, leave=False)
+    bar = progress_bar(len(corpus), "ingest", "unit") if progress else None
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for i in range(0, len(corpus), batch):
@@ -68,8 +68,10 @@ async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progre
                                  headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"ingest failed with HTTP {resp.status}: {await resp.text()}")
-            bar.update(len(chunk))
-    bar.close()
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
     return len(corpus)
 
 
@@ -145,8 +147,7 @@ async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, m
     assert arrivals is None or len(arrivals) == len(requests), (len(arrivals or ()), len(requests))
     rng = random.Random(seed)
     results = [Result(i, 0.0) for i in range(len(requests))]
-    bar = tqdm(total=len(requests), desc=desc or f"{rate:g} req/s", unit="req", disable=not progress,
-               leave=False)
+    bar = progress_bar(len(requests), desc or f"{rate:g} req/s", "req") if progress else None
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
@@ -170,10 +171,12 @@ async def run_load(url: str, requests: Sequence[BenchRequest], rate: float, *, m
                 next_at += rng.expovariate(rate) if rate > 0 else 0.0
             results[i].sent_at = time.perf_counter() - start
             task = asyncio.create_task(_one(http, url, body, results[i], start, headers, slots))
-            task.add_done_callback(lambda _t: bar.update(1))
+            if bar is not None:
+                task.add_done_callback(lambda _t: bar.update(1))
             if arrivals is None and rate <= 0:
                 await task  # closed loop: the unloaded reference
             tasks.append(task)
         await asyncio.gather(*tasks)
-    bar.close()
+    if bar is not None:
+        bar.close()
     return results

@@ -9,16 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from tessera.benchmark.extras import pyplot
 from tessera.benchmark.verify import Row
 
 
 def plot_frontier(rows: Sequence[Row], path: Path, title: str) -> Path:
     """Speed–fidelity frontier: composed prefill time against mean KL and greedy agreement."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, ylabel in ((axes[0], "kl", "mean KL vs full prefill"),
                             (axes[1], "prefix", "greedy agreement (share before first difference)")):

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tessera.benchmark import extras
 from tessera.errors import ConfigError
 
 # --keep: refuse a row two files have, take the first's / last's, or pool them
@@ -184,6 +185,7 @@ def run_report(paths: Sequence[Path], out: Path | None, keep: str = "error") -> 
     if out is not None:
         if any((p if p.is_dir() else p.parent).resolve() == out.resolve() for p in paths):
             raise ConfigError(f"--out {out} is one of the merged runs' folders; write the merge to a folder of its own")
+        extras.require("tessera report --out", "matplotlib")
         out.mkdir(parents=True, exist_ok=True)
         report["plots"] = [str(p) for p in plot(report, out)]
         (out / "bench.json").write_text(json.dumps(report, indent=1))

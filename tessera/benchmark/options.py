@@ -3,14 +3,18 @@
 The commands' run functions (:mod:`~tessera.benchmark.sweep`, :mod:`~tessera.benchmark.verify_run`,
 ...) take their options as typed on the command line and parse the lists here. A bad value
 raises :class:`OptionError` (a malformed list, named by its flag) or :class:`ConfigError` (a
-value the command cannot use); the CLI prints either as one line and exits 2. This module
-knows nothing of typer.
+value the command cannot use); the CLI prints either as one line and exits 2.
+:class:`LoadOptions` is the load ``tessera bench`` and ``tessera simulate`` share; its flags are
+declared once, in :mod:`~tessera.benchmark.load_flags`. This module knows nothing of typer.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
+from tessera.benchmark.workloads import Workload, WorkloadName, select_workload
 from tessera.errors import ConfigError
 
 
@@ -45,3 +49,33 @@ def ints(text: str, what: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise OptionError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The load ``tessera bench`` measures and ``tessera simulate`` simulates, as typed on the
+    command line (``tessera bench --help`` gives each one's meaning)."""
+
+    workload: WorkloadName
+    systems: str  # comma-separated names of tessera.benchmark.runner.SYSTEMS
+    rates: str  # comma-separated req/s
+    rates_for: tuple[str, ...]  # SYSTEM=R1,R2,... each
+    requests: int
+    warmup: float  # share of each run's requests that warms up
+    unloaded: int  # requests run one at a time for the unloaded TTFT
+    max_tokens: int
+    zipf: float
+    top_k: int | None
+    unit_words: int
+    placement: str
+    conversations: int
+    data_dir: Path | None
+    seed: int
+    drain_warmup: bool
+    trace: Path | None  # a traffic trace replayed instead of the workload
+    time_scale: float  # recorded arrival times are multiplied by this (0.5: twice as fast)
+
+    def select_workload(self) -> Workload:
+        """The named workload (``--workload`` and its shaping flags; not ``--trace``)."""
+        return select_workload(self.workload, self.requests, self.data_dir, self.zipf, self.top_k, self.unit_words,
+                               self.placement, self.seed, self.conversations)

@@ -17,10 +17,10 @@ from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint, unit_factory
-from tessera.messages import PromptLayout
+from tessera.messages.prompt import PromptLayout
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.prompt import PromptBuilder, trace_record
-from tessera.retrieval.store import UnitStore
+from tessera.retrieval.store.unit_store import UnitStore
 from tessera.units import ContextUnit
 
 

@@ -14,45 +14,28 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.benchmark import options
+from tessera.benchmark import extras, options
 from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S
-from tessera.benchmark.options import say
+from tessera.benchmark.options import LoadOptions, say
 from tessera.benchmark.report import format_demo, format_report
 from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench
 from tessera.benchmark.targets import Target
-from tessera.benchmark.workloads import Workload, WorkloadName, select_workload, synthetic_workload
+from tessera.benchmark.workloads import Workload, synthetic_workload
 from tessera.config import ClusterConfig
 from tessera.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class SweepOptions:
-    """``tessera bench``'s options as given (see ``tessera bench --help`` for each one's meaning)."""
+    """``tessera bench``'s options as given: the load, and how to measure it (see ``tessera bench --help``)."""
 
-    workload: WorkloadName
-    systems: str  # comma-separated names of SYSTEMS
-    rates: str  # comma-separated req/s
-    rates_for: tuple[str, ...]  # SYSTEM=R1,R2,... each
-    requests: int
-    warmup: float
-    unloaded: int
-    max_tokens: int
-    zipf: float
-    top_k: int | None
-    unit_words: int
-    placement: str
-    conversations: int
-    data_dir: Path | None
+    load: LoadOptions
     out: Path
     dump_trace: bool
     trace_only: bool
-    seed: int
-    drain_warmup: bool
     saturation: float
     fidelity: int
-    trace: Path | None = None  # a traffic trace replayed instead of the workload
     arrivals: str = "auto"  # trace: recorded | poisson | auto (recorded when the trace has times)
-    time_scale: float = 1.0  # recorded arrival times are multiplied by this (0.5: twice as fast)
     urls: tuple[str, ...] = ()  # [NAME=]URL of running endpoints instead of fresh clusters
     allow_hosts: tuple[str, ...] = ()
     api: str = "auto"
@@ -80,19 +63,20 @@ def _trace(config: ClusterConfig, opts: SweepOptions) -> tuple[Workload, list[fl
     from tessera.engines.checkpoint import resolve
     from tessera.engines.tokenizer import load_tokenizer
 
-    assert opts.trace is not None
-    if not opts.trace.is_file():
-        raise ConfigError(f"--trace {opts.trace} does not exist")
-    if opts.arrivals not in ("auto", "recorded", "poisson") or opts.time_scale <= 0:
+    trace, time_scale = opts.load.trace, opts.load.time_scale
+    assert trace is not None
+    if not trace.is_file():
+        raise ConfigError(f"--trace {trace} does not exist")
+    if opts.arrivals not in ("auto", "recorded", "poisson") or time_scale <= 0:
         raise ConfigError("--arrivals takes auto, recorded or poisson; --time-scale must be > 0")
-    requests = read_traffic(opts.trace)
-    wl = trace_workload(opts.trace.stem, requests, UnitTexts(load_tokenizer(resolve(config.model)).encode_plain))
+    requests = read_traffic(trace)
+    wl = trace_workload(trace.stem, requests, UnitTexts(load_tokenizer(resolve(config.model)).encode_plain))
     recorded = [r.arrival_s for r in requests if r.arrival_s is not None]
     if opts.arrivals == "recorded" and not recorded:
-        raise ConfigError(f"--arrivals recorded: {opts.trace} has no arrival_s; use --arrivals poisson --rates ...")
+        raise ConfigError(f"--arrivals recorded: {trace} has no arrival_s; use --arrivals poisson --rates ...")
     if opts.arrivals == "poisson" or not recorded:
         return wl, None
-    return wl, [(t - recorded[0]) * opts.time_scale for t in recorded]
+    return wl, [(t - recorded[0]) * time_scale for t in recorded]
 
 
 def _endpoints(opts: SweepOptions, headers: dict[str, str]) -> dict[str, Target]:
@@ -111,22 +95,21 @@ def _endpoints(opts: SweepOptions, headers: dict[str, str]) -> dict[str, Target]
 
 def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
     """Check the options, render traces (``trace_only``) or sweep systems × rates; print the report."""
-    names = options.names(opts.systems)
+    names = options.names(opts.load.systems)
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or not names:
         raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
-    if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.saturation < 0:
+    if not 0 <= opts.load.warmup < 1 or opts.load.requests < 2 or opts.saturation < 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --saturation >= 0")
-    if opts.warmup_rate < 0 or (opts.warmup_rate > 0 and not opts.drain_warmup):
+    if opts.warmup_rate < 0 or (opts.warmup_rate > 0 and not opts.load.drain_warmup):
         raise ConfigError("--warmup-rate must be >= 0 (0: each run's rate) and needs --drain-warmup")
     if opts.max_concurrency < 0 or opts.timeout_s <= 0:
         raise ConfigError("--max-concurrency must be >= 0 (0: no bound) and --timeout > 0")
     arrivals = None
-    if opts.trace is not None:
+    if opts.load.trace is not None:
         wl, arrivals = _trace(config, opts)
     else:
-        wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
-                             opts.placement, opts.seed, opts.conversations)
+        wl = opts.load.select_workload()
     if opts.trace_only:
         from tessera.benchmark.render import write_traces
 
@@ -134,12 +117,14 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
         n = write_traces(config, wl, path)
         say(f"wrote {n} rendered prompts to {path}; classify them with: tessera analyze {path}")
         return
+    extras.require("tessera bench")  # before minutes of load, not after
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     targets = _endpoints(opts, headers) if opts.urls else None
-    system_rates = _system_rates(opts.rates_for, list(targets or names))
-    bench = BenchOptions(systems=list(targets or names), rates=options.floats(opts.rates, "--rates"),
-                         max_tokens=opts.max_tokens, warmup_frac=opts.warmup, unloaded_requests=opts.unloaded,
-                         out_dir=opts.out, dump_trace=opts.dump_trace, seed=opts.seed, drain_warmup=opts.drain_warmup,
+    load = opts.load
+    system_rates = _system_rates(load.rates_for, list(targets or names))
+    bench = BenchOptions(systems=list(targets or names), rates=options.floats(load.rates, "--rates"),
+                         max_tokens=load.max_tokens, warmup_frac=load.warmup, unloaded_requests=load.unloaded,
+                         out_dir=opts.out, dump_trace=opts.dump_trace, seed=load.seed, drain_warmup=load.drain_warmup,
                          saturation_factor=opts.saturation, system_rates=system_rates, arrivals=arrivals,
                          max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s,
                          warmup_rate=opts.warmup_rate)
@@ -149,13 +134,14 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
     if opts.fidelity > 0:
         from tessera.benchmark.verify import format_fidelity, measured_fidelity
 
-        report["fidelity"] = measured_fidelity(config, wl, opts.fidelity, opts.warmup, seed=opts.seed)
+        report["fidelity"] = measured_fidelity(config, wl, opts.fidelity, opts.load.warmup, seed=opts.load.seed)
         (opts.out / "bench.json").write_text(json.dumps(report, indent=1))
         say(format_fidelity(report["fidelity"]))
 
 
 def run_demo(config: ClusterConfig, out: Path, requests: int, rates: str) -> None:
     """The demo sweep: agent-memory style requests (4 of 60 Zipf-popular records), prefix vs tessera."""
+    extras.require("tessera demo")
     wl = synthetic_workload(requests, n_units=60, unit_words=120, units_per_request=4, zipf_s=1.0, seed=0)
     bench = BenchOptions(systems=["prefix", "tessera"], rates=options.floats(rates, "--rates"), max_tokens=1,
                          warmup_frac=0.5, unloaded_requests=0, out_dir=out, seed=0)

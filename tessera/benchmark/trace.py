@@ -33,7 +33,7 @@ from tessera.benchmark.jsonl import records
 from tessera.composition.policies import CompositionPolicy
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, ConfigError
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003

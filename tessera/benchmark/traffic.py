@@ -35,7 +35,7 @@ from typing import Any
 from tessera.benchmark.jsonl import records
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.errors import BadRequest
-from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.chat.request import parse_chat_request
 
 TRAFFIC_VERSION = 1
 # common English words that SmolLM2's (and most BPE) tokenizers encode as one token after a space
@@ -124,7 +124,8 @@ def _unit(value: Any, scope: str, where: str) -> TraceUnit:
 def parse_line(rec: Any, where: str) -> TraceRequest:
     """One decoded trace line, checked (BadRequest naming ``where`` and the field)."""
     if not isinstance(rec, dict) or "messages" not in rec:
-        raise BadRequest(f"{where}: expected an object with messages (the traffic trace format, see the README)")
+        raise BadRequest(f"{where}: expected an object with messages "
+                         "(the traffic trace format, see docs/bench/traces.md)")
     if rec.get("version", TRAFFIC_VERSION) != TRAFFIC_VERSION:
         raise BadRequest(f"{where}: trace version {rec['version']!r}; this Tessera reads version {TRAFFIC_VERSION}")
     scope = rec.get("scope", "default")

@@ -42,7 +42,7 @@ from tessera.engines.base import EngineAdapter, UnitState
 from tessera.engines.offline import compose, prefill_units
 from tessera.engines.tokenizer import Tokenizer, unit_factory
 from tessera.errors import BadRequest, ConfigError
-from tessera.retrieval.chat_request import parse_chat_request
+from tessera.retrieval.chat.request import parse_chat_request
 from tessera.retrieval.prompt import PromptBuilder
 from tessera.retrieval.prompt_path import Built, PromptPath
 from tessera.units import TokenCache

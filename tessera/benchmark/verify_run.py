@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.benchmark import options
+from tessera.benchmark import extras, options
 from tessera.benchmark import verify as vf
 from tessera.benchmark.options import say
 from tessera.benchmark.workloads import WorkloadName, select_workload
@@ -110,14 +110,19 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
     """Score every setting, print the table, check thresholds, calibrate; the exit code (0 or 1)."""
     from tessera.engines.reference import ReferenceEngine
 
+    if opts.frontier:
+        extras.require("tessera verify --frontier", "matplotlib")
     configured, settings = _settings(config, opts)
-    # a bad --prompts file fails before the model loads
+    # a bad --prompts file or a missing data set fails before the model loads
     pool = vf.prompts_from_file(opts.prompts, config) if opts.prompts is not None else None
-    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
+    wl = None
     if pool is None:
         n = 0 if opts.workload is WorkloadName.locomo else max(4 * opts.samples, 200)
         wl = select_workload(opts.workload, n, opts.data_dir, 1.0, opts.top_k, opts.unit_words, opts.placement,
                              opts.seed, opts.conversations)
+    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
+    if pool is None:
+        assert wl is not None
         pool = vf.prompts_from_workload(config, wl, engine.tokenizer)
     chosen_prompts = vf.sample(pool, opts.samples, opts.seed)
     scores = vf.verify(engine, engine.tokenizer, config, chosen_prompts, settings, answer_tokens=opts.answer_tokens,

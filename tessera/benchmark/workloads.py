@@ -109,16 +109,19 @@ class DataMissing(ConfigError):
     """A workload's data set is not on this machine; the message says where it was looked for."""
 
 
-def _load_json(path: Path, what: str) -> Any:
+def _load_json(data_dir: Path, dataset: str, name: str, what: str) -> Any:
+    path = data_dir / dataset / name
     if not path.is_file():
-        raise DataMissing(f"{what} data not found at {path}; pass --data-dir DIR, a folder with "
-                          "musique/musique_s.json and locomo/locomo10.json (README, Data sets)")
+        dest = "" if data_dir == DATA_DIR else f" --dest {data_dir}"
+        raise DataMissing(f"{what} data not found at {path}; fetch it with `tessera data fetch --only {dataset}"
+                          f"{dest}` (docs/data.md), or pass --data-dir DIR, a folder with "
+                          "musique/musique_s.json and locomo/locomo10.json")
     return json.loads(path.read_text())
 
 
 def rag_workload(n_requests: int, *, data_dir: Path = DATA_DIR, zipf_s: float = 1.0, top_k: int = 5,
                  unit_words: int = 0, n_questions: int = 0, seed: int = 0) -> Workload:
-    data = _load_json(data_dir / "musique" / "musique_s.json", "MuSiQue")
+    data = _load_json(data_dir, "musique", "musique_s.json", "MuSiQue")
     if n_questions:
         data = data[:n_questions]
     scope = "musique"
@@ -163,7 +166,7 @@ def locomo_workload(n_requests: int = 0, *, data_dir: Path = DATA_DIR, top_k: in
                     categories: tuple[int, ...] = (1, 2, 3, 4)) -> Workload:
     if placement not in ("user", "system"):
         raise ConfigError(f"placement = {placement!r}: expected user (OpenViking style) or system (Mem0 style)")
-    data = _load_json(data_dir / "locomo" / "locomo10.json", "LoCoMo")
+    data = _load_json(data_dir, "locomo", "locomo10.json", "LoCoMo")
     if conversations:
         data = data[:conversations]
     corpus: list[CorpusUnit] = []

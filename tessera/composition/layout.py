@@ -1,6 +1,6 @@
 """Prompt-layout math of composition: ranges, placements and the tokens to compute.
 
-Pure functions over a :class:`~tessera.messages.PromptLayout` and a policy's ranges. The
+Pure functions over a :class:`~tessera.messages.prompt.PromptLayout` and a policy's ranges. The
 planner, the generation node's executor and the offline oracle all use them; nothing here
 touches tensors or engines.
 """
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 
 Ranges = tuple[tuple[int, int], ...]
 

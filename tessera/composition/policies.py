@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from tessera.composition.layout import Ranges, merge_ranges, text_ranges
 from tessera.config import CompositionConfig
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.registry import Registry
 
 

@@ -1,24 +1,18 @@
 """Admission and eviction policies: which units a cache tier retains, and what it gives up for them.
 
-One rule serves both tiers (paper §5.2); each tier owns its own policy instance, fed by its
-own request stream. A policy owns the tier's unit table (:mod:`tessera.control.record`:
-demand history, residency in blocks, rank, in columns) but not the space itself: the tier tells it how
-many blocks are free and which residents are safe to reclaim right now, and carries out the
-evictions it returns. Callers may read ``records`` (a unit is resident iff its ``blocks``
-column is > 0); only the policy writes them.
+One rule serves both tiers (paper §5.2), one instance per tier fed by its own request
+stream. A policy owns the tier's unit table (:mod:`tessera.control.record`) but not the
+space: the tier says how many blocks are free and which residents are safe to reclaim, and
+carries out the evictions. Callers may read ``records`` (resident iff ``blocks`` > 0); only
+the policy writes them.
 
 Contract of :class:`AdmissionPolicy` (register new ones with :func:`register_admission`):
 
-* ``observe(unit_ids)``: one request of the tier's stream (distinct ids), recorded before
-  any decision for that request. May re-rank residents; mutates nothing else.
-* ``decide(unit_id, n_blocks, free_blocks, safe)``: the tiers' one question. The residents
-  to reclaim, in order, so that a unit of ``n_blocks`` is admitted (``[]``: it fits as is),
-  or ``None`` when it is not. Pure: the caller evicts (``discard``) the victims and then
-  ``add``s the unit. ``safe(v)`` is false for residents that cannot be reclaimed now
-  (leased, being written, pinned by the request). By default: ``victims`` for a unit that
-  ``wants`` it.
-* ``wants(unit_id)``: is the unit an admission candidate now? Pure.
-* ``victims(unit_id, n_blocks, free_blocks, safe)``: what ``decide`` reclaims for a candidate.
+* ``observe(unit_ids)``: one request (distinct ids), before any decision for it; may re-rank.
+* ``decide(unit_id, n_blocks, free_blocks, safe)``: the victims to reclaim, in order, to
+  admit the unit (``[]``: it fits), or ``None``: not admitted. Pure; ``safe(v)`` is false
+  for residents that cannot be reclaimed now (leased, being written, pinned).
+* ``wants`` / ``victims``: the two halves ``decide`` composes by default. Pure.
 * ``add`` / ``discard``: keep the resident set equal to what the tier holds.
 
 Policies never raise on well-formed input; a broken caller trips an ``assert``.
@@ -47,7 +41,6 @@ class AdmissionPolicy(ABC):
 
     def __init__(self, control: ControlConfig) -> None:
         self.control = control
-        # the tier's records (demand, residency, rank); callers read them, only the policy writes
         self.records = UnitTable()
         self.used_blocks = 0
         self._n_resident = 0
@@ -143,20 +136,15 @@ class DemandAdmission(AdmissionPolicy):
     """Retrieval-aware admission (the paper's rule), which never loses to LRU on free space.
 
     A unit that fits in free blocks is admitted at first sight: filling free space costs
-    nobody anything, and refusing it made the second identical request compute every unit
-    again (C+S beat Tessera 0.90 s to 2.90 s mean TTFT when the tiers held the working set).
-    Only when admitting would evict does the score decide. Candidate: s(u) >= θ and, unless
-    ``admit_first``, u retrieved at least twice in this tier's stream. Safe residents with
-    *strictly lower* scores are taken from the lowest score up; if they cannot free enough
-    blocks, the candidate is refused.
+    nobody anything, while refusing it makes the next identical request compute it again.
+    Only when admitting would evict does the score decide: a candidate (s(u) >= θ and, unless
+    ``admit_first``, retrieved twice) takes safe residents with *strictly lower* scores,
+    lowest first, or is refused.
 
-    Residents are ranked in :class:`ScoreBuckets` by the score they were keyed at; among
-    equal scores, the one keyed earliest goes first. Invariant: a key never *over*estimates
-    its unit's score. A score only drops when a request leaves the window, and those units
-    are re-keyed at once; a score that rose (the unit was retrieved again) is re-keyed
-    lazily, when an eviction walk reaches it. The walk may therefore stop at the first key
-    >= the candidate's score. Popular units change score on every request; this keeps them
-    off the hot path.
+    Invariant: a resident's key in :class:`ScoreBuckets` never *over*estimates its score.
+    Drops (a request leaving the window) are re-keyed at once, rises lazily when a walk
+    reaches them, so a walk may stop at the first key >= the candidate's score and popular
+    units stay off the hot path.
     """
 
     def __init__(self, control: ControlConfig) -> None:

@@ -1,15 +1,13 @@
 """Block allocation across the memory nodes of the KV Pool.
 
-Memory nodes hold payloads only; which arena slot belongs to which unit is decided here, in
-the control plane. A unit's blocks may come from several memory nodes.
-
-Verbs: ``add_node / remove_node / allocate / claim / free``. This module knows nothing about units,
-epochs or leases (see :mod:`tessera.control.directory`).
+Memory nodes hold payloads only; which arena slot belongs to which unit is decided here. A
+unit's blocks may come from several memory nodes. This module knows nothing about units,
+epochs or leases.
 """
 
 from __future__ import annotations
 
-from tessera.messages import BlockRef
+from tessera.messages.common import BlockRef
 
 
 class NodeBlocks:
@@ -71,8 +69,7 @@ class BlockAllocator:
 
     def __init__(self) -> None:
         self._nodes: dict[str, NodeBlocks] = {}
-        # totals over the nodes, kept current (admission reads them for every candidate);
-        # read-only outside this class
+        # totals kept current (admission reads them for every candidate); read-only outside
         self.free_blocks = 0
         self.capacity = 0
 

@@ -1,28 +1,13 @@
 """Clients of the control plane: the KV-pool verbs, a generation node's own reports, and the
 request path (route, plan, complete) for a process that does not host the plane.
 
-Other roles call the control plane only through these classes (JSON over aiohttp, typed messages).
-
-    POST /control/route          RouteRequest    -> RouteResponse  (step 2: the chosen node)
-    POST /control/plan           PlanRequest     -> RequestPlan    (step 4: finalize)
-    POST /control/complete       CompleteRequest -> Ack            (ok: it was outstanding)
-    POST /control/units          UnitsChanged    -> Ack            (a replica revoked / re-ingested)
-    POST /control/suspect        SuspectRequest  -> Ack            (a replica could not reach a node)
-    POST /control/liveness       LivenessRequest -> LivenessReport (the leader's heartbeats, per node)
-    POST /control/publish        PublishRequest  -> Ack   (409 + reason: PublishRejected)
-    POST /control/cancel         CancelRequest   -> Ack
-    POST /control/release        ReleaseRequest  -> Ack
-    POST /control/kvpool/hello   MemoryNodeHello -> Ack   (registration and heartbeat)
-    POST /control/kvpool/inventory  MemoryNodeInventory -> InventoryResult (recovery)
-    GET  /control/kvpool                         -> [MemoryNodeHello]
-
-Control messages are small and rare (one per unit, not per block), so aiohttp is fine here;
-block payloads never go through this client.
+Other roles call the control plane only through these classes (the routes:
+:mod:`tessera.control.routes`). Control messages are small and rare (one per unit, not per
+block), so aiohttp is fine here; block payloads never go through this client.
 
 :class:`RequestControl` raises what the in-process :class:`~tessera.control.plane.ControlPlane`
-raises for the same call (``Overloaded`` for 429, ``Unavailable`` for 503, ``BadRequest`` with
-the status for 400/404/409), so a caller treats a remote plane and a local one alike; anything
-else (unreachable, 401, 500, a reply that does not decode) is a ``ControlPlaneError``.
+raises for the same call (``Overloaded``, ``Unavailable``, ``BadRequest``), so a caller treats
+a remote and a local plane alike; anything else is a ``ControlPlaneError``.
 """
 
 from __future__ import annotations
@@ -38,30 +23,26 @@ import orjson
 from tessera.auth import ClusterAuth
 from tessera.errors import BadRequest, ControlPlaneError, DecodeError, Overloaded, PublishRejected, Unavailable
 from tessera.http import LazySession
-from tessera.messages import (
-    Ack,
+from tessera.messages.common import Ack
+from tessera.messages.control import (
     CancelRequest,
     CompleteRequest,
     InvalidateRequest,
-    InventoryResult,
     LivenessReport,
     LivenessRequest,
     LoadReport,
-    MemoryNodeHello,
-    MemoryNodeHelloAck,
-    MemoryNodeInventory,
     PlanRequest,
     PublishRequest,
     ReleaseRequest,
-    RequestPlan,
     ResidencyReport,
     RouteRequest,
     RouteResponse,
     RouteUnit,
     SuspectRequest,
     UnitsChanged,
-    WriteGrant,
 )
+from tessera.messages.kvpool import InventoryResult, MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
+from tessera.messages.plan import RequestPlan, WriteGrant
 from tessera.wire import WIRE_VERSION, encode, from_wire
 
 if TYPE_CHECKING:
@@ -168,10 +149,7 @@ class ControlClient:
 class NodeControl(ControlClient):
     """A generation node's client of the control plane: the KV-pool verbs plus its own reports.
 
-    Adds to :class:`ControlClient` (publish/cancel/release/hello):
-    ``residency`` (what the local cache really holds), ``load`` (the heartbeat), ``give_up``
-    (a reservation this node cannot honour) and ``release_later``, which batches lease
-    releases into one RPC so a request with many remote hits costs one round trip.
+    ``release_later`` batches lease releases so a request with many remote hits costs one RPC.
     """
 
     def __init__(self, base_url: str, node: str, timeout_s: float = 5.0, auth: ClusterAuth | None = None) -> None:
@@ -236,9 +214,7 @@ class NodeControl(ControlClient):
 class RequestControl(ControlClient):
     """The request path of a remote control plane: ``route / finalize / complete``, ``suspect / liveness``.
 
-    The same verbs, arguments and errors as :class:`~tessera.control.plane.ControlPlane`'s
-    (see the module docstring), over ``/control/route``, ``/control/plan`` and
-    ``/control/complete``, signed with the cluster secret.
+    The same verbs, arguments and errors as :class:`~tessera.control.plane.ControlPlane`'s.
     """
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]]) -> str:

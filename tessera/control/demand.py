@@ -3,14 +3,10 @@
     s(u, t) = w_recent · f_W(u, t) + w_lifetime · f_∞(u, t)
 
 f_W counts the requests among the stream's last W that retrieved u; f_∞ counts all of them.
-W is measured in requests of *this* stream: the shared tier's tracker sees every request,
-a generation node's local tracker only the requests routed to that node, so one unit has a
-different score in each tier.
-
-The counts live in the tier's :class:`~tessera.control.record.UnitTable` columns. The window
-is a ring of the last W requests' slots: when a request falls out of the window its slots are
-decremented at once (no lookup, no scan), so a score is two list reads.
-A unit counts once per request however often the request names it.
+W is in requests of *this* stream (the shared tier sees every request, a node's local tier
+only those routed to it), so one unit has a different score in each tier. A unit counts
+once per request. The window is a ring of the last W requests' slots, decremented as they
+leave, so a score is two list reads.
 
 This module knows nothing about residency, capacity or nodes.
 """
@@ -37,7 +33,7 @@ class DemandTracker:
         self.requests = 0  # requests recorded so far: the stream's clock
         self.records = UnitTable() if records is None else records  # shared with the tier's policy
         self._ring: deque[tuple[int, ...]] = deque()  # slots of the last W requests
-        # the table's columns (grown in place, never replaced): a score is two list reads
+        # the table's columns (grown in place, never replaced)
         self._recent, self._lifetime = self.records.recent, self.records.lifetime
 
     def count(self, unit_ids: tuple[str, ...]) -> tuple[int, ...]:

@@ -2,25 +2,19 @@
 
 An entry is PENDING from reservation until its writer publishes, then READY. Rules:
 
-* A PENDING entry is never a hit: :meth:`Directory.lease` only leases READY entries.
-* Only the authorized writer may publish, only under the entry's current epoch, only with
-  exactly the reserved block set, and only before the reservation's deadline. Everything
-  else raises :class:`PublishRejected` with the reason.
-* Blocks under an active lease are never reclaimed: :meth:`evict` refuses leased entries.
-* Blocks of a cancelled or expired reservation are quarantined for ``reclaim_grace_s``
-  (longer than a transfer timeout) before they return to the free list, so a write still in
-  flight from a stale writer cannot land in a block that was handed to someone else. A
-  reservation dropped *before* its deadline (writer declared dead, a memory node of the unit
-  died) is quarantined until deadline + grace: its writer may not know and keep writing.
-* An entry a reader found corrupt is dropped at once (:meth:`invalidate`): it is never
-  leased again, and its blocks are quarantined until its outstanding leases have expired
-  (+ grace), so no reader still copying can see them reused.
-* A revoked unit's entry takes no new lease; a READY one is evicted as soon as its read
-  leases drain (:meth:`release` / :meth:`expire`), a PENDING one is dropped at once so its
-  writer's publish is refused (its blocks quarantined like a cancelled reservation).
-* A memory node that dies or restarts empty takes its entries with it (:meth:`drop_node`).
-  When it (re)joins (:meth:`add_node`), its slots stay fenced until no write under a grant of
-  its lost incarnation can land anymore, so such a write never hits a newly reserved slot.
+* A PENDING entry is never a hit: only READY entries are leased.
+* Only the authorized writer may publish, under the current epoch, with exactly the
+  reserved blocks, before the deadline; anything else raises :class:`PublishRejected`.
+* Blocks under an active lease are never reclaimed.
+* Blocks of a dropped reservation are quarantined until max(now, deadline) + ``reclaim_grace_s``
+  (longer than a transfer timeout), so a stale writer's write cannot land in a block handed
+  to someone else.
+* A corrupt entry (:meth:`invalidate`) is never leased again; its blocks are quarantined until
+  its leases expire (+ grace), so no reader still copying sees them reused.
+* A revoked unit's entry takes no new lease; a READY one goes once its leases drain, a
+  PENDING one at once (so its publish is refused).
+* A memory node that dies or restarts empty takes its entries with it; when it (re)joins,
+  its slots stay fenced until no write granted to its lost incarnation can land.
 
 The directory decides nothing about *which* units deserve space (that is admission) and
 never touches payload bytes.
@@ -38,7 +32,8 @@ from dataclasses import dataclass, field
 from tessera.auth import CapabilityIssuer
 from tessera.control.allocator import BlockAllocator
 from tessera.errors import PublishRejected
-from tessera.messages import BlockRef, ReadLease, WriteGrant
+from tessera.messages.common import BlockRef
+from tessera.messages.plan import ReadLease, WriteGrant
 from tessera.transport.terms import term_of
 
 
@@ -99,9 +94,7 @@ class Directory:
         # memory node -> until when writes under grants of its lost incarnation may land
         self._fences: dict[str, float] = {}
         self._fence_seqs: dict[str, int] = {}  # memory node -> the quarantine item of its restart fence
-        # nodes whose fence only guards an earlier term's grants (the term rule can end it early);
-        # a fence for this term's own stale writes (drop_node) is not among them
-        self._term_fenced: set[str] = set()
+        self._term_fenced: set[str] = set()  # fences guarding only earlier terms' grants (liftable by term)
         self._fenced_until: dict[str, float] = {}  # the same, kept after the node joined (recovery waits)
         self._qseq = itertools.count()
 
@@ -332,11 +325,8 @@ class Directory:
     def lift_fence(self, node: str) -> int | None:
         """End ``node``'s restart fence now; the number of blocks it gives back (None: no such fence).
 
-        Only for a node that refuses every capability of an earlier term and has nothing of one
-        in progress (:meth:`ControlPlane.hello`): no stale write can land there any more. Only
-        the fence's own quarantine ends; blocks quarantined for this term's writes stay, and a
-        fence that also guards this term's writes (:meth:`drop_node`) is not lifted: the term
-        rule cannot cover those.
+        Only for a node that refuses every earlier term and has none in progress. Blocks
+        quarantined for this term's own writes stay: the term rule cannot cover those.
         """
         if node not in self._term_fenced:
             return None
@@ -402,12 +392,8 @@ class Directory:
         self._quarantine_blocks(entry.blocks, self._stale_writes_done(entry, now))
 
     def _stale_writes_done(self, entry: Entry, now: float) -> float:
-        """When no write of a dropped reservation can land anymore.
-
-        Its writer may be alive without knowing (declared dead on a missed heartbeat, or one of
-        the unit's other memory nodes died) and may start writes until the grant's deadline; a
-        write lands at most a transfer timeout (< reclaim_grace_s) after it started.
-        """
+        """When no write of a dropped reservation can land anymore: its writer may not know and
+        start writes until the deadline, each landing within a transfer timeout (< grace)."""
         return max(now, entry.deadline) + self.reclaim_grace_s
 
     def _quarantine_blocks(self, blocks: tuple[BlockRef, ...], free_at: float) -> None:

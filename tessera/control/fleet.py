@@ -1,26 +1,13 @@
 """The routable generation nodes as bitmasks, so that routing never walks the whole fleet.
 
-Node ``i`` (its position in the config) is bit ``1 << i``, as in the routing index
-(:class:`~tessera.control.locality.Locality`). These node sets are kept, each one int:
+Node ``i`` is bit ``1 << i``. Sets kept, one int each: ``alive``; ``at(k)``, the alive nodes
+with ``k`` requests in flight; ``queued``, those with an expected wait above 0; ``over``,
+those above ``control.max_queue_wait_s``. Members report every change (``update``), so a
+router finds the least-loaded candidates with a few big-int operations, at any fleet size.
 
-* ``alive``: the routable nodes (:class:`~tessera.control.membership.Liveness` joins and
-  removes them);
-* ``at(k)``: the alive nodes with exactly ``k`` requests in flight;
-* ``queued``: the alive nodes whose expected wait (``wait[i]``, as
-  :meth:`~tessera.control.membership.GenerationMember.expected_wait_s` says) is above 0;
-* ``over``: the alive nodes whose expected wait is above ``control.max_queue_wait_s``, where
-  no new request may go (:class:`~tessera.control.overload.QueueBound`).
-
-Every member reports each change of its in-flight count or of its expected wait
-(``update``), so a router finds the least-loaded candidates and the round-robin successor
-among them with a few big-int operations, and scores locality only over the nodes that hold
-a request's units. Before this index, routing and the queue bound visited every node for
-every request: 7.1k plans/s at 256 nodes against 15.4k at 8 (issue 26).
-
-Invariant (``check_invariants``): an alive node's bit is set in exactly one ``at(k)``, the
-one with ``k`` its in-flight count; ``wait[i]`` is its expected wait now, and its bit is in
-``queued`` and ``over`` iff that wait is above 0 and above the bound; a node that is not
-alive is in none of the masks.
+Invariant (``check_invariants``): an alive node is in exactly one ``at(k)``, ``k`` its
+in-flight count; ``wait[i]`` is its expected wait now, and it is in ``queued`` / ``over``
+iff that wait is above 0 / the bound; a node that is not alive is in no mask.
 
 This module knows nothing of caches, routing policies or what a node's wait is made of.
 """

@@ -1,25 +1,15 @@
 """What the control plane believes one generation node's local unit cache holds.
 
-The node is the authority on its own memory (it enforces its capacity and declines what
-does not fit); this view is a policy signal for routing and local admission. It describes
-the node's cache *after* the plans issued so far, and is corrected by three sources of truth:
+The node is the authority on its own memory; this view, the node's cache *after* the plans
+issued so far, is a policy signal for routing and local admission. The node's snapshots,
+its :class:`~tessera.messages.control.ResidencyReport` (inserted, evicted, kept) and liveness (a dead
+node comes back empty) correct it.
 
-* the node's snapshot at plan time (units of the request it holds, which it pins),
-* its :class:`~tessera.messages.ResidencyReport` (insertions it made, units it dropped or
-  declined to insert, and victims it was allowed to drop but *kept* because evicting fewer
-  was enough), delivered in the order the node made the changes,
-* liveness: a node declared dead is assumed to come back empty.
+So that corrections are not misread: *planned* units (admitted, not yet inserted) count
+against capacity and are never victims; *evicting* units (given up by a plan, drop not yet
+reported) are not resident again because a snapshot still shows them.
 
-Two kinds of in-flight change are tracked so the corrections are not misread:
-
-* *planned* units were admitted by a plan but not yet inserted. They count against
-  capacity (the insertion is coming) and are never victims (dropping them frees nothing).
-* *evicting* units were given up by a plan (``local_evict``) and the node has not reported
-  the drop yet. A snapshot may still show them; that does not make them resident again,
-  and the node's later eviction report is an acknowledgement, not news.
-
-This module knows nothing about the shared tier or about routing policies; each view keeps
-its own bit of the routing index (:class:`~tessera.control.locality.Locality`) up to date.
+This module knows nothing about the shared tier or routing policies.
 """
 
 from __future__ import annotations
@@ -43,9 +33,7 @@ class LocalTier:
         self.planned: dict[str, str] = {}  # unit -> request whose plan admitted it (uninserted)
         self.evicting: dict[str, int] = {}  # unit -> evictions asked of the node, not yet reported
         self.victim_blocks: dict[str, int] = {}  # blocks of each evicting unit: a kept victim comes back
-        # the routing index shared by every node's view (one lookup per unit ranks all nodes);
-        # this view sets and clears only its own bit
-        self.bit = bit
+        self.bit = bit  # this view's bit in the routing index shared by every view
         self.locality = Locality(1) if locality is None else locality
 
     @property
@@ -136,9 +124,8 @@ class LocalTier:
     def keep(self, unit_ids: Iterable[str]) -> None:
         """The node was allowed to evict these units but kept them (ResidencyReport.kept).
 
-        Regression: the node evicts only as many victims as the insertion needs, so the view
-        that dropped every victim believed in free space the node did not have; every later
-        admission was declined and the kept units were never re-learned (the cache froze).
+        The node evicts only as many victims as the insertion needs; unless the view takes
+        the kept ones back, it believes in free space the node does not have.
         """
         for u in unit_ids:
             blocks = self.victim_blocks.get(u, 0)
@@ -203,11 +190,9 @@ class LocalTier:
 class AdmittedBlocks(Mapping[str, int]):
     """Block counts of the units local admission retained, on any node (one table for all views).
 
-    A node's ResidencyReport may confirm a unit its view had already dropped (the report was
-    late); the view re-adds it with the count its admission used. Verbs: ``admitted`` (a plan
-    retained the unit locally), ``reported`` (a node re-reported its cache with counts after
-    this plane restarted; a count from an admission wins), ``forget`` (revoked units).
-    Read as a mapping unit -> blocks by :meth:`LocalTier.confirm`.
+    A late ResidencyReport may confirm a unit its view already dropped; the view re-adds it
+    with this count. Verbs: ``admitted``, ``reported`` (a resync; an admission's count wins),
+    ``forget`` (revoked units).
     """
 
     __slots__ = ("_blocks",)

@@ -1,12 +1,8 @@
 """The routing index: which generation nodes' local views hold each unit, as one bitmask per unit.
 
 Each node's :class:`~tessera.control.local.LocalTier` sets and clears its own bit (node ``i``
-owns bit ``1 << i``) through ``add`` and ``discard`` as its view admits and drops units; a
-cache-aware router asks which nodes hold how many blocks of a request's units
-(``holders``: holder mask -> blocks). Popular units share holder sets, so the count is
-added once per distinct mask, not once per unit, and a router spreads it only over the
-bits of the masks, never over every node (``spread`` builds the per-node list, for routers
-that want one).
+owns ``1 << i``). ``holders`` answers holder mask -> blocks: popular units share holder sets,
+so a router's cost follows the distinct masks, not the units or the nodes.
 
 This module knows nothing of admission, capacity or liveness.
 """

@@ -1,17 +1,11 @@
 """Cluster membership as the control plane sees it: generation nodes and memory nodes.
 
-Generation nodes are declared in the config; each becomes routable only once it was heard
-(its first ``LoadReport``, the heartbeat, or a residency report), and is declared dead when
-it stays silent past ``control.heartbeat_timeout_s`` or at once when the serving layer
-could not reach it (``ControlPlane.suspect``). A node never heard is never routed to: after
-a retrieval-role restart, a node that died meanwhile must not attract traffic.
+A generation node is routable only once heard from, and dead when silent past
+``control.heartbeat_timeout_s`` or unreachable: after a restart of the plane, a node that
+died meanwhile must not attract traffic. A memory node exists once it said hello; a new
+``boot_id`` from a known node means it restarted with an empty arena.
 
-Memory nodes exist for the control plane only once they said hello; the hello is repeated
-as a heartbeat. A hello with a new ``boot_id`` from a known node means the node restarted
-with an empty arena.
-
-This module records who is there; the plane decides what a departure means for the
-directory and the caches.
+This module records who is there; the plane decides what a departure means.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from dataclasses import dataclass, field
 from tessera.control.fleet import Fleet
 from tessera.control.local import LocalTier
 from tessera.errors import BadRequest
-from tessera.messages import MemoryNodeHello
+from tessera.messages.kvpool import MemoryNodeHello
 
 MAX_SLOT_BYTES = 1 << 28  # one block of B tokens of the largest models is far below this
 SERVICE_WINDOW = 32  # service-time samples averaged: more than the requests one engine batch starts
@@ -42,14 +36,10 @@ class GenerationMember:
     inflight: int = 0  # requests routed here and not completed (the plane's own count)
     alive: bool = False  # routable: heard from, and not silent or unreachable since
     last_seen: float | None = None  # None: never heard from
-    # the plane's view of its cache is incomplete (never heard from, or cleared when it was
-    # declared dead): the next heartbeat's ack asks the node to report its whole cache
-    resync: bool = True
+    resync: bool = True  # the plane's view of its cache is incomplete: the next ack asks for all of it
     queued_tokens: int = 0  # the node's own figures from its last LoadReport (metrics)
     prefill_tokens_per_s: float = 0.0  # the node's measured prefill rate (0: not measured yet)
-    # queueing as the plane itself sees it: requests routed here that have no first token yet
-    # (request id -> when routed), and how long each one held the head of that queue
-    waiting: dict[str, float] = field(default_factory=dict)
+    waiting: dict[str, float] = field(default_factory=dict)  # routed, no first token yet: id -> when routed
     service_s: float = 0.0  # mean of the last SERVICE_WINDOW samples; 0 until a first request started
     last_start: float = float("-inf")
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
@@ -75,17 +65,10 @@ class GenerationMember:
         """A request routed here sent its first event: one service-time sample.
 
         The sample is the time it held the head of the queue, ``start - max(routed, previous
-        start)`` (a FIFO server's service time); requests the engine batched together give
-        short samples, so the average follows the node's real throughput, batching included,
-        from what the clients see rather than from the node's own figures.
-
-        The average is a plain mean over a window longer than a batch. A moving average
-        weighted each sample by its order, and a batch's starts come in order: one long
-        sample, then one near 0 per request batched with it. The zeros came last and pulled
-        the average down, most of all with long queues (the default 10 s bound lets a node
-        batch many first tokens at once): at 3x saturation accepted requests reached their
-        first token at p99 21.5 s against the promised 11.9 s (bound + one service time;
-        issue 22). With the window: 13.8 s.
+        start)``; batched requests give short samples, so the mean follows the node's real
+        throughput as the clients see it. It is a plain mean over a window longer than a
+        batch: a batch's starts arrive as one long sample then near-zeros, and an
+        order-weighted average would let those zeros drag the estimate down.
         """
         routed = self.waiting.pop(request_id, None)
         if routed is None:
@@ -168,7 +151,6 @@ class MemoryNodes:
         if msg.capacity_blocks <= 0 or msg.block_bytes <= 0:
             raise BadRequest(f"memory node {msg.name!r}: capacity_blocks and block_bytes must be > 0")
         # a hello's claims size the allocator: only what the config gives the node is believed
-        # (a forged capacity_blocks = 1e9 once built a billion-entry free list and OOM-killed the plane)
         configured = self.capacities[msg.name]
         if configured and msg.capacity_blocks != configured:
             raise BadRequest(f"memory node {msg.name!r} claims {msg.capacity_blocks} blocks; the config gives it "

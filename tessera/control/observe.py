@@ -1,4 +1,4 @@
-"""``GET /control/state``: what the control plane believes, for checkers (tessera/hosts/checker.py).
+"""``GET /control/state``: what the control plane believes, for checkers (tessera_lab/hosts/checker.py).
 
 A read-only dump of the shared directory (every entry with its epoch, state, blocks, writer,
 deadline and read leases) and of every generation node's local view, stamped with the

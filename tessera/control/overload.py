@@ -6,17 +6,13 @@ to nodes where it would queue at most ``control.max_queue_wait_s``; when there i
 refused with 429 and a Retry-After. Refusing at once keeps the accepted requests' time to
 first token bounded; queueing everything only makes every request late.
 
-The bound is on the time from the request's arrival, so the time it already spent before
-routing (tokenizing, retrieving, ingesting its units: work on the same cores as busy
-engines) counts against it. Counting only the node's queue let accepted requests reach
-their first token at p99 13.5 s against the promised 11.9 s (bound + one service time) at
-3x saturation (issue 22).
+The bound is on the time from the request's arrival: the time spent before routing
+(tokenizing, retrieving, ingesting units, on the same cores as busy engines) counts against
+it, or accepted requests would overshoot the promise under overload.
 
-The plane asks ``admit_mask`` of the :class:`~tessera.control.fleet.Fleet`, which keeps each
-node's expected wait and marks the nodes with a queue (``queued``) and those over the whole
-bound (``over``) whenever a wait changes, so a request that has not waited yet costs no walk
-over the nodes, and one that has walks only the nodes with a queue. ``admit`` is the same rule
-over a list (the reference the tests compare with).
+``admit_mask`` reads the :class:`~tessera.control.fleet.Fleet`'s ``queued`` and ``over`` masks,
+so a request that has not waited walks no nodes. ``admit`` is the same rule over a list, the
+reference the tests compare with.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """How long a request may take to its first token on a node, and whether a late node is slow or gone.
 
-A node that still reports in is alive, however long its work takes: a ~7,000-token prompt
-needs over a minute of prefill on one CPU thread, and a fixed first-token deadline treated
-that as a dead node (the request was retried elsewhere, missed again, and both nodes left
-routing). So the deadline follows the work: the request's prompt tokens and the tokens
-queued ahead of it, at the prefill rate the node measured and reports with its heartbeat,
-plus the node's expected queueing (:meth:`GenerationMember.expected_wait_s`), plus
-``control.first_token_timeout_s`` as slack. Until a node has reported a measured rate (its
-first heartbeat after its first prompt, up to a second later) the work is priced at
-:data:`UNMEASURED_PREFILL_TOKENS_PER_S`, slower than any configuration we serve: with the
-slack alone, a node's first long prompt after a start was judged slow and refused (503).
+A node that still reports in is alive however long its work takes, so the deadline follows
+the work: the prompt and the tokens queued ahead of it at the node's reported prefill rate,
+plus its expected queueing, plus ``control.first_token_timeout_s`` as slack. A node that has
+not reported a rate yet is priced at :data:`UNMEASURED_PREFILL_TOKENS_PER_S`, so its first
+long prompt is not mistaken for a dead node.
 
-Missing the deadline is judged by the heartbeat (:class:`NodeWatch`): a node heard since the
-wait began is slow (its request fails, the node keeps serving the others and stays in
-routing); a node not heard since is gone (its request is retried elsewhere). A node the
-plane declared dead meanwhile (missed heartbeats) ends the wait at once.
-
-A replica that does not lead (``[ha]``) hears no heartbeats: its :class:`RemoteWatch` takes
-the deadline the leader computed and judges by the leader's heartbeats (:class:`Heard`, asked
-over ``/control/liveness`` as the wait looks at the node), by the same rule: heard since the
-wait began is slow, declared dead by the leader is gone. Without a recent answer from the
-leader nobody can tell, and a late node counts as slow (a 503, not a retry elsewhere).
+A late node heard since the wait began is slow (its request fails, the node stays in
+routing); one not heard since is gone (the request is retried elsewhere); one declared dead
+meanwhile ends the wait at once. A replica that does not lead (:class:`RemoteWatch`) applies
+the same rule to the leader's heartbeats; when the leader cannot be asked, late counts as slow.
 
 This module knows nothing of HTTP; the retrieval role's node client applies the watch.
 """
@@ -32,9 +21,8 @@ from typing import Protocol
 
 from tessera.control.membership import GenerationMember
 
-# tokens/s assumed for a node that has not reported a measured prefill rate yet: an 8th of
-# SmolLM2-135M's fp32 rate on one CPU thread (~400 tok/s), so an unmeasured node is given the
-# benefit of the doubt; a node that stops reporting is still caught by its heartbeats
+# tokens/s assumed before a node reports its prefill rate: slower than any configuration we
+# serve, so an unmeasured node gets the benefit of the doubt (its heartbeats still catch a death)
 UNMEASURED_PREFILL_TOKENS_PER_S = 50.0
 
 

@@ -1,27 +1,16 @@
 """The control plane: routing, two-step per-unit plans, and the shared tier's bookkeeping.
 
-Used in process by the retrieval role's chat layer and over HTTP by the other roles (paper Fig. 10):
+Steps as numbered in the paper's Fig. 10 (step 1, retrieval, happens before the plane is
+asked): 2. ``route`` picks a generation node; 3. that node answers a snapshot of the units
+it holds (and pins); 4. ``finalize`` makes the per-unit plan (:mod:`tessera.control.planner`).
+``complete`` ends a request; one never completed expires after ``control.request_ttl_s``.
 
-Steps as numbered in the paper's Fig. 10 (step 1, retrieval and identification, happens in
-the retrieval role before the plane is asked):
+A *revoked* unit (deleted or replaced) is computed from text and retained nowhere by every
+later plan, whatever a node's snapshot says; its shared entry takes no new lease and goes
+once its leases drain.
 
-2. ``route(request_id, units)``: pick a generation node (routing policy over in-flight
-   counts and the local residency views) and dispatch the request to it.
-3. The chosen node answers a snapshot: which of the units it holds (and pins).
-4. ``finalize(request_id, node, held)``: the per-unit plan (:mod:`tessera.control.planner`).
-
-``complete(request_id)`` ends the request (in-flight accounting). A request never completed
-(its caller died) expires after ``control.request_ttl_s``; ``suspect(node)`` takes a node
-that could not be reached out of routing until it is heard again.
-
-Revocation (``revoke``): a deleted or replaced unit is *revoked*. From then on every plan
-computes it from text and retains it nowhere, whatever a node's snapshot says (a node that
-missed the drop order cannot get it used); its shared entry takes no new lease and goes
-once its leases drain; a pending reservation of it is dropped, so its publish is refused.
-
-The plane never touches payload bytes or tensors, and never waits on the network: every
-method is synchronous and cheap enough to run on the event loop. It takes messages already
-decoded (and their version checked) where the bytes arrived: :func:`tessera.http.body`.
+The plane never touches payload bytes or tensors and never waits on the network: every
+method is synchronous and cheap enough to run on the event loop.
 """
 
 from __future__ import annotations
@@ -47,20 +36,17 @@ from tessera.control.router import make_router
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
 from tessera.errors import BadRequest, Unavailable
-from tessera.messages import (
-    Ack,
+from tessera.messages.common import Ack
+from tessera.messages.control import (
     CancelRequest,
     InvalidateRequest,
-    InventoryResult,
     LoadReport,
-    MemoryNodeHello,
-    MemoryNodeHelloAck,
-    MemoryNodeInventory,
     PublishRequest,
     ReleaseRequest,
-    RequestPlan,
     ResidencyReport,
 )
+from tessera.messages.kvpool import InventoryResult, MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
+from tessera.messages.plan import RequestPlan
 from tessera.metrics import Metric, gauge
 from tessera.transport.terms import TERM_SHIFT
 from tessera.wire import WIRE_VERSION
@@ -97,12 +83,10 @@ class ControlPlane:
         self.shared = SharedTier(self.directory, make_admission(admission, control))
         self.locality = Locality(len(config.generation))  # which nodes' local views hold each unit
         self.queue_bound = QueueBound(control.max_queue_wait_s)
-        # memory nodes refuse older terms only where every read and write passes their tcp data
-        # port's capability check: with shm or mooncake the writer touches the arena itself
+        # only tcp checks every access's capability; with shm or mooncake the writer touches the arena
         self._terms_enforced = config.transport.name == "tcp" and self.directory.capabilities is not None
         self.fences_lifted = 0  # restart fences ended early by term (hello with term_settled)
         self.suspected = 0  # nodes the serving layer (this replica's or a follower's) could not reach
-        # alive nodes by in-flight count and expected wait, as bitmasks: routing walks no list of nodes
         self.fleet = Fleet(len(config.generation), control.max_queue_wait_s)
         self.nodes: dict[str, GenerationMember] = {
             g.name: GenerationMember(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
@@ -127,7 +111,7 @@ class ControlPlane:
 
     def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
               waited_s: float = 0.0) -> str:
-        """Step 1: choose the generation node for a request's (unit_id, n_tokens) list.
+        """Step 2: choose the generation node for a request's (unit_id, n_tokens) list.
 
         ``exclude``: nodes this request already tried (a retry goes elsewhere). ``waited_s``:
         the time since the request arrived (it counts against the queueing bound).
@@ -161,14 +145,8 @@ class ControlPlane:
 
     def _holders(self, pairs: tuple[tuple[str, int], ...]) -> dict[int, int]:
         """Holder masks -> blocks of the request's units that the shared tier does not hold ready
-        (all of them for a router that ``counts_shared``).
-
-        A unit ready in the shared tier is a copy away from every node (milliseconds, against
-        a prefill of its tokens), so holding it locally does not make a node a better place;
-        counting it drew requests to a busy holder while another node sat idle (issue 16's
-        ablation). Only units another node would have to compute count for locality. (Revoked
-        units need no filter: the local views forget them and never confirm them again.)
-        """
+        (all of them for a router that ``counts_shared``): a shared unit is a copy away from
+        every node, so holding it locally does not make a node a better place."""
         return self.locality.holders(pairs, None if self.router.counts_shared else self.directory.ready)
 
     def _local_blocks(self, pairs: tuple[tuple[str, int], ...]) -> list[int]:
@@ -248,8 +226,7 @@ class ControlPlane:
         self.liveness.heard(node, self.clock())
         node.queued_tokens = msg.queued_tokens
         node.prefill_tokens_per_s = msg.prefill_tokens_per_s
-        # first report to this plane (a new incarnation), or back from dead (its view was
-        # cleared; snapshots alone re-learn only the units requested again): the whole cache
+        # a view cleared or never filled would re-learn from snapshots only the units asked again
         return Ack(WIRE_VERSION, True, "resync" if resync else "")
 
     def generation_node(self, name: str) -> GenerationMember:
@@ -310,11 +287,9 @@ class ControlPlane:
     def hello(self, msg: MemoryNodeHello) -> MemoryNodeHelloAck:
         """Register a memory node's arena; a new boot id means it restarted empty.
 
-        The answer carries this plane's term, signed for that node and boot. A node whose data
-        port refuses every older term (tcp with a secret) and reports that no request of an
-        older term is still in progress there (``term_settled``) cannot receive a stale write or
-        serve a stale read any more: its restart fence ends at once instead of after the last
-        grant of the earlier incarnation could have expired (~40 s by default; issue 24).
+        The answer carries this plane's term, signed for that node and boot. A node that
+        refuses every older term (tcp with a secret) and has none in progress (``term_settled``)
+        can no longer see a stale write or read, so its restart fence ends at once.
         """
         directory = self.directory
         outcome = self.memory.hello(msg, self.clock())
@@ -337,11 +312,8 @@ class ControlPlane:
     def adopt(self, msg: MemoryNodeInventory, units: Mapping[str, tuple[str, int]]) -> InventoryResult:
         """Recovery: rebuild READY entries from the verified blocks a memory node still holds.
 
-        ``units`` maps a unit key (hex digest) to (unit_id, n_tokens) for the units that still
-        exist in the store. A unit is adopted when every one of its blocks was reported at one
-        epoch, with the token counts its length implies, in slots that are free now; blocks of
-        units that are gone, revoked or incomplete are simply left free (reclaimed). A unit
-        whose blocks span several memory nodes is adopted once the last of them reported.
+        ``units`` maps a unit key (hex digest) to (unit_id, n_tokens) for the units still in
+        the store. Blocks of units that are gone, revoked or incomplete are left free.
         """
         if self.memory.boot_id(msg.name) != msg.boot_id:
             raise BadRequest(f"memory node {msg.name!r} (boot {msg.boot_id}) must say hello before its inventory", 409)

@@ -25,7 +25,7 @@ from tessera.control.local import AdmittedBlocks
 from tessera.control.requests import RequestTable
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.messages import Preparation, RequestPlan, Retention, UnitPlan
+from tessera.messages.plan import Preparation, RequestPlan, Retention, UnitPlan
 from tessera.wire import WIRE_VERSION
 
 LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
@@ -153,6 +153,40 @@ class Planner:
         plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
         self.stats.add(len(units), n_local, n_remote, n_keep_local, n_keep_shared, len(evict))
         return plan
+
+    def plan_reference(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        """What :meth:`plan` decides, written plainly through the collaborators' verbs.
+
+        The specification of ``plan``: the same plan and the same bookkeeping (leases, grants,
+        admissions, evictions, counters), without interned plans or inlined steps; a property
+        test holds the two together on random clusters and requests.
+        """
+        r = self.requests.claim_plan(request_id, node)
+        local = r.node.local
+        held = self._usable(held)
+        local.reconcile(r.pairs, held, self.requests)
+        local.observe(tuple(r.tokens))
+        self.shared.observe(tuple(r.tokens))
+        # every lease before any retention decision, so no eviction of this plan frees a block it reads
+        leases = [None if u in held else self.directory.lease(u, node) for u, _ in r.pairs]
+        units: list[UnitPlan] = []
+        evict: list[str] = []
+        for (u, b), lease in zip(r.pairs, leases, strict=True):
+            n = r.tokens[u]
+            retain = u not in self.revoked
+            prep = LOCAL if u in held else COMPUTE if lease is None else REMOTE
+            victims = local.admit(u, b, request_id, r.tokens) if prep is not LOCAL and retain else None
+            if victims is not None:
+                self.admitted.admitted(u, b)
+                evict += victims
+            grant = None
+            if retain and lease is None and not self.shared.resident(u):
+                grant = self.shared.admit(u, n, b, node)
+            units.append(UnitPlan(u, n, prep, Retention.of(victims is not None, grant is not None), lease, grant))
+        self.stats.add(len(units), sum(p.preparation is LOCAL for p in units),
+                       sum(p.preparation is REMOTE for p in units), sum(p.retention.local for p in units),
+                       sum(p.retention.shared for p in units), len(evict))
+        return RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
 
     def _usable(self, held: Collection[str]) -> Collection[str]:
         """The snapshot as a set, without revoked units (a node that missed the drop order may hold one)."""

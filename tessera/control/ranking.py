@@ -1,17 +1,10 @@
 """Residents ranked by a score that changes often: buckets of equal scores, walked in order.
 
-Scores of the demand rule take few distinct values (w_recent·a + w_lifetime·b for small
-counts a, b), so residents are grouped in one insertion-ordered dict per score, and only
-the set of distinct scores is kept sorted. Moving a unit between scores is two dict
-operations; the sorted set changes only when a bucket appears or empties.
-
-Within a bucket, the unit keyed earliest comes first (the natural tie-break: its score
-last changed longest ago). The structure files each unit's slot (of the tier's
-:class:`~tessera.control.record.UnitTable`) under the score it was *keyed* at, and keeps that
-score in the table's ``keyed`` column (:data:`~tessera.control.record.NOT_KEYED`: not
-ranked); the caller decides when a key is stale (see
-:class:`~tessera.control.admission.DemandAdmission`). Buckets hold ints only, so the
-collector tracks none of them.
+Demand scores take few distinct values (w_recent·a + w_lifetime·b for small counts), so
+slots are grouped in one insertion-ordered dict per score and only the distinct scores are
+kept sorted: a move is two dict operations. Within a bucket the unit keyed earliest comes
+first. The caller decides when a key is stale (see
+:class:`~tessera.control.admission.DemandAdmission`).
 """
 
 from __future__ import annotations
@@ -34,9 +27,7 @@ class ScoreBuckets:
         self._buckets: dict[float, dict[int, None]] = {}
         self._scores = SortedList()  # distinct keyed scores, ascending
         self._size = 0
-        # the smallest keyed score (inf when empty): a caller can tell without starting a walk
-        # that nothing ranks below its candidate
-        self.lowest = math.inf
+        self.lowest = math.inf  # lets a caller skip a walk when nothing ranks below its candidate
 
     def __len__(self) -> int:
         return self._size
@@ -93,8 +84,7 @@ class ScoreBuckets:
                     else:
                         yield r
             finally:
-                # applied after the bucket loop (a dict cannot change while iterated), and on
-                # an early stop too, so the keys stay honest
+                # after the bucket loop (a dict cannot change while iterated), and on an early stop
                 for r, now in moved:
                     self.put(r, now)
             if score in self._buckets:

@@ -1,27 +1,11 @@
 """What one cache tier knows about its units, kept in columns: one slot per unit.
 
-Each tier (the shared tier, and each generation node's local view) keeps a
-:class:`UnitTable`: unit id -> slot, and per slot the unit's demand in the tier's own
-request stream (f_W ``recent``, f_∞ ``lifetime``), its residency in the tier (``blocks``
-held; 0: not resident) and its place in the tier's eviction ranking (``keyed``: the score
-it was filed under, :data:`NOT_KEYED` when not ranked).
+Why columns and not one object per unit: a tier holds every unit its stream ever
+retrieved, and one Python object per unit is one more object every full garbage collection
+scans in the plan loop. A str->int dict, an ``array`` and lists of ints are not tracked or
+are walked cheaply. Slots live as long as the tier, like the lifetime counts they hold.
 
-Why columns and not one object per unit: the tables hold every unit a stream has retrieved
-(10^4–10^5 per tier, ~120k at 256 nodes), and one Python object per unit is one object the
-cyclic garbage collector tracks. Every full collection scanned all of them: 60–250 ms pauses
-in the plan loop, though none of them can ever be part of a cycle. Here a tier is a handful
-of containers whatever its size: the slot map holds only strings and ints (CPython does not
-track such a dict), ``keyed`` is an ``array`` (not tracked), and the int columns are lists
-of ints, which a collection walks with no per-unit object to examine (counts are mostly
-small, preallocated ints); the demand window keeps tuples of slots, which the collector
-untracks at their first collection. A column read is one list index, as many instructions
-as an attribute of a per-unit object; the possible price is locality (one unit's state
-spans four lists, more cache lines per unit), which README "Control plane" did not measure
-beyond this machine's noise.
-
-Slots are created on a unit's first retrieval in the stream (or when the tier learns it
-holds the unit) and live as long as the tier, like the lifetime counts they hold. This
-module knows nothing about scores, capacity or nodes; the policies give the columns meaning.
+This module knows nothing about scores, capacity or nodes; the policies give the columns meaning.
 """
 
 from __future__ import annotations

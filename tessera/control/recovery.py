@@ -1,22 +1,19 @@
 """Reassembling shared-tier entries from memory nodes' inventories after a plane restart.
 
-Memory nodes report the blocks they hold, verified against their own headers (unit digest,
-epoch, block index, token counts, CRCs; see kvpool/inventory.py). This module groups those
-blocks into candidate entries: a unit is *complete* when every one of its ceil(T / B) blocks
-was reported at one epoch, each with the token count its index implies for the unit's
-current length T. Blocks of a unit spread over several memory nodes wait here until the
-last node reported.
+Memory nodes report the blocks they hold, verified against their own headers. A unit is
+*complete* when all its ceil(T / B) blocks were reported at one epoch, each with the token
+count its index implies for the unit's current length T.
 
-It decides nothing about slots or leases: the directory adopts a complete candidate only
-if all its slots are free (Directory.adopt), and the plane decides which units may be
-adopted at all (live in the store, not revoked).
+It decides nothing about slots or leases: the directory adopts a candidate only if all its
+slots are free, and the plane decides which units may be adopted at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from tessera.messages import BlockRef, InventoryBlock
+from tessera.messages.common import BlockRef
+from tessera.messages.kvpool import InventoryBlock
 
 
 class Reassembly:

@@ -1,15 +1,9 @@
 """The plane's table of routed requests, between ``route`` and ``complete``, and their in-flight counts.
 
-A request enters at route (the chosen node's ``inflight`` goes up), takes its one plan at
-finalize, and leaves at complete (``inflight`` goes down), or after ``control.request_ttl_s``
-if it is never completed: its caller died between route and complete, and it would pin the
-node's in-flight count (and the units its plan admitted) forever. Its leases and reservations
-expire in the directory on their own TTLs.
+A request never completed (its caller died) expires after ``control.request_ttl_s``, or it
+would pin its node's in-flight count and its plan's admissions forever.
 
 Invariant: a node's ``inflight`` is the number of requests in the table routed to it.
-
-The table keeps route order (an ordered dict), so expiry stops at the first young request. It
-knows nothing of the nodes' caches: the plane tells the local views which requests expired.
 """
 
 from __future__ import annotations

@@ -9,17 +9,13 @@ it is only computed for routers that set ``uses_locality``. The router reads eac
 well-formed input.
 
 The plane calls ``pick(loads, eligible, holders)``, the same decision over bitmasks (node
-``i`` is bit ``1 << i``): ``eligible`` the candidate nodes, ``loads`` their in-flight counts
-(:class:`Loads`, the plane's :class:`~tessera.control.fleet.Fleet`), ``holders`` the
-request's holder masks -> blocks (:meth:`~tessera.control.locality.Locality.holders`). By
-default it lists the candidates and calls ``choose``, so a new router needs only
-``choose``; the built-in ones override it to touch only the nodes holding the request's
-units and the least-loaded ones, never the whole fleet. ``choose`` stays the reference:
-a property test checks that ``pick`` agrees with it (tests/test_router.py).
+``i`` is bit ``1 << i``; ``holders`` maps holder masks to blocks). By default it calls
+``choose``, so a new router needs only ``choose``; the built-in ones override it to visit
+only holders and the least loaded, never the whole fleet, and a property test checks they
+agree with ``choose``.
 
-Shared-tier residency is deliberately left out of the counts: a shared hit is reachable
-from every node (a copy, not a prefill), so it cannot make one node better than another,
-and counting it queued requests behind a busy holder while another node was idle.
+Shared-tier residency is left out of the counts: every node can copy a shared hit, so it
+cannot make one node better than another, and counting it queues requests behind a holder.
 """
 
 from __future__ import annotations
@@ -59,9 +55,7 @@ class Loads(Protocol):
 class Router(ABC):
     name: ClassVar[str]
     uses_locality: ClassVar[bool] = False
-    # count local blocks the shared tier also holds ready (paper §5.2 as written); off by
-    # default, where only blocks no other node could copy count (see the module docstring)
-    counts_shared: ClassVar[bool] = False
+    counts_shared: ClassVar[bool] = False  # count local blocks the shared tier also holds (§5.2 as written)
 
     def __init__(self, n_nodes: int) -> None:
         assert n_nodes > 0, n_nodes
@@ -142,7 +136,7 @@ class CacheAwareRouter(Router):
         within = eligible & (loads.at(least) | loads.at(least + 1))
         counts: dict[int, int] = {}
         for mask, b in holders.items():
-            for i in bits(mask & within):  # holder sets are small (1-2 nodes of 256 in the bench)
+            for i in bits(mask & within):  # holder sets are small
                 counts[i] = counts.get(i, 0) + b
         if not counts:
             return self._next_of(loads.at(least) & eligible)
@@ -166,9 +160,7 @@ class CacheAwareAllRouter(CacheAwareRouter):
     """:class:`CacheAwareRouter` counting every local block, also those the shared tier holds.
 
     The paper's rule as written: a local hit saves the copy from the pool as well as a
-    prefill. Worth it where pool transfers are slow against prefill (TCP across hosts, long
-    units); on shared memory the copy costs milliseconds and this rule queued requests behind
-    a busy holder (README, Benchmarks: ablations).
+    prefill. Worth it only where pool transfers are slow against prefill (TCP across hosts).
     """
 
     counts_shared = True

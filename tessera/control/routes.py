@@ -20,16 +20,9 @@ GET  /control/kvpool   the registered memory nodes' hellos
 GET  /control/stats    counters of the control plane
 =====================  ======================================================================
 
-These routes live on the retrieval role's *internal* listener only, behind the cluster-secret
-middleware of :mod:`tessera.auth` (401 before any handler for an unsigned request).
-
-The request path (route, plan, complete) is a supported remote API: the role that hosts the
-plane calls it in process, any other process through
-:class:`~tessera.control.client.RequestControl`, and gets the same plans
-(``tests/test_control_rpc.py``).
-
-The routes see only the :class:`ControlPlane` (``app[CONTROL_PLANE]``); the role that hosts
-them may add figures of its own to ``/control/stats`` through ``app[STATS_EXTRA]``.
+These routes live on the *internal* listener only, behind the cluster-secret middleware of
+:mod:`tessera.auth`. The request path (route, plan, complete) is a supported remote API that
+gives the same plans as the in-process plane. The routes see only the :class:`ControlPlane`.
 """
 
 from __future__ import annotations
@@ -44,16 +37,14 @@ from tessera.control.pace import first_token_deadline_s
 from tessera.control.plane import ControlPlane
 from tessera.errors import BadRequest
 from tessera.http import body, reply
-from tessera.messages import (
-    Ack,
+from tessera.messages.common import Ack
+from tessera.messages.control import (
     CancelRequest,
     CompleteRequest,
     InvalidateRequest,
     LivenessReport,
     LivenessRequest,
     LoadReport,
-    MemoryNodeHello,
-    MemoryNodeList,
     NodeLiveness,
     PlanRequest,
     PublishRequest,
@@ -64,6 +55,7 @@ from tessera.messages import (
     SuspectRequest,
     UnitsChanged,
 )
+from tessera.messages.kvpool import MemoryNodeHello, MemoryNodeList
 from tessera.wire import WIRE_VERSION
 
 # the plane the routes serve, asked per request: a replica that does not lead (or no longer

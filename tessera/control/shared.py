@@ -1,13 +1,8 @@
 """The shared KV tier as admission sees it: the Directory plus the tier's admission policy.
 
-The policy's resident set mirrors the Directory's entries (PENDING and READY): every entry
-the directory drops for its own reasons (cancel, expiry, a memory node lost) must be
-``forget``-ed here. Victims are only entries :meth:`Directory.can_evict` allows (READY and
-unleased), so blocks under a read lease, including one granted earlier in the same plan,
-are never reclaimed, and a PENDING entry is never evicted under its writer.
-
-Free space is the allocator's free list: quarantined blocks (a cancelled write may still
-land there) are not free until their grace period ends.
+Invariant: the policy's resident set mirrors the Directory's entries (PENDING and READY), so
+every entry the directory drops on its own must be ``forget``-ed here. Victims are only
+entries :meth:`Directory.can_evict` allows (READY and unleased).
 """
 
 from __future__ import annotations
@@ -16,7 +11,8 @@ from collections.abc import Iterable
 
 from tessera.control.admission import AdmissionPolicy
 from tessera.control.directory import Directory
-from tessera.messages import BlockRef, WriteGrant
+from tessera.messages.common import BlockRef
+from tessera.messages.plan import WriteGrant
 
 
 class SharedTier:
@@ -39,9 +35,7 @@ class SharedTier:
     def admit(self, unit_id: str, n_tokens: int, n_blocks: int, writer: str) -> WriteGrant | None:
         """Reserve a PENDING entry for ``writer`` if the unit passes shared admission.
 
-        Free space is taken at first sight; when space is short the policy decides (demand:
-        strictly-lower-scored, safe entries are evicted). Returns the grant, or None (already
-        has an entry, not admitted, or no room).
+        Returns the grant, or None (already has an entry, not admitted, or no room).
         """
         directory = self.directory
         if unit_id in directory:

@@ -1,17 +1,9 @@
 """A simulated cluster: the real control plane, on a simulated clock, with generation nodes that
 do exactly what their plans say.
 
-One process, one thread, no network: the plane's verbs are called directly with the messages
-the roles would send. The simulated nodes keep a set of units each (their local caches):
-they drop a plan's ``local_evict``, insert what the plan retains locally as far as their
-capacity allows (declining the rest, as a real node does), write back and publish their
-grants, release their leases and send their ResidencyReport. Memory nodes only say hello;
-no block is ever written. Time moves only when the caller advances the clock.
-
-The tests' plane scenarios and ``bench/control_plane.py`` drive the plane through this class,
-so both see the same cluster (node heartbeats and capacity checks included).
-
-This module knows nothing of HTTP, tensors or payload bytes.
+The plane's verbs are called directly with the messages the roles would send; memory nodes
+only say hello and no block is ever written. The tests and ``bench/control_plane.py`` both
+drive the plane through this class, so they see the same cluster.
 """
 
 from __future__ import annotations
@@ -20,14 +12,9 @@ from collections.abc import Sequence
 
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
-from tessera.messages import (
-    LoadReport,
-    MemoryNodeHello,
-    PublishRequest,
-    ReleaseRequest,
-    RequestPlan,
-    ResidencyReport,
-)
+from tessera.messages.control import LoadReport, PublishRequest, ReleaseRequest, ResidencyReport
+from tessera.messages.kvpool import MemoryNodeHello
+from tessera.messages.plan import RequestPlan
 from tessera.units import blocks_for
 from tessera.wire import WIRE_VERSION
 
@@ -99,11 +86,8 @@ class SimulatedCluster:
 
     def execute(self, plan: RequestPlan, *, publish: bool = True, release: bool = True,
                 complete: bool = True, decline: bool = False) -> None:
-        """The node follows the plan: drop victims, insert what fits, write back + publish, release, report.
-
-        Like a real node it enforces its own capacity and reports what it declined; ``decline``
-        makes it decline its first insertion regardless.
-        """
+        """The node follows the plan: drop victims, insert what fits (``decline``: not the first),
+        write back + publish, release, report."""
         plane, blocks, b = self.plane, self.blocks, self.block_tokens
         cache = self.caches[plan.node]
         cache.difference_update(plan.local_evict)

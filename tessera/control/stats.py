@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tessera.messages import Preparation, RequestPlan, Retention
+from tessera.messages.plan import Preparation, RequestPlan, Retention
 
 LOCAL, REMOTE = Preparation.LOCAL, Preparation.REMOTE
 KEPT_LOCAL, KEPT_BOTH = Retention.LOCAL, Retention.BOTH

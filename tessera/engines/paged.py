@@ -17,12 +17,11 @@ Same model, same contract as :mod:`tessera.engines.reference`, shaped for a GPU:
 * compute in ``model.dtype`` (bfloat16 on GPUs).
 
 Why SDPA per item rather than one SDPA over the packed batch or FlexAttention: a packed
-batch needs a dense ``[N, N]`` mask (a 16k-token step: 256 M entries per call) that also rules
-out the flash kernel; FlexAttention's block mask avoids that but needs ``torch.compile`` (minutes
-of compile per shape class on a 15-minute device budget, and an unfused fallback on CPU).
-Per-item SDPA keeps the flash path for causal prefills and costs one launch per prefill item;
-decodes, where per-item launches would dominate, are batched into one call. Measured on CPU
-(bench/attention.py): per-item SDPA is 3-6x faster than the packed call with its mask.
+batch needs a dense ``[N, N]`` mask that also rules out the flash kernel; FlexAttention's
+block mask avoids that but needs ``torch.compile`` per shape class (and falls back unfused on
+CPU). Per-item SDPA keeps the flash path for causal prefills and costs one launch per prefill
+item; decodes, where per-item launches would dominate, are batched into one call
+(bench/attention.py compares the three).
 
 The exact-prefix cache is the reference engine's radix cache of KV copies (not page sharing).
 This module knows nothing about plans, transports or which units are cached where.

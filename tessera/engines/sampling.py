@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tessera.messages import SamplingParams
+from tessera.messages.generation import SamplingParams
 
 # below this temperature sampling is greedy: logits / t overflow to inf (NaN probabilities)
 # long before t reaches 0, and the distribution is one-hot anyway

@@ -11,14 +11,11 @@
 Each engine call a request awaits queues behind the running forward, so it makes one before
 its extend (the scheduler's "Hops").
 
-On an engine that ``fuses_unit_prefills`` (the reference engine) a unit that no one on this
-node is computing yet is not prefilled as a job of its own: the final extend carries it
-(:class:`~tessera.engines.base.UnitFeed`), prefilled independently in the same forward and
-placed into the slots layer by layer, bit for bit what the separate prefill and placement
-give. A request that misses a unit then reaches its first token in one forward, not two:
-on this CPU a forward's fixed part was ~35-65 ms, and under load the separate prefill
-queued behind other requests' extends before its own extend queued again. The claim is
-coalesced like a job: another request missing the same unit waits for this forward.
+On an engine that ``fuses_unit_prefills`` a unit no one on this node is computing yet rides
+on the final extend (:class:`~tessera.engines.base.UnitFeed`), prefilled independently in the
+same forward, bit for bit what a separate prefill and placement give. A request that misses
+a unit then reaches its first token in one forward, not two, and does not queue twice under
+load. Another request missing the same unit waits for this forward.
 
 A remote fetch that fails, times out or fails its checksum, and a local or fetched state that
 cannot be copied to the device or placed (:class:`PlacementError`), fall back to computing
@@ -45,17 +42,9 @@ from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler, StartDeadline, UnplacedUnits
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import (
-    DoneEvent,
-    ExecuteRequest,
-    Preparation,
-    PromptLayout,
-    ReadLease,
-    RequestStats,
-    TokenEvent,
-    TopLogprob,
-    UnitPlan,
-)
+from tessera.messages.generation import DoneEvent, ExecuteRequest, RequestStats, TokenEvent, TopLogprob
+from tessera.messages.plan import Preparation, ReadLease, UnitPlan
+from tessera.messages.prompt import PromptLayout
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)

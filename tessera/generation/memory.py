@@ -1,10 +1,9 @@
 """Giving the memory of finished requests back to the operating system once a node is idle.
 
-A request's KV tensors (the reference engine's per-request slots, prefill activations) are
-freed when it ends, but glibc keeps freed heap memory in its arenas for reuse: after a
-burst of load a node's RSS stayed at the burst's peak (issue 22: ~1 GB more per node after
-90 s at 3x saturation, not returned a minute later). ``malloc_trim(0)`` returns the free
-pages of every arena. It is cheap but not free, so the node calls it once per idle spell.
+A request's KV tensors are freed when it ends, but glibc keeps freed heap memory in its
+arenas for reuse, so after a burst of load RSS would stay at the burst's peak.
+``malloc_trim(0)`` returns the free pages of every arena; it is cheap but not free, so the
+node calls it once per idle spell.
 
 What stays is what the node keeps on purpose, bounded by its config: the local unit cache
 (``local_capacity_blocks``) and the exact-prefix cache (``prefix_cache_tokens``).

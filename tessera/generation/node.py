@@ -7,7 +7,7 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
     POST /v1/execute    ExecuteRequest  -> NDJSON stream of TokenEvent lines, then one
                                            DoneEvent (or ErrorEvent)
     POST /v1/abort      AbortRequest    -> AbortResponse      (stops the run, or drops its pins)
-    POST /v1/revoke     RevokeRequest -> {"dropped": n}   (deleted units leave the local cache)
+    POST /v1/revoke     RevokeRequest   -> RevokeResponse     (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
 
 Only the retrieval role calls these: every route but ``/health`` needs a request signed with
@@ -42,23 +42,23 @@ from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.http import application
-from tessera.messages import (
+from tessera.http import application, body, reply
+from tessera.messages.generation import (
     AbortRequest,
     AbortResponse,
     DoneEvent,
     ErrorEvent,
     ExecuteRequest,
     RevokeRequest,
+    RevokeResponse,
     SnapshotRequest,
     SnapshotResponse,
-    check_version,
 )
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.tenants import KeyRing, admin_middleware
 from tessera.transport.terms import TermFence
-from tessera.wire import WIRE_VERSION, decode, encode
+from tessera.wire import WIRE_VERSION, encode
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -167,14 +167,12 @@ class GenerationNode:
         self.inflight.add(request_id)
 
     async def snapshot(self, request: web.Request) -> web.Response:
-        msg = decode(SnapshotRequest, await request.read())
-        check_version(msg.version)
+        msg = await body(request, SnapshotRequest)
         self._admit(msg.request_id)
         held = self.cache.held(msg.request_id, msg.unit_ids)
         loop = asyncio.get_running_loop()
         self._pin_timers[msg.request_id] = loop.call_later(self.pin_timeout_s, self._expire_pins, msg.request_id)
-        resp = SnapshotResponse(WIRE_VERSION, msg.request_id, self.name, tuple(held), len(self.inflight))
-        return web.Response(body=encode(resp), content_type="application/json")
+        return reply(SnapshotResponse(WIRE_VERSION, msg.request_id, self.name, tuple(held), len(self.inflight)))
 
     def _expire_pins(self, request_id: str) -> None:
         self._pin_timers.pop(request_id, None)
@@ -183,8 +181,7 @@ class GenerationNode:
             self.inflight.discard(request_id)
 
     async def execute(self, request: web.Request) -> web.StreamResponse:
-        msg = decode(ExecuteRequest, await request.read())
-        check_version(msg.version)
+        msg = await body(request, ExecuteRequest)
         if msg.plan.node != self.name:
             raise BadRequest(f"plan is for node {msg.plan.node!r}, this is {self.name!r}")
         stale = self.terms.term_refusal(msg.plan.term)
@@ -240,20 +237,17 @@ class GenerationNode:
             self.m_tokens.labels(source=source).inc(n)
 
     async def abort(self, request: web.Request) -> web.Response:
-        msg = decode(AbortRequest, await request.read())
-        check_version(msg.version)
+        msg = await body(request, AbortRequest)
         task = self._tasks.get(msg.request_id)
         if task is not None:
             task.cancel()
         else:
             self._expire_pins(msg.request_id)
-        resp = AbortResponse(WIRE_VERSION, msg.request_id, aborted=task is not None)
-        return web.Response(body=encode(resp), content_type="application/json")
+        return reply(AbortResponse(WIRE_VERSION, msg.request_id, aborted=task is not None))
 
     async def revoke(self, request: web.Request) -> web.Response:
-        msg = decode(RevokeRequest, await request.read())
-        check_version(msg.version)
-        return web.json_response({"dropped": self.cache.revoke(msg.unit_ids)})
+        msg = await body(request, RevokeRequest)
+        return reply(RevokeResponse(WIRE_VERSION, self.cache.revoke(msg.unit_ids)))
 
     async def cache_units(self, request: web.Request) -> web.Response:
         """The units in the local cache (what the control plane's local view of this node should say)."""
@@ -300,7 +294,7 @@ def build_app(config: ClusterConfig, name: str) -> web.Application:
     cfg = config.generation_node(name)
     # the whole API is internal: only the retrieval role (holding the cluster secret) calls it;
     # /metrics takes a Prometheus scraper's admin API key instead, or is open on a loopback-only
-    # node without keys (a scraper cannot sign; issue 21)
+    # node without keys (a scraper cannot sign)
     keys = KeyRing.load(config.security.keys_file) if config.security.keys_file else None
     scrapable = keys is not None or cfg.host in LOOPBACK_HOSTS
     open_paths = ("/health", "/metrics") if scrapable else ("/health",)

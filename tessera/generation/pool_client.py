@@ -31,7 +31,9 @@ from tessera.control.client import ControlClient
 from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, ControlPlaneError, TransferError
 from tessera.generation.pool_endpoints import EndpointBook
-from tessera.messages import BlockRef, CancelRequest, NodeToken, PublishRequest, ReadLease, WriteGrant
+from tessera.messages.common import BlockRef
+from tessera.messages.control import CancelRequest, PublishRequest
+from tessera.messages.plan import NodeToken, ReadLease, WriteGrant
 from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
 from tessera.transport.blocks import BlockLayout
 from tessera.transport.frames import Capability

@@ -23,7 +23,7 @@ from tessera.engines.base import UnitState
 from tessera.engines.device import host_copy
 from tessera.errors import PlacementError, TesseraError
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import WriteGrant
+from tessera.messages.plan import WriteGrant
 from tessera.runtime import BackgroundTasks
 
 log = logging.getLogger(__name__)

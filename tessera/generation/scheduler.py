@@ -16,28 +16,19 @@ it never blocks anyone. An extend that prefills its own missing units (an engine
 
 Late starts: a request may carry a :class:`StartDeadline`, what was left of
 ``control.max_queue_wait_s`` when its plan was sent. If none of its work has begun when the
-deadline passes and the engine has meanwhile formed a batch without it (it was queued behind
-earlier work, not just waiting for the loop to wake), it is refused with ``Overloaded``
-before it costs a step, rather than reaching its first token later than the overload control
-promised. The plane's admission estimates queueing; this is the check that holds the bound
-where the estimate was wrong (at 3x saturation on two shared cores accepted requests reached
-their first token at p99 1.14-1.74x the promise without it, issue 22). Once one of its steps
-has begun the request is no longer queued and is never refused for time.
+deadline passes and the engine has meanwhile formed a batch without it, it is refused with
+``Overloaded`` before it costs a step. The plane's admission only estimates queueing; this
+check holds the bound where the estimate was wrong. A request whose work has begun is never
+refused for time.
 
-The scheduler is the executor's only way to the engine: besides batched extends, decodes
-and unit prefills it offers the per-request calls (take slots and match an exact prefix in
-one call, free slots, place unit states), each run on the engine thread.
+The scheduler is the executor's only way to the engine; every call runs on the engine thread.
 
-Hops: every awaited engine call queues behind the forward that is running, and when it
-returns the loop has usually started the next batch, so each call a request makes before
-its extend can cost it a whole forward under load (on this CPU a Tessera request made 3-4
-such calls: slots, prefix match, its local units' placement, its fetched units'). So a
-request makes one call before its extend: ``begin`` takes the slots and matches the prefix.
-The reused unit states it gathers meanwhile ride on the extend (``extend(place=...)``) and
-are placed on the engine thread right before the batch's forward; a state that cannot be
-placed fails only its own request's extend (:class:`UnplacedUnits`), before it runs, and
-the request computes that unit instead. The prefix-cache insert rides on the extend too
-(``extend(insert_prefix=...)``) and runs right after its step, before the next batch.
+Hops: every awaited engine call queues behind the running forward, so each call a request
+makes before its extend can cost it a whole forward under load. So a request makes one:
+``begin`` takes the slots and matches the prefix; the unit states it gathers ride on the
+extend (``extend(place=...)``) and are placed right before the batch's forward. A state
+that cannot be placed fails only its own request's extend (:class:`UnplacedUnits`), and the
+request computes that unit instead. The prefix-cache insert rides on the extend too.
 """
 
 from __future__ import annotations
@@ -233,10 +224,9 @@ class Scheduler:
 
         ``insert_prefix`` ((token ids, namespace)): once the (last chunk's) step has run, insert
         that prefix of the slots into the engine's prefix cache, on the engine thread before the
-        next batch. Awaited by the request as a call of its own, the insert queued behind the
-        batch the loop had already started, so a request whose extend was done reached its first
-        token one whole forward late whenever the node had other work queued (prefix caching
-        paid this on every request at load). A failed insert is logged: it only costs later hits.
+        next batch; as a call of its own it would queue behind the next batch and delay the
+        first token by a whole forward under load. A failed insert is logged: it only costs
+        later hits.
 
         ``units`` (an engine that :attr:`fuses_unit_prefills` only): units prefilled in the same
         forward as the first chunk and placed into the slots before its tokens attend; their

@@ -1,20 +1,11 @@
 """A generation node's measured work to a first token: under its current load, and alone.
 
 The overload bound promises a first token within ``control.max_queue_wait_s`` plus one
-service time, the time a request takes on an idle node. The node holds the queueing part
-itself (late starts, :mod:`tessera.generation.scheduler`), but under load a request's own
-work is slower than alone: its unit prefill and its extend share engine steps with other
-requests' work, and busy engines share the host's cores. At 3x saturation on two cores it
-took 4.2 s (p50) to 6.0 s (p99) from its first engine step to its first token against 1.7 s
-alone, so first tokens came at p99 1.06x the promise although no request queued past the
-bound (issue 22).
-
-:class:`FirstTokenWork` keeps the last :data:`WINDOW` samples of that work and the mean of the
-samples of requests that arrived with nothing else on the node. ``excess_s`` is how much
-longer than alone the slow tail of recent requests took (the :data:`QUANTILE` of the window
-less the alone mean): the scheduler starts a request's deadline that much earlier, so the
-queueing it allows plus the slower work still fit the promise. With no request measured yet
-it is 0, and a node that never ran a request alone takes its fastest sample as "alone".
+service time (a request's time on an idle node). Under load a request's own work is slower
+than alone: it shares engine steps with other requests and busy engines share the host's
+cores. So ``excess_s``, the :data:`QUANTILE` of recent work less the alone mean, moves the
+scheduler's start deadline earlier, and the allowed queueing plus the slower work still fit
+the promise. A node that never ran a request alone takes its fastest sample as "alone".
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 WINDOW = 32  # recent requests: more than one engine batch starts, so a batch's burst does not dominate
-QUANTILE = 0.9  # the slow tail the deadline leaves room for (accepted p99 is the promise's measure)
+QUANTILE = 0.9  # the slow tail the deadline leaves room for
 ALONE_DECAY = 0.8  # weight of the previous alone mean when a new alone sample comes
 
 

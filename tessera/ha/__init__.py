@@ -4,7 +4,7 @@
 replica's terms, one after another), ``discovery`` (follow the election key), ``replicas``
 (replica *i*'s ports and folder), ``servers`` and ``local`` (single-member etcd and
 PostgreSQL for ``tessera up --replicas`` and the tests). The term fence is in
-``tessera/transport/terms.py``; which plane a replica uses, in ``tessera/retrieval/office.py``.
+``tessera/transport/terms.py``; which plane a replica uses, in ``tessera/retrieval/leadership/office.py``.
 
 Everything is opt-in (``[ha]`` in the config): the default single-process cluster needs
 neither etcd nor PostgreSQL and imports only ``replicas`` (port arithmetic) from here.

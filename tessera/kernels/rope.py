@@ -93,9 +93,8 @@ def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     cos/sin have duplicated halves (``[..., D]``) and broadcast to ``x``; ``out`` may be a strided
     view (e.g. slots), may have a wider dtype than ``x`` and must not overlap it. The only
     temporary is one half of ``out``. Why this order: on CPU a mixed-dtype op (fp16 ``x``
-    times fp32 tables) runs a slower casting loop, so widening ``x`` once into ``out`` and
-    rotating in the compute dtype is 17-38% faster for 20-260-token units (bench/cpu_profile.py
-    counted placement as Tessera's largest added stage).
+    times fp32 tables) runs a slower casting loop, so ``x`` is widened once into ``out`` and
+    rotated in the compute dtype; placement is on every reused unit's path.
     """
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import zlib
 
 from tessera.errors import ChecksumMismatch
-from tessera.messages import InventoryBlock
+from tessera.messages.kvpool import InventoryBlock
 from tessera.transport.arena import Arena
 from tessera.transport.blocks import HEADER_BYTES, BlockHeader, BlockLayout
 

@@ -41,7 +41,7 @@ from tessera.engines.geometry import geometry_from_checkpoint
 from tessera.errors import ControlPlaneError, TesseraError
 from tessera.http import application
 from tessera.kvpool.inventory import scan
-from tessera.messages import MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
+from tessera.messages.kvpool import MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.ports import bind_listener
 from tessera.runtime import BackgroundTasks, serve
@@ -117,7 +117,7 @@ class MemoryNode:
 
         From then on the data port refuses capabilities of older terms even before one of the
         new term arrives, and the next hello says so (``term_settled``): the plane can end its
-        restart fence instead of waiting out every earlier grant (issue 24).
+        restart fence instead of waiting out every earlier grant.
         """
         secret = self.auth.secret
         if secret is None or not ack.term or not ack.term_mac:
@@ -199,7 +199,7 @@ class MemoryNode:
     def app(self) -> web.Application:
         # /info names the shm segment and the data port: cluster processes only. /metrics
         # takes a Prometheus scraper's admin API key instead (a scraper cannot sign), or is
-        # open on a loopback-only node without keys, as on the generation nodes (issue 21)
+        # open on a loopback-only node without keys, as on the generation nodes
         keys = KeyRing.load(self.config.security.keys_file) if self.config.security.keys_file else None
         scrapable = keys is not None or self.node.host in LOOPBACK_HOSTS
         open_paths = ("/health", "/metrics") if scrapable else ("/health",)
@@ -210,7 +210,7 @@ class MemoryNode:
         app.cleanup_ctx.append(self.lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
-        app.router.add_get("/inventory", self._inventory_now)  # for checkers (tessera/hosts)
+        app.router.add_get("/inventory", self._inventory_now)  # for checkers (tessera_lab/hosts)
         app.router.add_get("/metrics", self._metrics)
         return app
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from tessera.messages import RequestStats
+from tessera.messages.generation import RequestStats
 
 log = logging.getLogger("tessera.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

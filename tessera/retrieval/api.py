@@ -2,7 +2,7 @@
 
 The control RPCs (route, plan, complete, publish, ...) live in :mod:`tessera.messages`;
 this module holds the bodies only the retrieval API speaks.
-Every body carries ``version`` (see :func:`tessera.messages.check_version`); on the three
+Every body carries ``version`` (see :func:`tessera.messages.common.check_version`); on the three
 request bodies a client sends by hand (ingest, delete, retrieve) it may be left out and means
 the current version, as OpenAI-style APIs carry no version field.
 
@@ -19,8 +19,8 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
-from tessera.retrieval.index import SCOPE_PATTERN
-from tessera.retrieval.store import MAX_EXTERNAL_ID, MAX_TOP_K
+from tessera.retrieval.store.index import SCOPE_PATTERN
+from tessera.retrieval.store.unit_store import MAX_EXTERNAL_ID, MAX_TOP_K
 from tessera.wire import WIRE_VERSION
 
 Version = Annotated[int, Field(ge=WIRE_VERSION, le=WIRE_VERSION, description="wire version of the body")]

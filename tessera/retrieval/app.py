@@ -27,7 +27,7 @@ from tessera.errors import ConfigError
 from tessera.ha.replicas import replica_config, replica_index
 from tessera.http import application
 from tessera.retrieval.access_log import access_middleware
-from tessera.retrieval.chat import add_chat_routes
+from tessera.retrieval.chat.routes import add_chat_routes
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.routes import RETRIEVAL_NODE, internal_routes, routes
 from tessera.runtime import run, serve
@@ -80,7 +80,7 @@ def check_exposure(config: ClusterConfig, keys: KeyRing | None, auth: ClusterAut
     if keys is None:
         if r.host not in LOOPBACK_HOSTS:
             raise ConfigError(f"retrieval.host = {r.host!r} exposes the API beyond this machine without API keys; "
-                              "set security.keys_file (see README, Security) or bind 127.0.0.1")
+                              "set security.keys_file (see docs/security.md) or bind 127.0.0.1")
         log.warning("no API keys (security.keys_file): the API on %s:%d is open to every local process",
                     r.host, r.port)
     if auth.secret is None:

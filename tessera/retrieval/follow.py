@@ -10,7 +10,7 @@ sequence's end as read *before* the store was opened).
 
 Transactions take their ``seq`` when they insert, but may commit in another order: a gap in
 the sequence is either a transaction still committing or one that rolled back. The follower
-stops at a gap until it is :data:`~tessera.retrieval.records_pg.GAP_GRACE_S` old, then steps over it.
+stops at a gap until it is :data:`~tessera.retrieval.store.postgres.GAP_GRACE_S` old, then steps over it.
 
 Runs on the retrieval worker thread (it uses the store's connection).
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import time
 
-from tessera.retrieval.records_pg import GAP_GRACE_S, PgUnitRecords
-from tessera.retrieval.store import UnitStore
+from tessera.retrieval.store.postgres import GAP_GRACE_S, PgUnitRecords
+from tessera.retrieval.store.unit_store import UnitStore
 
 
 class IndexFollower:

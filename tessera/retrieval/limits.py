@@ -4,12 +4,11 @@ A chat body is bounded in bytes before it is parsed; its rendered prompt is boun
 characters before it is tokenized (a token covers at most ``MAX_CHARS_PER_TOKEN``
 characters of text, so a prompt longer than that many characters per context token cannot
 fit and is refused without tokenizing it). An ingested unit's text is bounded the same way
-by ``retrieval.max_unit_tokens`` (a 20 MB unit used to be tokenized, 4.19 M tokens in 24.7 s
-on the worker every chat needs, before its 413). A ``/v1/retrieve`` body is bounded in bytes,
-and a query or unit embedding in dimensions before it is decoded (a 20 MB query vector held
-the event loop for 6 s in the typed decoder). Unit metadata is bounded in nesting depth and
-encoded size when it is ingested (orjson refuses to encode deeper than 254 levels, which
-used to turn every later ``/v1/retrieve`` that hit such a unit into a 500).
+by ``retrieval.max_unit_tokens``, so an oversized unit never occupies the tokenizer worker
+every chat needs. A ``/v1/retrieve`` body is bounded in bytes, and a query or unit embedding
+in dimensions before it is decoded, so a huge vector cannot hold the event loop. Unit
+metadata is bounded in nesting depth and encoded size at ingest: orjson refuses to encode
+deeper than 254 levels, so deeper metadata would break every later retrieve that hit it.
 
 This module knows nothing about HTTP or the event loop; it raises :class:`BadRequest`.
 """

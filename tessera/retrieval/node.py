@@ -7,7 +7,7 @@ on one worker thread so that control RPCs never wait behind a model forward.
 
 Lifecycle: ``start()`` loads the served model's tokenizer, the embedder and the unit store
 (its data directory), hands the store's revoked ids and incarnation to the control plane
-(with ``[ha]``: campaigns, and does so only once elected: :class:`~tessera.retrieval.office.Office`),
+(with ``[ha]``: campaigns, and does so only once elected: :class:`~tessera.retrieval.leadership.office.Office`),
 follows the PostgreSQL store's change sequence into its index, and starts the periodic tick
 (lease/reservation expiry, heartbeats, index saves); ``stop()`` reverses it (saving the changed indexes).
 
@@ -25,14 +25,14 @@ from typing import Any, TypeVar
 
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
-from tessera.messages import InventoryResult, MemoryNodeInventory
+from tessera.messages.kvpool import InventoryResult, MemoryNodeInventory
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.follow import IndexFollower
+from tessera.retrieval.leadership.office import Office
 from tessera.retrieval.limits import INGEST_CHUNK_UNITS
-from tessera.retrieval.office import Office
-from tessera.retrieval.records_pg import PgUnitRecords
 from tessera.retrieval.revocation import Revoker
-from tessera.retrieval.store import Deleted, Hit, Ingested, Owner, StoredUnit, UnitStore
+from tessera.retrieval.store.postgres import PgUnitRecords
+from tessera.retrieval.store.unit_store import Deleted, Hit, Ingested, Owner, StoredUnit, UnitStore
 from tessera.runtime import BackgroundTasks
 from tessera.units import ContextUnit, ServingFingerprint
 

@@ -5,7 +5,7 @@ and of its replies. The types are the ones the handlers speak (the :mod:`~tesser
 dataclasses, the chat API's pydantic models), and pydantic writes their JSON schemas, so
 the document cannot drift from the bodies. :data:`PUBLIC_OPERATIONS` are the retrieval
 API's own endpoints; the chat endpoint's operation comes from
-:mod:`~tessera.retrieval.chat_response`, which owns its models, through :func:`document`.
+:mod:`~tessera.retrieval.chat.response`, which owns its models, through :func:`document`.
 
 This module knows nothing about aiohttp or a running role; ``tests/test_api_fuzz.py``
 checks that every route the public application serves is described here, and fuzzes the

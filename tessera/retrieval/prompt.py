@@ -21,7 +21,7 @@ from typing import Any
 
 from tessera.engines.tokenizer import Tokenizer
 from tessera.errors import BadRequest
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.units import ContextUnit, TokenCache
 
 # private-use code points: never produced by tokenizers' normal text, never in a template

@@ -1,6 +1,6 @@
 """The server's prompt path as pure steps: unit checks, chat template, inlining, the context limit.
 
-The chat API (:mod:`tessera.retrieval.chat_layout`) and every offline tool that claims to
+The chat API (:mod:`tessera.retrieval.chat.layout`) and every offline tool that claims to
 score or replay "what is served" (``tessera verify``, ``tessera analyze``, the trace replay)
 build prompts with these functions, so the two can never drift:
 
@@ -21,10 +21,10 @@ from typing import Any
 
 from tessera.composition.policies import CompositionPolicy
 from tessera.errors import BadRequest
-from tessera.messages import PromptLayout
-from tessera.retrieval.index import check_scope
+from tessera.messages.prompt import PromptLayout
 from tessera.retrieval.limits import check_prompt_chars, check_unit_chars
 from tessera.retrieval.prompt import PromptBuilder
+from tessera.retrieval.store.index import check_scope
 from tessera.units import ContextUnit, UnitFactory
 
 
@@ -34,7 +34,7 @@ def identify_unit(factory: UnitFactory, max_unit_tokens: int, scope: str, text: 
     check_scope(scope, f"{field}.scope")
     if not isinstance(text, str) or not text.strip():
         raise BadRequest(f"{field}.text is empty; a unit needs some text")
-    check_unit_chars(field, text, max_unit_tokens)  # before tokenizing a 20 MB text
+    check_unit_chars(field, text, max_unit_tokens)  # before tokenizing an oversized text
     unit = factory.make(scope, text, tenant)
     if unit.n_tokens == 0:
         raise BadRequest(f"{field}.text has no tokens")

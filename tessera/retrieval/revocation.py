@@ -20,7 +20,7 @@ import aiohttp
 
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
-from tessera.messages import RevokeRequest
+from tessera.messages.generation import RevokeRequest
 from tessera.wire import WIRE_VERSION, encode
 
 log = logging.getLogger(__name__)

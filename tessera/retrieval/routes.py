@@ -29,7 +29,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, Unavailable
 from tessera.http import body, reply
-from tessera.messages import MemoryNodeInventory
+from tessera.messages.kvpool import MemoryNodeInventory
 from tessera.retrieval import api
 from tessera.retrieval.limits import (
     MAX_RETRIEVE_BODY_BYTES,
@@ -39,7 +39,7 @@ from tessera.retrieval.limits import (
     check_vector,
 )
 from tessera.retrieval.node import RetrievalNode
-from tessera.retrieval.store import StoredUnit
+from tessera.retrieval.store.unit_store import StoredUnit
 from tessera.tenants import tenant_of
 from tessera.units import UNIT_ID_PATTERN
 from tessera.wire import WIRE_VERSION

@@ -38,8 +38,8 @@ from tessera.transport.shm import copy_pairs_now
 INSTALL_HINT = ("the mooncake transport needs `pip install 'tessera[rdma]'` (mooncake-transfer-engine-non-cuda) "
                 "and the Debian package libibverbs1 (`apt-get install -y libibverbs1`), even for protocol tcp")
 _STAGE_MIN = 64 << 10
-# engine calls of one client run one at a time: each busy-polls a core, and concurrent batch
-# calls to one target were seen failing (rc -1) with the 0.3.x engine
+# engine calls of one client run one at a time: each busy-polls a core, and the 0.3.x engine
+# fails concurrent batch calls to one target (rc -1)
 MC_THREADS = 1
 
 

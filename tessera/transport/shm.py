@@ -26,12 +26,11 @@ from tessera.transport.arena import ARENA_HEADER_BYTES, Arena
 from tessera.transport.base import NodeEndpoint, SlotIO, Transport, register_transport
 from tessera.transport.handshake import DataPlaneCredentials
 
-# requests up to this size are copied on the event loop (a thread hop costs ~30 us) ...
+# requests up to this size are copied on the event loop (a thread hop costs more) ...
 INLINE_COPY_BYTES = 512 << 10
-# ... and so are requests of blocks below 1 MiB: a bare memcpy per block (memoryview
-# assignment, GIL held) runs at ~90% of memcpy speed, while numpy's GIL-releasing copies on a
-# thread cost ~1 us each plus the hop (~75-80% at 256 KiB). A request is at most 4 MiB, so the
-# event loop stalls for ~0.2 ms per request at worst; multi-MiB blocks go to the thread.
+# ... and so are requests of blocks below 1 MiB: a memoryview assignment per block runs near
+# memcpy speed, faster than GIL-releasing copies plus the thread hop. A request is at most
+# 4 MiB, which bounds the loop's stall; multi-MiB blocks go to the thread.
 SMALL_BLOCK_BYTES = 1 << 20
 
 

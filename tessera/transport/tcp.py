@@ -6,7 +6,7 @@ pipelined on it; TLS when the credentials carry a context. Read answers are rece
 block is copied once, by the kernel. A request whose caller gave up (cancelled because a
 sibling transfer failed) is *abandoned*: the rest of its answer is drained into a scratch
 buffer and never reaches the caller's memory. A timeout or error drops the connection.
-aiohttp is for control messages only: its bodies run ~10x slower for 16 KiB payloads.
+aiohttp is for control messages only: its body handling is far slower for block payloads.
 """
 
 from __future__ import annotations

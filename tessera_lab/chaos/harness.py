@@ -65,7 +65,7 @@ class Reply:
     latency_s: float
     body: dict[str, Any] = field(default_factory=dict)
     error: str = ""
-    replica: int = 0  # which retrieval replica it was sent to (tessera.benchmark.chaos_replicas)
+    replica: int = 0  # which retrieval replica it was sent to (tessera_lab.chaos.replicas)
 
 
 @dataclass
@@ -141,7 +141,7 @@ class ChaosRun:
         self.rng = random.Random(options.seed)
         self.report = ChaosReport()
         self.retrieval_down: list[tuple[float, float, int]] = []  # (from, to) in run time, replica
-        self.fault_kinds: tuple[str, ...] = FAULTS  # a subclass adds kinds of its own (tessera/hosts)
+        self.fault_kinds: tuple[str, ...] = FAULTS  # a subclass adds kinds of its own (tessera_lab/hosts)
         self.replicas = 1  # retrieval replicas the load is spread over (round robin)
         self.headers: dict[str, str] = {}  # sent with every API request (an API key)
         self.corrupted: list[tuple[str, int]] = []  # (memory node, slot) a fault flipped a byte in
@@ -159,7 +159,7 @@ class ChaosRun:
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> ChaosReport:
-        # progress on stderr: a run is minutes long (it was silent for ~6 minutes: issue 21)
+        # progress on stderr, one line per phase and per fault: a run is minutes long
         self._say(f"starting the cluster (logs in {self.cluster.log_dir}) and loading the offline oracle")
         oracle = Oracle(self.config)
         self.cluster.start(timeout=300)

@@ -1,6 +1,6 @@
 """``tessera chaos --replicas N``: the chaos run against a replicated retrieval role, with leader faults.
 
-The same load, faults and verifier as :class:`~tessera.benchmark.chaos.ChaosRun`, with the
+The same load, faults and verifier as :class:`~tessera_lab.chaos.harness.ChaosRun`, with the
 load spread round robin over the replicas, and the retrieval restart replaced by two faults
 of the leader (the replica whose internal plane answers ``/control/stats``):
 
@@ -26,12 +26,12 @@ import urllib.request
 from pathlib import Path
 
 from tessera.auth import ClusterAuth
-from tessera.benchmark.chaos import FAULTS, ChaosOptions, ChaosRun
 from tessera.config import ClusterConfig
 from tessera.ha.replicas import replica_config
 from tessera.launcher import Child
-from tessera.messages import RouteRequest
+from tessera.messages.control import RouteRequest
 from tessera.wire import WIRE_VERSION, encode
+from tessera_lab.chaos.harness import FAULTS, ChaosOptions, ChaosRun
 
 LEADER_FAULTS = ("kill_leader", "pause_leader")
 

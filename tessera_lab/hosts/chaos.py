@@ -1,6 +1,6 @@
 """``tessera chaos --hosts N``: the chaos run with every role on its own host and network faults.
 
-The process faults of :class:`~tessera.benchmark.chaos.ChaosRun` (kill -9, SIGSTOP, a
+The process faults of :class:`~tessera_lab.chaos.harness.ChaosRun` (kill -9, SIGSTOP, a
 corrupt block, a restart of the retrieval role) mix with network faults, each held for
 longer than the deadline it should trip and then healed:
 
@@ -19,7 +19,7 @@ slow_generation_memory     every byte between a generation node and the memory n
 
 While it runs, a sampler records the control plane's state, the memory nodes' verified
 blocks and the generation nodes' caches about once a second, and ingests a unit every few
-seconds. Afterwards :mod:`tessera.hosts.checker` judges the history; the run's verdict is
+seconds. Afterwards :mod:`tessera_lab.hosts.checker` judges the history; the run's verdict is
 the base report's (every reply verified) plus those invariants.
 """
 
@@ -35,12 +35,12 @@ from typing import Any
 import aiohttp
 
 from tessera.auth import ClusterAuth
-from tessera.benchmark.chaos import FAULTS, ChaosOptions, ChaosReport, ChaosRun, Reply
 from tessera.config import ClusterConfig
-from tessera.hosts import checker
-from tessera.hosts.cluster import CONTROL_HOST, HostCluster
-from tessera.hosts.netns import has_nftables
-from tessera.hosts.proxy import SlowLink
+from tessera_lab.chaos.harness import FAULTS, ChaosOptions, ChaosReport, ChaosRun, Reply
+from tessera_lab.hosts import checker
+from tessera_lab.hosts.cluster import CONTROL_HOST, HostCluster
+from tessera_lab.hosts.netns import has_nftables
+from tessera_lab.hosts.proxy import SlowLink
 
 NETWORK_FAULTS = ("cut_generation_memory", "cut_memory_control", "oneway_heartbeat", "cut_retrieval_generation",
                   "slow_generation_memory")
@@ -248,8 +248,8 @@ class HostChaosRun(ChaosRun):
 def run_on_hosts(config: ClusterConfig, options: ChaosOptions, log_dir: Path | None, hosts: int) -> ChaosReport:
     """``tessera chaos --hosts N``: the run on N hosts; prints the network faults' table and the checker's verdict."""
     from tessera.errors import ConfigError
-    from tessera.hosts.cluster import resize
-    from tessera.hosts.netns import unavailable
+    from tessera_lab.hosts.cluster import resize
+    from tessera_lab.hosts.netns import unavailable
 
     why = unavailable()
     if why is not None:

@@ -1,9 +1,9 @@
 """Invariants over a recorded history of a multi-host chaos run (in the spirit of Jepsen's checkers).
 
-The run (tessera/hosts/chaos.py) records; this module only judges. Its inputs:
+The run (tessera_lab/hosts/chaos.py) records; this module only judges. Its inputs:
 
 * the replies (each one already checked against the offline composition by
-  :class:`~tessera.benchmark.chaos.ChaosRun`);
+  :class:`~tessera_lab.chaos.harness.ChaosRun`);
 * :class:`Sample` s taken about once a second while faults run: the control plane's state
   (``GET /control/state``) before and after every memory node's verified blocks
   (``GET /inventory``) and every generation node's cache (``GET /v1/cache``);

@@ -1,4 +1,4 @@
-"""A whole cluster with every role on a host of its own (tessera/hosts/netns.py), as real processes.
+"""A whole cluster with every role on a host of its own (tessera_lab/hosts/netns.py), as real processes.
 
 The hosts: ``cp`` (the retrieval role: public API and control plane), one per memory node,
 one per generation node, named after the node, and ``client`` (no role: where the harness
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tessera.config import ClusterConfig
-from tessera.hosts.netns import CLONE_NEWNET, Network, enter
 from tessera.launcher import LocalCluster, with_secret
+from tessera_lab.hosts.netns import CLONE_NEWNET, Network, enter
 
 CONTROL_HOST = "cp"
 CLIENT_HOST = "client"
@@ -37,7 +37,7 @@ def host_names(config: ClusterConfig) -> list[str]:
 
 
 def address_of(config: ClusterConfig, host: str) -> str:
-    from tessera.hosts.netns import SUBNET
+    from tessera_lab.hosts.netns import SUBNET
 
     return str(SUBNET.network_address + host_names(config).index(host) + 1)
 

@@ -13,13 +13,13 @@ Faults are routing and filter rules inside the hosts' namespaces:
   one direction only is a one-way partition, a block of one port an unreachable endpoint.
 * :meth:`Network.unplug` takes a host's cable out of the bridge (every link of it at once).
 * :meth:`Network.redirect` sends new TCP connections from ``src`` to ``dst:port`` to a local
-  port (an application-level proxy: :mod:`tessera.hosts.proxy`); it needs nftables.
+  port (an application-level proxy: :mod:`tessera_lab.hosts.proxy`); it needs nftables.
 * :meth:`Network.heal` undoes all of it.
 
 A crashed harness leaves namespaces behind: :func:`remove_leftovers` deletes those whose
 harness process is gone (every :class:`Network` calls it before it creates its own).
 
-This module knows nothing about Tessera's roles; :mod:`tessera.hosts.cluster` maps roles to
+This module knows nothing about Tessera's roles; :mod:`tessera_lab.hosts.cluster` maps roles to
 hosts.
 """
 

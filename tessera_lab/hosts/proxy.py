@@ -2,9 +2,9 @@
 
 ``tc netem`` is not available everywhere (not on our CI machine), so a slow link is an
 application-level proxy instead: it listens on ``127.0.0.1`` inside the sending host's
-namespace, where :meth:`~tessera.hosts.netns.Network.redirect` sends that host's new
+namespace, where :meth:`~tessera_lab.hosts.netns.Network.redirect` sends that host's new
 connections to one ``address:port``, and forwards each one to the real destination from a
-socket marked :data:`~tessera.hosts.netns.PROXY_MARK` (so its own connection is not
+socket marked :data:`~tessera_lab.hosts.netns.PROXY_MARK` (so its own connection is not
 redirected again). Every chunk is held ``delay_s`` in each direction, in order; with
 ``rate_bytes_s`` a direction sends no faster than that.
 
@@ -19,7 +19,7 @@ import contextlib
 import socket
 import threading
 
-from tessera.hosts.netns import PROXY_MARK, call_in, enter
+from tessera_lab.hosts.netns import PROXY_MARK, call_in, enter
 
 CHUNK = 64 * 1024
 

@@ -1,6 +1,6 @@
 """``tessera hosts up``: every role of a config on a host of its own, until Ctrl-C.
 
-The hosts are network namespaces of this machine (tessera/hosts/netns.py); their network
+The hosts are network namespaces of this machine (tessera_lab/hosts/netns.py); their network
 cannot be reached from the machine's own one, so the API is forwarded to a loopback port
 here. Ctrl-C (or SIGTERM) drains the roles and deletes every namespace; after a crash the
 next ``tessera hosts up`` (or ``tessera hosts clean``) deletes what the dead one left.
@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from tessera.config import ClusterConfig
-from tessera.hosts.cluster import CLIENT_HOST, CONTROL_HOST, HostCluster
-from tessera.hosts.netns import namespace_name, remove_leftovers, unavailable
-from tessera.hosts.proxy import SlowLink
 from tessera.launcher import ClusterError, supervise_until_signalled
+from tessera_lab.hosts.cluster import CLIENT_HOST, CONTROL_HOST, HostCluster
+from tessera_lab.hosts.netns import namespace_name, remove_leftovers, unavailable
+from tessera_lab.hosts.proxy import SlowLink
 
 
 def serve_hosts(config: ClusterConfig, log_dir: Path | None, api_port: int = 0) -> int:

@@ -15,9 +15,9 @@ budget) and times, each the median of ``repeats``:
 Every time is the step's CPU time on its thread (see :func:`_median`), so the model is the
 engine's own cost whatever else the machine runs; the other roles' CPU on the same cores and
 the engines' stretch inside the real cluster are measured apart, by ``--calibrate-cpu``
-(:mod:`tessera.simulate.hostcpu`, :mod:`tessera.simulate.incluster`).
+(:mod:`tessera_lab.simulate.hostcpu`, :mod:`tessera_lab.simulate.incluster`).
 
-A least-squares fit of :class:`~tessera.simulate.costs.CostModel`'s step formula to the
+A least-squares fit of :class:`~tessera_lab.simulate.costs.CostModel`'s step formula to the
 step samples gives ``base_s``, ``per_token_s``, ``per_attn_s`` and ``per_decode_s``
 (clipped at 0); placement is fitted per token. Link figures are not measured here: memory
 node transfers on one machine are shared-memory copies, modelled at ``link_latency_s`` and a
@@ -42,7 +42,7 @@ from tessera.config import ClusterConfig
 from tessera.engines.base import EngineAdapter, Extend, UnitPrefill, load_engine
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
-from tessera.simulate.costs import CostModel, StepItem
+from tessera_lab.simulate.costs import CostModel, StepItem
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,7 @@ def _median(fn: Callable[[], None], repeats: int) -> float:
     """Median CPU seconds of ``fn`` on this thread (a one-thread engine computes on the caller's thread).
 
     CPU time, not wall time: on a machine shared with other work, wall time also counts the
-    time slices others took (measured here: a 512-token prefill 1.36 s wall alone and 4.26 s
-    beside other users' jobs, 1.30 s and 1.38 s of CPU), which says nothing about the engine.
+    time slices others took, which says nothing about the engine; CPU time does not count them.
     """
     fn()  # warm
     samples = []

@@ -30,21 +30,15 @@ from tessera.control.simulated import memory_node_hello
 from tessera.engines.base import ENGINES
 from tessera.errors import PublishRejected
 from tessera.generation.node import HEARTBEAT_S
-from tessera.messages import (
-    CancelRequest,
-    LoadReport,
-    PublishRequest,
-    ReleaseRequest,
-    RequestStats,
-    ResidencyReport,
-    WriteGrant,
-)
-from tessera.simulate.costs import CostModel
-from tessera.simulate.engine import Host
-from tessera.simulate.events import EventLoop
-from tessera.simulate.node import Execution, SimNode
-from tessera.simulate.workload import SimRequest
+from tessera.messages.control import CancelRequest, LoadReport, PublishRequest, ReleaseRequest, ResidencyReport
+from tessera.messages.generation import RequestStats
+from tessera.messages.plan import WriteGrant
 from tessera.wire import WIRE_VERSION
+from tessera_lab.simulate.costs import CostModel
+from tessera_lab.simulate.engine import Host
+from tessera_lab.simulate.events import EventLoop
+from tessera_lab.simulate.node import Execution, SimNode
+from tessera_lab.simulate.workload import SimRequest
 
 T = TypeVar("T")
 

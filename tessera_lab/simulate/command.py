@@ -15,39 +15,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.benchmark import options
-from tessera.benchmark.options import say
+from tessera.benchmark.options import LoadOptions, say
 from tessera.benchmark.report import format_report
 from tessera.benchmark.runner import SYSTEMS
-from tessera.benchmark.workloads import Workload, WorkloadName, select_workload
+from tessera.benchmark.workloads import Workload
 from tessera.config import ClusterConfig
 from tessera.errors import ConfigError
-from tessera.simulate.costs import load_cost_model
-from tessera.simulate.run import SimOptions, run_simulation
+from tessera_lab.simulate.costs import load_cost_model
+from tessera_lab.simulate.run import SimOptions, run_simulation
 
 DEFAULT_COST_MODEL = Path("results/cost-model.json")  # where --calibrate writes unless told
 
 
 @dataclass(frozen=True)
 class SimulateOptions:
-    workload: WorkloadName
-    systems: str
-    rates: str
-    rates_for: tuple[str, ...]
-    requests: int
-    warmup: float
-    unloaded: int
-    max_tokens: int
-    zipf: float
-    top_k: int | None
-    unit_words: int
-    placement: str
-    conversations: int
-    data_dir: Path | None
+    """``tessera simulate``'s options as given: the load, the fleet and the cost model."""
+
+    load: LoadOptions
     out: Path | None
-    seed: int
-    drain_warmup: bool
-    trace: Path | None
-    time_scale: float
     cost_model: str
     calibrate: bool
     nodes: int
@@ -122,20 +107,19 @@ def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
     import os
 
     from tessera.benchmark.runner import system_config
-    from tessera.simulate.hostcpu import fit_role_cpu, measure_roles
-    from tessera.simulate.incluster import fit_host_slowdown
-    from tessera.simulate.workload import render, unit_texts
+    from tessera_lab.simulate.hostcpu import fit_role_cpu, measure_roles
+    from tessera_lab.simulate.incluster import fit_host_slowdown
+    from tessera_lab.simulate.workload import render, unit_texts
 
     path = Path(opts.cost_model) if opts.cost_model else DEFAULT_COST_MODEL
     if not path.is_file():
         raise ConfigError(f"--calibrate-cpu adds to a cost model file: {path} does not exist; write it first with "
                           f"tessera simulate --calibrate --cost-model {path}")
     model = load_cost_model(str(path))
-    wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
-                         opts.placement, opts.seed, opts.conversations)
+    wl = opts.load.select_workload()
     runs = []
-    for rate in options.floats(opts.rates, "--rates"):
-        run = measure_roles(config, wl, rate, opts.warmup, seed=opts.seed)
+    for rate in options.floats(opts.load.rates, "--rates"):
+        run = measure_roles(config, wl, rate, opts.load.warmup, seed=opts.load.seed)
         runs.append(run)
         roles = ", ".join(f"{role} {v['other_s'] * 1e3:.1f} / {v['engine_s'] * 1e3:.1f} ms"
                           for role, v in run["by_role"].items())
@@ -148,12 +132,12 @@ def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
     # the engine threads' measured CPU per request fixes the steps' in-cluster stretch
     tessera = system_config(config, "tessera")
     requests = render(tessera, wl, unit_texts(tessera, wl))
-    slowdown = fit_host_slowdown(tessera, model, requests, runs, opts.warmup, opts.seed)
+    slowdown = fit_host_slowdown(tessera, model, requests, runs, opts.load.warmup, opts.load.seed)
     step_source = model.source.split("; in-cluster")[0]  # a second --calibrate-cpu replaces the first's note
     model = dataclasses.replace(model, host_slowdown=slowdown,
                                 source=f"{step_source}; in-cluster step stretch with 1..k engines busy "
                                        f"{', '.join(f'{x:.2f}' for x in slowdown)} and the roles' CPU per request "
-                                       f"from tessera simulate --calibrate-cpu at {opts.rates} req/s")
+                                       f"from tessera simulate --calibrate-cpu at {opts.load.rates} req/s")
     model.save(path)
     say(f"wrote {path}: {cores} cores, background {model.host_background_cores:.3f} cores, CPU per request "
         + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in model.cpu_per_request_s.items())
@@ -163,7 +147,7 @@ def calibrate_cpu(config: ClusterConfig, opts: SimulateOptions) -> None:
 
 def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
     if opts.calibrate:
-        from tessera.simulate.calibrate import calibrate
+        from tessera_lab.simulate.calibrate import calibrate
 
         path = Path(opts.cost_model) if opts.cost_model else DEFAULT_COST_MODEL
         model = calibrate(config, name=path.stem)
@@ -175,23 +159,23 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
         calibrate_cpu(config, opts)
         return
     costs = load_cost_model(opts.cost_model or str(DEFAULT_COST_MODEL))
-    systems = options.names(opts.systems)
+    systems = options.names(opts.load.systems)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
-    if not 0 <= opts.warmup < 1 or opts.requests < 2 or opts.time_scale <= 0:
+    if not 0 <= opts.load.warmup < 1 or opts.load.requests < 2 or opts.load.time_scale <= 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --time-scale > 0")
     cfg = fleet(config, opts.nodes, opts.memory_nodes, opts.local_blocks, opts.shared_blocks, opts.max_batch_tokens,
                 opts.prefix_cache_tokens)
     arrivals = None
-    if opts.trace is not None:
-        wl, arrivals = trace_workload_of(cfg, opts.trace, opts.time_scale)
+    if opts.load.trace is not None:
+        wl, arrivals = trace_workload_of(cfg, opts.load.trace, opts.load.time_scale)
     else:
-        wl = select_workload(opts.workload, opts.requests, opts.data_dir, opts.zipf, opts.top_k, opts.unit_words,
-                             opts.placement, opts.seed, opts.conversations)
-    sim = SimOptions(systems=systems, rates=options.floats(opts.rates, "--rates"), max_tokens=opts.max_tokens,
-                     warmup_frac=opts.warmup, unloaded_requests=opts.unloaded, seed=opts.seed,
-                     drain_warmup=opts.drain_warmup, system_rates=_system_rates(opts.rates_for), arrivals=arrivals,
+        wl = opts.load.select_workload()
+    load = opts.load
+    sim = SimOptions(systems=systems, rates=options.floats(load.rates, "--rates"), max_tokens=load.max_tokens,
+                     warmup_frac=load.warmup, unloaded_requests=load.unloaded, seed=load.seed,
+                     drain_warmup=load.drain_warmup, system_rates=_system_rates(load.rates_for), arrivals=arrivals,
                      out_dir=opts.out)
     say(f"tessera simulate: {wl.name}, {len(cfg.generation)} generation node(s), {len(cfg.kvpools)} memory node(s) "
         f"({sum(k.capacity_blocks for k in cfg.kvpools)} shared blocks), cost model {costs.name}", err=True)
@@ -201,7 +185,7 @@ def run_command(config: ClusterConfig, opts: SimulateOptions) -> None:
     say("")
     say(report["cluster_table"])
     if opts.compare is not None:
-        from tessera.simulate.validate import compare_runs, comparison_table, plot_comparison
+        from tessera_lab.simulate.validate import compare_runs, comparison_table, plot_comparison
 
         if not opts.compare.is_file():
             raise ConfigError(f"--compare {opts.compare} does not exist; pass the bench.json tessera bench wrote")

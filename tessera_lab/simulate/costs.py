@@ -2,7 +2,7 @@
 
 A model is data (a JSON file), never code: ``tessera simulate --calibrate`` writes one fitted
 to the configured engine on this machine, and the package ships GPU models built from
-published measurements (``tessera/simulate/models/*.json``; sources in the README, "Scale").
+published measurements (``tessera_lab/simulate/models/*.json``; each file's ``source`` names them).
 
 One engine step runs a batch of items (request extends, unit prefills, decodes). Its time is
 
@@ -152,8 +152,8 @@ class CostModel:
 
 
 def builtin_models() -> list[str]:
-    """Names of the cost models shipped in the package (``tessera/simulate/models``)."""
-    return sorted(p.name.removesuffix(".json") for p in resources.files("tessera.simulate.models").iterdir()
+    """Names of the cost models shipped in the package (``tessera_lab/simulate/models``)."""
+    return sorted(p.name.removesuffix(".json") for p in resources.files("tessera_lab.simulate.models").iterdir()
                   if p.name.endswith(".json"))
 
 
@@ -165,7 +165,7 @@ def load_cost_model(spec: str) -> CostModel:
             raise ConfigError(f"cost model file {path} does not exist; write one with tessera simulate --calibrate "
                               f"--cost-model {path}, or name a shipped model: {', '.join(builtin_models())}")
         return CostModel.from_json(path.read_text(), str(path))
-    shipped = resources.files("tessera.simulate.models") / f"{spec}.json"
+    shipped = resources.files("tessera_lab.simulate.models") / f"{spec}.json"
     if not shipped.is_file():
         raise ConfigError(f"unknown cost model {spec!r}: shipped models are {', '.join(builtin_models())}; "
                           "or pass a JSON file written by tessera simulate --calibrate")

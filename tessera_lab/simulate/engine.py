@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from tessera.generation.batching import take_batch
-from tessera.simulate.costs import CostModel, StepItem
-from tessera.simulate.events import EventLoop
+from tessera_lab.simulate.costs import CostModel, StepItem
+from tessera_lab.simulate.events import EventLoop
 
 Done = Callable[[], None]
 

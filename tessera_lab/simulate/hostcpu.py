@@ -1,6 +1,6 @@
 """``tessera simulate --calibrate-cpu``: each role's CPU per request outside the engine, measured.
 
-The step cost model (:mod:`tessera.simulate.calibrate`) times the engine alone. A real
+The step cost model (:mod:`tessera_lab.simulate.calibrate`) times the engine alone. A real
 cluster on one machine also spends CPU in everything else: the retrieval role (HTTP, search,
 prompt building, tokenizing, the control plane), the memory node (serving and storing unit
 states), the generation nodes' event loops (shared-memory copies, checksums, writebacks,
@@ -152,7 +152,7 @@ async def _measure(config: ClusterConfig, workload: Workload, rate: float, warmu
         before = snapshot()
         t0 = time.monotonic()
         # the measured share's send times are tessera bench's second phase's (seed + 1), so a
-        # simulation of the same run (tessera.simulate.incluster) replays exactly these arrivals
+        # simulation of the same run (tessera_lab.simulate.incluster) replays exactly these arrivals
         second = dataclasses.replace(opts, seed=opts.seed + 1)
         results = await run_phases(url, measured, rate, second, drain=False, embeddings=embeddings)
         wall = time.monotonic() - t0

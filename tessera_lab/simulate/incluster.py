@@ -1,7 +1,7 @@
 """The engine steps' stretch inside the real cluster, fitted to its measured engine CPU.
 
 ``tessera simulate --calibrate`` times each step alone, with at most a synthetic co-runner;
-``--calibrate-cpu`` (:mod:`tessera.simulate.hostcpu`) measures what the engine threads of a
+``--calibrate-cpu`` (:mod:`tessera_lab.simulate.hostcpu`) measures what the engine threads of a
 real cluster spent per request. This module replays the same runs in the simulator (same
 config, workload, rates, seeds, warm-up) and fits ``host_slowdown`` so the two agree:
 
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from tessera.config import ClusterConfig
-from tessera.simulate.costs import CostModel
-from tessera.simulate.run import SimOptions, simulate_run
-from tessera.simulate.workload import SimRequest
+from tessera_lab.simulate.costs import CostModel
+from tessera_lab.simulate.run import SimOptions, simulate_run
+from tessera_lab.simulate.workload import SimRequest
 
 ROUNDS = 4  # replays of the fit: each refits on the overlap the previous slowdowns produce
 

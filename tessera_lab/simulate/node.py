@@ -32,10 +32,12 @@ from tessera.config import GenerationNodeConfig, TransportConfig
 from tessera.engines.base import UnitState
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.generation.unit_cache import LocalUnitCache
-from tessera.messages import Preparation, PromptLayout, RequestPlan, RequestStats, UnitPlan, WriteGrant
-from tessera.simulate.costs import CostModel
-from tessera.simulate.engine import Host, SimEngine
-from tessera.simulate.events import EventLoop
+from tessera.messages.generation import RequestStats
+from tessera.messages.plan import Preparation, RequestPlan, UnitPlan, WriteGrant
+from tessera.messages.prompt import PromptLayout
+from tessera_lab.simulate.costs import CostModel
+from tessera_lab.simulate.engine import Host, SimEngine
+from tessera_lab.simulate.events import EventLoop
 
 
 class NodeReports(Protocol):

@@ -28,9 +28,9 @@ from tessera.benchmark.runner import SYSTEMS, recorded_rate, system_config
 from tessera.benchmark.traffic_render import TraceRenderer
 from tessera.benchmark.workloads import Workload
 from tessera.config import ClusterConfig
-from tessera.simulate.cluster import Outcome, SimCluster
-from tessera.simulate.costs import CostModel
-from tessera.simulate.workload import SimRequest, poisson_arrivals, render, unit_texts
+from tessera_lab.simulate.cluster import Outcome, SimCluster
+from tessera_lab.simulate.costs import CostModel
+from tessera_lab.simulate.workload import SimRequest, poisson_arrivals, render, unit_texts
 
 
 @dataclass

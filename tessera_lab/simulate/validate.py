@@ -1,7 +1,7 @@
 """Simulated vs measured: a ``tessera simulate`` report against a ``tessera bench`` one.
 
 Runs are matched by (system, rate), the unloaded reference included; the error is
-(simulated - measured) / measured mean TTFT. The issue's bound is ±20%: beyond it the cost
+(simulated - measured) / measured mean TTFT, flagged beyond ``ERROR_BOUND``: beyond it the cost
 model or the simulated node misses something the real one does, or the measured run saw
 another machine than the calibration did; the first requests of each run (sent to a drained
 cluster, before any queue) tell the two apart. Knows nothing of how either report was made.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from tessera.benchmark.extras import pyplot
 
 ERROR_BOUND = 0.20
 IDLE_START = 4  # a run's first requests: sent to a drained cluster, they time the machine, not the load
@@ -74,11 +76,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
 
 def plot_comparison(rows: list[dict[str, Any]], path: Path) -> Path:
     """Measured (solid) and simulated (dashed) mean TTFT against the rate, per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for system in dict.fromkeys(r["system"] for r in rows):
         runs = [r for r in rows if r["system"] == system and r["rate"] != "unloaded"]

@@ -21,7 +21,7 @@ from tessera.benchmark.traffic import TraceRequest, TraceUnit
 from tessera.benchmark.traffic_render import TraceRenderer
 from tessera.benchmark.workloads import Workload
 from tessera.config import ClusterConfig
-from tessera.messages import PromptLayout, SegmentKind
+from tessera.messages.prompt import PromptLayout, SegmentKind
 
 
 @dataclass(frozen=True)

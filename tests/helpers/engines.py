@@ -15,7 +15,7 @@ from tessera.engines.base import ENGINES, EngineAdapter, Extend, KVSlots, UnitPr
 from tessera.engines.paged import PagedEngine
 from tessera.engines.reference import TorchSlots
 from tessera.engines.tiny import write_tiny_checkpoint
-from tessera.messages import PromptLayout, Segment, SegmentKind
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -6,19 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from tessera.engines.base import UnitState
 from tessera.generation.executor import Executor
-from tessera.messages import (
-    DoneEvent,
-    ExecuteRequest,
-    Preparation,
-    PromptLayout,
-    ReadLease,
-    RequestPlan,
-    Retention,
-    SamplingParams,
-    TokenEvent,
-    UnitPlan,
-    WriteGrant,
-)
+from tessera.messages.generation import DoneEvent, ExecuteRequest, SamplingParams, TokenEvent
+from tessera.messages.plan import Preparation, ReadLease, RequestPlan, Retention, UnitPlan, WriteGrant
+from tessera.messages.prompt import PromptLayout
 from tessera.wire import WIRE_VERSION
 
 

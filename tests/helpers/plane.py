@@ -12,7 +12,7 @@ from helpers.cluster import cluster_config
 from tessera.config import ClusterConfig
 from tessera.control.simulated import SimulatedCluster
 from tessera.control.simulated import memory_node_hello as hello
-from tessera.messages import Preparation, RequestPlan
+from tessera.messages.plan import Preparation, RequestPlan
 
 __all__ = ["B", "Cluster", "hello", "plane_config", "preps", "retentions"]
 

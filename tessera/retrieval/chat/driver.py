@@ -10,7 +10,7 @@ silent past its heartbeats, an ``ErrorEvent``) or refused (429) is left for anot
 most ``control.max_attempts`` nodes, as long as nothing reached the client yet (the
 :class:`Receiver` says; a non-streamed reply sends nothing before its end, so it is retried
 even after tokens came). A failed node leaves routing; one that refused stays. A node that
-is alive but slow (:class:`~tessera.retrieval.generation_client.NodeSlow`: it missed a
+is alive but slow (:class:`~tessera.retrieval.chat.generation_client.NodeSlow`: it missed a
 deadline that follows its work while still reporting in) is neither retried nor suspected:
 another node would have to redo the same work. A failed attempt's leases and grants go back
 at once. An attempt that ends before its ``DoneEvent`` (a deadline, a broken stream, a stop
@@ -30,17 +30,10 @@ from typing import Protocol
 
 from tessera.control.pace import Watch
 from tessera.errors import Overloaded, TesseraError, Unavailable
-from tessera.messages import (
-    DoneEvent,
-    ErrorEvent,
-    ExecuteRequest,
-    PromptLayout,
-    RequestPlan,
-    SamplingParams,
-    SegmentKind,
-    TokenEvent,
-)
-from tessera.retrieval.generation_client import NodeClients, NodeUnavailable
+from tessera.messages.generation import DoneEvent, ErrorEvent, ExecuteRequest, SamplingParams, TokenEvent
+from tessera.messages.plan import RequestPlan
+from tessera.messages.prompt import PromptLayout, SegmentKind
+from tessera.retrieval.chat.generation_client import NodeClients, NodeUnavailable
 from tessera.retrieval.node import RetrievalNode
 from tessera.wire import WIRE_VERSION
 

@@ -29,7 +29,8 @@ from tessera.config import ClusterConfig
 from tessera.control.pace import Watch
 from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.http import LazySession
-from tessera.messages import (
+from tessera.messages.common import check_version
+from tessera.messages.generation import (
     EXECUTE_EVENTS,
     AbortRequest,
     AbortResponse,
@@ -37,7 +38,6 @@ from tessera.messages import (
     ExecuteRequest,
     SnapshotRequest,
     SnapshotResponse,
-    check_version,
 )
 from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION, decode, decode_tagged, encode, from_wire

@@ -11,11 +11,11 @@ This module knows nothing about routing, generation nodes or the reply: it ends 
 
 from __future__ import annotations
 
-from tessera.retrieval.chat_request import ChatRequest
+from tessera.retrieval.chat.request import ChatRequest
+from tessera.retrieval.chat.serving import Serving
 from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt_path import Built, served_layout
-from tessera.retrieval.serving import Serving
 from tessera.tenants import OPEN, Tenant
 from tessera.units import ContextUnit
 

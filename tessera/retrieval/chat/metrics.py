@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from tessera.control.plane import ControlPlane
-from tessera.messages import RequestStats
+from tessera.messages.generation import RequestStats
 from tessera.metrics import Metrics
 
 
@@ -38,7 +38,7 @@ class ChatMetrics:
         self._bytes = m.counter("tessera_bytes_fetched_total", "Bytes of unit state fetched from the KV pool")
         self._completion = m.counter("tessera_completion_tokens_total", "Generated tokens")
         self._pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
-        # the reuse receipts, summed (tessera.retrieval.receipt): per unit source, and the fidelity gate
+        # the reuse receipts, summed (tessera.retrieval.chat.receipt): per unit source, and the fidelity gate
         self._receipt_units = m.counter("tessera_receipt_units_total", "Context units by where their state came "
                                         "from (prefix, local, remote, computed, inlined)", ["source"])
         self._receipt_tokens = m.counter("tessera_receipt_unit_tokens_total", "Unit tokens by source", ["source"])

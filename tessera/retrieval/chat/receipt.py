@@ -24,7 +24,8 @@ from typing import Any
 
 from tessera.composition.layout import Ranges, computed_ranges
 from tessera.composition.policies import CompositionPolicy
-from tessera.messages import PromptLayout, RequestStats
+from tessera.messages.generation import RequestStats
+from tessera.messages.prompt import PromptLayout
 
 SOURCES = ("prefix", "local", "remote", "computed", "inlined")
 

@@ -1,11 +1,11 @@
 """The reply layer: a request's node events become its OpenAI reply, its usage and its metrics.
 
-:func:`answer` renders the layout (:mod:`tessera.retrieval.chat_layout`), drives the request
-through the cluster (:class:`~tessera.retrieval.driver.ChatDriver`) and replies with one JSON
+:func:`answer` renders the layout (:mod:`tessera.retrieval.chat.layout`), drives the request
+through the cluster (:class:`~tessera.retrieval.chat.driver.ChatDriver`) and replies with one JSON
 completion or a stream of server-sent events. :meth:`Reply.relay` turns the node's events
 into text deltas (applying stop strings) and logprob entries, observes the first token and,
 once the reply ran to its end, counts where its prompt's state came from: each metric once.
-Every usage carries the reply's reuse receipt (:mod:`tessera.retrieval.receipt`).
+Every usage carries the reply's reuse receipt (:mod:`tessera.retrieval.chat.receipt`).
 
 A stream's headers go out with its first token, so an error before it reaches the handler
 as a clean 4xx/5xx JSON reply; an error after it ends the stream with an error event (request
@@ -27,12 +27,15 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from tessera.errors import BadRequest, Overloaded, TesseraError
-from tessera.messages import DoneEvent, RequestStats, TokenEvent, check_version
+from tessera.messages.common import check_version
+from tessera.messages.generation import DoneEvent, RequestStats, TokenEvent
 from tessera.retrieval.access_log import note_outcome
-from tessera.retrieval.chat_layout import chat_layout
-from tessera.retrieval.chat_metrics import ChatMetrics
-from tessera.retrieval.chat_request import ChatRequest
-from tessera.retrieval.chat_response import (
+from tessera.retrieval.chat.driver import ChatDriver
+from tessera.retrieval.chat.layout import chat_layout
+from tessera.retrieval.chat.metrics import ChatMetrics
+from tessera.retrieval.chat.receipt import Composition, receipt
+from tessera.retrieval.chat.request import ChatRequest
+from tessera.retrieval.chat.response import (
     Delta,
     PromptTokensDetails,
     Usage,
@@ -41,12 +44,10 @@ from tessera.retrieval.chat_response import (
     error_body,
     to_json,
 )
-from tessera.retrieval.driver import ChatDriver
+from tessera.retrieval.chat.serving import Serving
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt import trace_record
 from tessera.retrieval.prompt_path import Built
-from tessera.retrieval.receipt import Composition, receipt
-from tessera.retrieval.serving import Serving
 from tessera.tenants import Tenant
 from tessera.wire import to_wire
 

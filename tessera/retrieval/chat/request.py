@@ -4,7 +4,7 @@
 model (as in vLLM and SGLang), so the API can serve its schema (``GET /openapi.json``) and
 every validation error becomes one OpenAI-shaped 400 naming each field to fix.
 :func:`parse_chat_request` validates a body and resolves the config's defaults into a
-:class:`ChatRequest`, which carries the :class:`~tessera.messages.SamplingParams` sent to
+:class:`ChatRequest`, which carries the :class:`~tessera.messages.generation.SamplingParams` sent to
 the generation node; no other code checks sampling bounds.
 
 Extensions (sent by the official client through ``extra_body``):
@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tessera.errors import BadRequest
-from tessera.messages import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TOP_P, SamplingParams
+from tessera.messages.generation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TOP_P, SamplingParams
 
 Role = Literal["system", "user", "assistant"]
 Placement = Literal["system", "user"]

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
 
 from tessera.retrieval import openapi
-from tessera.retrieval.chat_request import ChatCompletionRequest
+from tessera.retrieval.chat.request import ChatCompletionRequest
 from tessera.retrieval.openapi import EventStream, Operation
 
 

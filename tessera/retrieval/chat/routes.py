@@ -1,7 +1,7 @@
 """The OpenAI-compatible API on the retrieval role: the single entry point of a Tessera cluster.
 
     POST /v1/chat/completions   OpenAI-compatible (streaming and not), plus Tessera's
-                                retrieval / context_units extensions (see chat_request.py)
+                                retrieval / context_units extensions (see request.py)
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text
     GET  /openapi.json          OpenAPI 3.1 schema of the chat endpoint (from the pydantic models)
@@ -9,13 +9,13 @@
 Request flow (paper §4): retrieve (or take the caller's units) → identify → render the
 layout → route → snapshot of the chosen node → finalize the per-unit plan → execute on
 the node, relaying its tokens. The control plane runs in this process (with ``[ha]``, in the
-leader's; a replica that does not lead goes through its RPCs: :mod:`tessera.retrieval.office`).
+leader's; a replica that does not lead goes through its RPCs: :mod:`tessera.retrieval.leadership.office`).
 
 The chat handler only admits (the cluster's capacity), parses and maps errors to HTTP
 replies, and counts each admitted request's status once. It calls one way down:
-:func:`tessera.retrieval.reply.answer` renders the layout (``chat_layout``), drives the
-request through the cluster (``driver``) and builds the reply (``reply``); the per-process
-state is :class:`~tessera.retrieval.serving.Serving`, started here once the retrieval node is.
+:func:`tessera.retrieval.chat.reply.answer` renders the layout (:mod:`.layout`), drives the
+request through the cluster (:mod:`.driver`) and builds the reply (:mod:`.reply`); the per-process
+state is :class:`~tessera.retrieval.chat.serving.Serving`, started here once the retrieval node is.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from aiohttp import web
 
 from tessera.config import ClusterConfig
 from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
-from tessera.retrieval.chat_request import parse_chat_request
-from tessera.retrieval.chat_response import error_body, openapi_document, to_json
-from tessera.retrieval.generation_client import NodeUnavailable
+from tessera.retrieval.chat.generation_client import NodeUnavailable
+from tessera.retrieval.chat.reply import ClientGone, answer
+from tessera.retrieval.chat.request import parse_chat_request
+from tessera.retrieval.chat.response import error_body, openapi_document, to_json
+from tessera.retrieval.chat.serving import Serving
 from tessera.retrieval.limits import check_body_size
 from tessera.retrieval.node import RetrievalNode
-from tessera.retrieval.reply import ClientGone, answer
 from tessera.retrieval.routes import RETRIEVAL_NODE
-from tessera.retrieval.serving import Serving
 from tessera.tenants import tenant_of
 
 SERVING = web.AppKey("serving", Serving)

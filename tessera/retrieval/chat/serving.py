@@ -3,7 +3,7 @@
 The composition policy is the one the fidelity gate lets this process serve
 (:func:`tessera.composition.calibration.decide`, decided in :meth:`Serving.start`).
 
-One :class:`Serving` lives on the aiohttp app (``chat.SERVING``). It is built with the app
+One :class:`Serving` lives on the aiohttp app (``routes.SERVING``). It is built with the app
 and started by an explicit step, :meth:`Serving.start`, once the retrieval node has loaded
 the tokenizer: that builds the prompt builder and reads the model's context limit from the
 checkpoint's config (no weights are loaded here). Until then :attr:`ready` is False and the
@@ -27,11 +27,11 @@ from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
 from tessera.engines.checkpoint import resolve
 from tessera.engines.geometry import geometry_from_checkpoint
-from tessera.retrieval.chat_metrics import ChatMetrics
-from tessera.retrieval.generation_client import NodeClients
+from tessera.retrieval.chat.generation_client import NodeClients
+from tessera.retrieval.chat.metrics import ChatMetrics
+from tessera.retrieval.chat.receipt import Composition
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.prompt import PromptBuilder
-from tessera.retrieval.receipt import Composition
 from tessera.units import TokenCache
 
 log = logging.getLogger(__name__)

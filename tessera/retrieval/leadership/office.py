@@ -29,8 +29,8 @@ from tessera.config import ClusterConfig
 from tessera.control.client import RequestControl
 from tessera.control.plane import ControlPlane
 from tessera.errors import NotLeader, TesseraError
-from tessera.retrieval.leader_liveness import LeaderLiveness
-from tessera.retrieval.plane_path import LocalPath, RemotePath, RequestPath
+from tessera.retrieval.leadership.liveness import LeaderLiveness
+from tessera.retrieval.leadership.path import LocalPath, RemotePath, RequestPath
 from tessera.runtime import BackgroundTasks
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Without ``[ha]`` the retrieval process hosts the plane and every request uses
 :class:`LocalPath`. With it, the replica that leads uses its own plane (:class:`LocalPath`,
-which asks the :class:`~tessera.retrieval.office.Office` for the plane at every verb, so a
+which asks the :class:`~tessera.retrieval.leadership.office.Office` for the plane at every verb, so a
 term that ended mid-request issues nothing more), and every other replica goes through the
 leader's ``/control/route|plan|complete`` (:class:`RemotePath`). Both take the same verbs:
 
@@ -32,7 +32,8 @@ from tessera.control.client import RequestControl
 from tessera.control.pace import Heard, NodeWatch, RemoteWatch, Watch, first_token_deadline_s
 from tessera.control.plane import ControlPlane
 from tessera.errors import ControlPlaneError, NotLeader, TesseraError
-from tessera.messages import CancelRequest, ReleaseRequest, RequestPlan
+from tessera.messages.control import CancelRequest, ReleaseRequest
+from tessera.messages.plan import RequestPlan
 from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION
 

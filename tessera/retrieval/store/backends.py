@@ -1,6 +1,6 @@
 """Which unit-record store a retrieval process opens: embedded SQLite (default) or PostgreSQL.
 
-Both expose the verbs of :class:`~tessera.retrieval.records.UnitRecords`; only the PostgreSQL
+Both implement :class:`~tessera.retrieval.store.records.UnitRecordStore`; only the PostgreSQL
 one has a change sequence that other replicas follow (:mod:`tessera.retrieval.follow`).
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessera.config import RetrievalConfig
-from tessera.retrieval.records import UnitRecords
-from tessera.retrieval.records_pg import PgUnitRecords, dsn_with_secret
+from tessera.retrieval.store.postgres import PgUnitRecords, dsn_with_secret
+from tessera.retrieval.store.records import UnitRecordStore
+from tessera.retrieval.store.sqlite import UnitRecords
 
-Records = UnitRecords | PgUnitRecords
 
-
-def open_records(config: RetrievalConfig, directory: Path, fingerprint: str, label: str) -> Records:
+def open_records(config: RetrievalConfig, directory: Path, fingerprint: str, label: str) -> UnitRecordStore:
     """The records of ``retrieval.store``; ``directory`` holds the SQLite file or the replica's index state."""
     if config.store == "postgres":
         return PgUnitRecords(dsn_with_secret(config), directory, fingerprint, label=label)

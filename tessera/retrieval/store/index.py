@@ -5,8 +5,9 @@ text in two scopes is two units. A unit id is indexed once per scope however oft
 ingested.
 
 The index stores record keys and vectors only; texts and metadata live in the unit records
-(records.py), which are the source of truth: an index file is a cache of them, saved
-atomically and rebuilt from the stored embeddings when it is missing, stale or corrupt.
+(:mod:`tessera.retrieval.store.records`), which are the source of truth: an index file is a
+cache of them, saved atomically and rebuilt from the stored embeddings when it is missing,
+stale or corrupt.
 
 Every saved file ``X.usearch`` has a sidecar ``X.usearch.sha256`` holding its SHA-256,
 written (temp file, fsync, rename) after the index file is in place. A file is checked
@@ -67,7 +68,7 @@ def check_scope(scope: str, field: str = "scope") -> None:
 
 
 class ScopeIndex:
-    """HNSW index of one scope, keyed by the units' record keys (see records.py)."""
+    """HNSW index of one scope, keyed by the units' record keys (see :mod:`tessera.retrieval.store.records`)."""
 
     def __init__(self, dim: int, connectivity: int, expansion_search: int) -> None:
         self.dim = dim
@@ -167,7 +168,7 @@ class UnitIndex:
     def search(self, scope: str, vector: np.ndarray, k: int) -> list[tuple[int, float]]:
         index = self._scopes.get(scope)
         if index is None:
-            # never list the known scopes: they are other tenants' names (issue 14)
+            # never list the known scopes: they are other tenants' names
             raise BadRequest(f"unknown scope {scope!r}: nothing was ingested into it", 404)
         return index.search(vector, k)
 

@@ -120,8 +120,9 @@ class SqlUnitRecords(ABC):
     def _delete(self, unit_ids: list[str], now: float) -> list[tuple[str, str]]:
         """Delete these live units (inside a transaction); (unit_id, scope) of those that were live."""
 
+    @abstractmethod
     def _lock_meta(self) -> None:
-        """Hold ``meta`` against other openings until the transaction ends, where they can race."""
+        """Hold ``meta`` against other openings of the store until the transaction ends."""
 
     def _execute(self, query: str, params: Sequence[Any] = ()) -> Any:
         return self._db.execute(self._sql(query), params)

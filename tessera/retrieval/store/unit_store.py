@@ -5,9 +5,9 @@ model's tokenizer (cached), identified by (scope, token ids, serving fingerprint
 with MiniLM and indexed in the scope's HNSW index. Re-ingesting the same text in the same
 scope yields the same unit id and indexes nothing new (its metadata is replaced).
 
-Durability: the unit records (SQLite, records.py) are the source of truth and every batch
-is committed before the call returns; the per-scope indexes are caches of them, saved by
-``save_indexes``, caught up at start-up when stale and rebuilt when missing.
+Durability: the unit records (:mod:`tessera.retrieval.store.records`) are the source of
+truth and every batch is committed before the call returns; the per-scope indexes are caches
+of them, saved by ``save_indexes``, caught up at start-up when stale and rebuilt when missing.
 
 Update and delete: a unit may carry a caller-chosen ``external_id`` (unique per scope).
 Ingesting new text under an existing external id creates the new unit and revokes the old
@@ -41,12 +41,12 @@ import numpy as np
 from tessera.config import RetrievalConfig
 from tessera.errors import BadRequest
 from tessera.private_files import private_dir
-from tessera.retrieval.backends import open_records
 from tessera.retrieval.embedder import Embedder
-from tessera.retrieval.index import IndexCorrupt, UnitIndex, check_scope, index_path
 from tessera.retrieval.prompt_path import identify_unit
-from tessera.retrieval.records import Existing, NewRecord, Record
-from tessera.retrieval.records_pg import PgUnitRecords
+from tessera.retrieval.store.backends import open_records
+from tessera.retrieval.store.index import IndexCorrupt, UnitIndex, check_scope, index_path
+from tessera.retrieval.store.postgres import PgUnitRecords
+from tessera.retrieval.store.records import Existing, NewRecord, Record
 from tessera.units import ContextUnit, UnitFactory
 
 log = logging.getLogger(__name__)
@@ -355,7 +355,7 @@ class UnitStore:
         except BadRequest as exc:
             if exc.status != 404:
                 raise
-            # name the caller's scope, never the storage key (it showed 'acme\x1fmuseum': issue 21)
+            # name the caller's scope, never the storage key (it would show the tenant's name)
             raise BadRequest(f"unknown scope {scope!r}: nothing was ingested into it", 404) from None
         records = self.records.by_keys([key for key, _ in found])
         return [Hit(_unit(records[key]), score, records[key].metadata) for key, score in found if key in records]
