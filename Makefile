@@ -42,15 +42,19 @@ typecheck: $(STAMP)
 # test tiers (tests/fixtures/tiers.py): unit starts no process and loads no model;
 # integration runs real role processes; system runs hosts, HA, chaos and the docs' commands
 TIER := $(BIN)/pytest -q --durations=10 -m
+# integration and system tests spend most of their time waiting on the processes they start:
+# two pytest workers (a module stays on one) keep both cores busy
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadfile
 
 unit: $(STAMP)
 	$(TIER) 'unit and not slow'
 
 integration: $(STAMP)
-	$(TIER) 'integration and not slow'
+	$(TIER) 'integration and not slow' $(PARALLEL)
 
 system: $(STAMP)
-	$(TIER) 'system and not slow'
+	$(TIER) 'system and not slow' $(PARALLEL)
 
 # every tier runs even when one fails, so one CI run shows every failure; each prints its time
 test: lint typecheck
