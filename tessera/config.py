@@ -18,6 +18,7 @@ This module knows nothing about files, processes, sockets or tensors.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -410,6 +411,31 @@ class ListenerConfig:
 
 
 @dataclass(frozen=True)
+class SGLangConfig:
+    """SGLang where Tessera runs it: the unmodified baseline of ``tessera bench --systems sglang``
+    (docs/sglang.md). Device, model and cores are the generation nodes' (``[model]``)."""
+
+    # SGLang's CPU kernels compute in bfloat16 or float16; float32 falls back to plain torch
+    dtype: str = "bfloat16"
+    # SGLang's attention backend: intel_amx on CPU; flashinfer, triton or fa3 on CUDA
+    attention_backend: str = "intel_amx"
+    # tokens of SGLang's own KV pool, where its radix cache lives
+    max_total_tokens: int = 65536
+    # more launch_server flags, passed as they are (shell words), after Tessera's own
+    extra_args: str = ""
+
+    def __post_init__(self) -> None:
+        _choice("sglang.dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        _check(isinstance(self.attention_backend, str) and bool(self.attention_backend), "sglang.attention_backend",
+               self.attention_backend, "expected an SGLang attention backend name (intel_amx on CPU)")
+        _positive("sglang.max_total_tokens", self.max_total_tokens)
+        try:
+            shlex.split(self.extra_args)
+        except ValueError as exc:
+            _check(False, "sglang.extra_args", self.extra_args, f"expected shell words ({exc})")
+
+
+@dataclass(frozen=True)
 class HAConfig:
     """Replicated retrieval role (docs/high-availability.md); off while ``etcd`` is empty."""
 
@@ -457,6 +483,7 @@ class ClusterConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     listener: ListenerConfig = field(default_factory=ListenerConfig)
     ha: HAConfig = field(default_factory=HAConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     kvpools: tuple[KVPoolNodeConfig, ...] = ()
     generation: tuple[GenerationNodeConfig, ...] = ()
 

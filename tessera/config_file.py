@@ -24,6 +24,7 @@ from tessera.config import (
     ModelConfig,
     RetrievalConfig,
     SecurityConfig,
+    SGLangConfig,
     TransportConfig,
 )
 from tessera.errors import ConfigError
@@ -39,6 +40,7 @@ _SECTIONS: dict[str, type] = {
     "security": SecurityConfig,
     "listener": ListenerConfig,
     "ha": HAConfig,
+    "sglang": SGLangConfig,
 }
 
 

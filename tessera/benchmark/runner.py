@@ -24,6 +24,7 @@ from typing import Any
 
 from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S, BodyOf, Result, run_load
 from tessera.benchmark.report import compare, plot, summarize, table
+from tessera.benchmark.sglang import BASELINE_SYSTEM, sglang_target
 from tessera.benchmark.targets import FreshCluster, Target
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig, ControlConfig
@@ -202,7 +203,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
     embeddings = None
     if targets is None:
         embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
-        targets = {s: FreshCluster(system_config(base, s), workload, SYSTEMS[s], embeddings) for s in opts.systems}
+        targets = {s: sglang_target(base, workload) if s == BASELINE_SYSTEM
+                   else FreshCluster(system_config(base, s), workload, SYSTEMS[s], embeddings) for s in opts.systems}
     for system, target in targets.items():
         rates = opts.rates_for(system)
         sysrep: dict[str, Any] = {"config": target.description, "rates": rates, "runs": []}

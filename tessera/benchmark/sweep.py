@@ -19,6 +19,7 @@ from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S
 from tessera.benchmark.options import LoadOptions, say
 from tessera.benchmark.report import format_demo, format_report
 from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench
+from tessera.benchmark.sglang import BASELINE_SYSTEM, sglang_missing
 from tessera.benchmark.targets import Target
 from tessera.benchmark.workloads import Workload, synthetic_workload
 from tessera.config import ClusterConfig
@@ -96,9 +97,12 @@ def _endpoints(opts: SweepOptions, headers: dict[str, str]) -> dict[str, Target]
 def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
     """Check the options, render traces (``trace_only``) or sweep systems × rates; print the report."""
     names = options.names(opts.load.systems)
-    unknown = [s for s in names if s not in SYSTEMS]
+    known = [*SYSTEMS, BASELINE_SYSTEM]
+    unknown = [s for s in names if s not in known]
     if unknown or not names:
-        raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+        raise ConfigError(f"unknown system(s) {unknown}; known: {', '.join(known)}")
+    if BASELINE_SYSTEM in names and not opts.urls and (why := sglang_missing()) is not None:
+        raise ConfigError(why)  # before minutes of load on the other systems, not after
     if not 0 <= opts.load.warmup < 1 or opts.load.requests < 2 or opts.saturation < 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --saturation >= 0")
     if opts.warmup_rate < 0 or (opts.warmup_rate > 0 and not opts.load.drain_warmup):
