@@ -186,7 +186,8 @@ def test_the_cli_calibrates_then_simulates_a_tiny_synthetic_sweep(tiny_model: Pa
     assert "| tessera | unloaded |" in again.stdout and "0 of 6 runs outside ±20%" in again.stdout, again.stdout
 
 
-@pytest.mark.slow  # a real cluster at two rates: ~60 s here
+@pytest.mark.integration
+@pytest.mark.slow  # a real cluster at two rates
 def test_the_cli_measures_each_roles_cpu_on_a_real_tiny_cluster(tiny_model: Path, tmp_path: Path) -> None:
     """`tessera simulate --calibrate-cpu`: a real cluster's roles' CPU per request and the engines' in-cluster
     stretch go into the cost model file; the engine thread's CPU is told apart and split by engine call."""
