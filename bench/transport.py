@@ -131,12 +131,10 @@ def start_sink(block: int, deadline_s: float = SINK_DEADLINE_S,
     ours, theirs = ctx.Pipe(duplex=False)
     sink = ctx.Process(target=target, args=(theirs, block), daemon=True)
     sink.start()
-    theirs.close()  # only the sink holds the sending end: its death reads as EOF here
+    theirs.close()  # only the sink holds the sending end: its death reads as EOF, which ends the poll
     deadline = time.monotonic() + deadline_s
     try:
         while not ours.poll(0.1):
-            if not sink.is_alive():
-                raise NotStarted(f"socket sink process exited with code {sink.exitcode} before it listened")
             if time.monotonic() > deadline:
                 sink.kill()
                 raise NotStarted(f"socket sink process did not listen within {deadline_s:.0f} s")
@@ -162,6 +160,7 @@ def bench_socket(block: int, n: int, seconds: float) -> float:
                 done += block * n
     except OSError as exc:
         sink.kill()
+        sink.join(5)
         raise NotStarted(f"socket sink stopped reading (exit code {sink.exitcode}): {exc}") from None
     elapsed = time.perf_counter() - start
     sink.join(5)

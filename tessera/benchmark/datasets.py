@@ -112,11 +112,8 @@ def fetch_command(dest: Path, only: Sequence[str] | None = None) -> str:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def status(file: DataFile, dest: Path) -> tuple[Status, str]:

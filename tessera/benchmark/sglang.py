@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import shlex
@@ -30,17 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tessera.benchmark.endpoints import Endpoint
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import resolve
 from tessera.errors import ConfigError
 from tessera.ports import bind_listener
-from tessera.retrieval.prompt import text_placement
 
 # the system name of unmodified SGLang in ``tessera bench --systems``
 BASELINE_SYSTEM = "sglang"
 # the name the baseline serves under; the bench sends it as every request's "model"
 SERVED_NAME = "sglang-baseline"
+# how requests are sent: as ``tessera bench --url`` sends any OpenAI-compatible server (the URL is per run)
+ENDPOINT = Endpoint(BASELINE_SYSTEM, "", "openai", SERVED_NAME)
 # a cold start loads the model and builds SGLang's kernels' workspaces: minutes on a busy host
 START_DEADLINE_S = 900.0
 STOP_GRACE_S = 30.0
@@ -112,8 +115,8 @@ class SGLangServer:
                 "cores": cores(self.config), "max_total_tokens": s.max_total_tokens, "extra_args": s.extra_args}
 
     def body_of(self, req: BenchRequest, max_tokens: int) -> dict[str, Any]:
-        return {"model": SERVED_NAME, "messages": text_placement(req.messages, self.units.of(req), req.placement),
-                "max_tokens": req.max_tokens or max_tokens, "temperature": 0.0}
+        """The plain OpenAI body ``--url`` sends any server, with this request's units as text."""
+        return ENDPOINT.body(dataclasses.replace(req, context_units=self.units.of(req)), max_tokens)
 
     @asynccontextmanager
     async def open(self, log_dir: Path, progress: bool) -> AsyncIterator[str]:
@@ -133,8 +136,6 @@ class Server:
 
     @classmethod
     def start(cls, config: ClusterConfig, log: Path, deadline_s: float = START_DEADLINE_S) -> Server:
-        if (why := sglang_missing()) is not None:
-            raise ConfigError(why)
         with bind_listener("127.0.0.1", 0, "sglang baseline") as sock:
             port = int(sock.getsockname()[1])
         with open(log, "wb") as out:
