@@ -379,8 +379,9 @@ def evaluate_cmd(
 def verify(
     workload: Annotated[WorkloadName, typer.Option(
         help="Prompts from rag (MuSiQue), locomo or synthetic.")] = WorkloadName.rag,
-    prompts: Annotated[Path | None, typer.Option(help="JSONL of your own chat requests (API format, with "
-                                                 "context_units and unit_placement) instead of a workload.")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="JSONL of your own prompts instead of a workload: chat "
+                                                 "requests (API format, with context_units) or a traffic trace "
+                                                 "(with units, docs/bench/traces.md).")] = None,
     samples: Annotated[int, typer.Option(help="Prompts to score (0: all).")] = 40,
     policies: Annotated[str, typer.Option(help="Comma-separated composition policies.")] = "naive,epic,full",
     ks: Annotated[str, typer.Option(help="epic: comma-separated k (recompute_tokens).")] = "4,16",

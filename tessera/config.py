@@ -65,6 +65,18 @@ def _name(key: str, value: object) -> None:
     _check(isinstance(value, str) and bool(value), key, value, "expected the name of a registered implementation")
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """``"0-1,4"`` -> {0, 1, 4}; ``""`` -> no cores named (the process keeps its mask)."""
+    cores: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if not 0 <= first <= last:
+            raise ValueError(f"{part!r} is not a core or an ascending range of cores")
+        cores.update(range(first, last + 1))
+    return frozenset(cores)
+
+
 def _port(key: str, value: object) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536, key, value,
            "expected a TCP port 0..65535 (0 picks a free port)")
@@ -254,9 +266,14 @@ class RetrievalConfig:
     postgres_dsn: str = ""
     # file holding the PostgreSQL password ("" = $TESSERA_PG_PASSWORD, or none)
     postgres_password_file: str = ""
+    # a public request body's unknown fields (a misspelt `context_units`) are refused with a 400
+    # naming the nearest known field; true: ignored, for clients that send vendor fields
+    allow_unknown_fields: bool = False
 
     def __post_init__(self) -> None:
         _port("retrieval.port", self.port)
+        _check(isinstance(self.allow_unknown_fields, bool), "retrieval.allow_unknown_fields",
+               self.allow_unknown_fields, "expected true or false")
         _choice("retrieval.store", self.store, STORES)
         _check(self.store != "postgres" or bool(self.postgres_dsn), "retrieval.postgres_dsn", self.postgres_dsn,
                'retrieval.store = "postgres" needs a DSN such as "host=127.0.0.1 port=5432 dbname=tessera"')
@@ -311,10 +328,19 @@ class GenerationNodeConfig:
     max_batch_prompts: int = 1
     # exact-prefix (radix) cache capacity in tokens
     prefix_cache_tokens: int = 16384
+    # cores the node's process runs on, as taskset writes them ("0", "2-3", "0,2"); "" = as started.
+    # Nodes sharing a host get disjoint cores this way (SGLang's kernels bind the first
+    # model.threads cores of the process's mask)
+    cpus: str = ""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and self.name.isidentifier(), "generation.name", self.name,
                "expected a short identifier such as gen0")
+        try:
+            parse_cpus(self.cpus)
+        except ValueError as exc:
+            _check(False, f"generation.{self.name}.cpus", self.cpus,
+                   f"expected cores such as \"0-1\" or \"0,2\" ({exc})")
         _port(f"generation.{self.name}.port", self.port)
         _non_negative(f"generation.{self.name}.local_capacity_blocks", self.local_capacity_blocks)
         _positive(f"generation.{self.name}.max_inflight", self.max_inflight)
@@ -412,15 +438,19 @@ class ListenerConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """SGLang where Tessera runs it: the unmodified baseline of ``tessera bench --systems sglang``
-    (docs/sglang.md). Device, model and cores are the generation nodes' (``[model]``)."""
+    """SGLang where Tessera runs it (docs/sglang.md): the engine of ``model.engine = "sglang"``
+    and the unmodified baseline of ``tessera bench --systems sglang``. Device, model, cores and
+    (for the engine) compute dtype are the generation nodes' (``[model]``)."""
 
-    # SGLang's CPU kernels compute in bfloat16 or float16; float32 falls back to plain torch
+    # the baseline's dtype: SGLang's CPU kernels compute in bfloat16 or float16
     dtype: str = "bfloat16"
-    # SGLang's attention backend: intel_amx on CPU; flashinfer, triton or fa3 on CUDA
+    # SGLang's attention backend: intel_amx on CPU (the engine then runs SGLang's CPU attention
+    # kernels where their semantics fit); any other name makes the engine's attention portable torch
     attention_backend: str = "intel_amx"
-    # tokens of SGLang's own KV pool, where its radix cache lives
+    # tokens of SGLang's KV pool: the baseline's radix cache, or the engine's request slots
     max_total_tokens: int = 65536
+    # requests the engine holds KV slots for at once (SGLang's request-to-token table)
+    max_requests: int = 64
     # more launch_server flags, passed as they are (shell words), after Tessera's own
     extra_args: str = ""
 
@@ -429,6 +459,7 @@ class SGLangConfig:
         _check(isinstance(self.attention_backend, str) and bool(self.attention_backend), "sglang.attention_backend",
                self.attention_backend, "expected an SGLang attention backend name (intel_amx on CPU)")
         _positive("sglang.max_total_tokens", self.max_total_tokens)
+        _positive("sglang.max_requests", self.max_requests)
         try:
             shlex.split(self.extra_args)
         except ValueError as exc:

@@ -59,21 +59,23 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if "Allow" in exc.headers:  # a 405 names the methods the path serves (RFC 9110)
             refused.headers["Allow"] = exc.headers["Allow"]
         return refused
-    except Exception as exc:
+    except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return error(500, f"internal error: {type(exc).__name__}")
+        return error(500, "internal error; the server's log has the details")  # no exception text
 
 
-async def body(request: web.Request, cls: type[T], check: Callable[[Any], None] | None = None) -> T:
+async def body(request: web.Request, cls: type[T], check: Callable[[Any], None] | None = None, *,
+               closed: bool = False) -> T:
     """Decode a typed, versioned message body (400 naming the field when it does not fit).
 
     ``check`` sees the raw JSON first (bounds that must hold before the typed decode builds
-    anything large, e.g. a query vector's length).
+    anything large, e.g. a query vector's length). ``closed``: unknown fields are refused
+    (a client's body), not ignored (a peer role's, which may be newer).
     """
     value = loads(await request.read())
     if check is not None:
         check(value)
-    msg = from_wire(cls, value)
+    msg = from_wire(cls, value, closed=closed)
     check_version(msg.version)  # type: ignore[attr-defined]
     return msg
 

@@ -59,6 +59,12 @@ class Child:
     def port(self) -> int:
         return int(urllib.parse.urlsplit(self.url).port or 0)
 
+    @property
+    def health_path(self) -> str:
+        """What says the role is up: the retrieval role's ``/health`` is ready only once a
+        generation node reported in, which starts after it, so the launcher asks if it is live."""
+        return "/health/live" if self.role == "retrieval" else "/health"
+
     def tail(self, lines: int = 30) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -115,8 +121,9 @@ def spawn_role(role: str, node: str | None, config_path: Path, log_path: Path, u
 
 
 def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Child], None] | None = None,
-                 context: ssl.SSLContext | None = None) -> None:
-    """Poll each child's ``/health`` until it answers 200; ClusterError if one exits or time runs out."""
+                 context: ssl.SSLContext | None = None, path: str | None = None) -> None:
+    """Poll each child's health check (``path``, else :attr:`Child.health_path`) until it answers
+    200; ClusterError if one exits or time runs out."""
     deadline = time.monotonic() + timeout
     pending = list(children)
     while pending:
@@ -124,8 +131,9 @@ def wait_healthy(children: list[Child], timeout: float, on_ready: Callable[[Chil
             if child.proc.poll() is not None:
                 raise ClusterError(f"{child.role} {child.node} exited with code {child.proc.returncode}; "
                                    f"log {child.log_path}:\n{child.tail()}")
+            url = child.url + (path or child.health_path)
             with contextlib.suppress(OSError, urllib.error.URLError), \
-                    urllib.request.urlopen(child.url + "/health", timeout=1.0, context=context) as resp:
+                    urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                 # a 200 counts only from our own child: another cluster may answer on this port
                 if resp.status == 200 and holds_port(child.proc.pid, child.port) is not False:
                     pending.remove(child)
@@ -188,10 +196,12 @@ class LocalCluster:
         """PortInUse for a listener's port another process of this machine holds."""
         check_free(self.config)
 
-    def _wait(self, children: list[Child], timeout: float) -> None:
+    def _wait(self, children: list[Child], timeout: float, path: str | None = None) -> None:
+        """Until every child's health check (``path``, else its own) answers 200; each is announced
+        when it first does."""
+        say = None if path else (lambda c: self._say(f"  {c.role:<10} {c.node:<6} ready at {c.url}"))
         try:
-            wait_healthy(children, timeout, context=self._tls,
-                         on_ready=lambda c: self._say(f"  {c.role:<10} {c.node:<6} ready at {c.url}"))
+            wait_healthy(children, timeout, context=self._tls, on_ready=say, path=path)
         except ClusterError as exc:
             raise ClusterError(f"{exc}; logs in {self.log_dir}") from None
 
@@ -243,6 +253,8 @@ class LocalCluster:
             self._wait([self._spawn("kvpool", n.name, n.host, n.port) for n in cfg.kvpools], timeout)
             self._wait([self._spawn("generation", n.name, n.host, n.port) for n in cfg.generation], timeout)
             self._wait_heard([n.name for n in cfg.generation], timeout)
+            # started means served: every replica's /health says a chat can go through it
+            self._wait([c for c in self.children if c.role == "retrieval"], timeout, path="/health/ready")
         except BaseException:
             self.stop()
             raise

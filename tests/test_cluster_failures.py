@@ -204,7 +204,8 @@ def test_a_client_that_disconnects_is_counted_cancelled_and_its_generation_is_ab
 
 def test_with_no_node_left_the_client_gets_a_clean_503(cluster: tuple[ClusterConfig, LocalCluster],
                                                        tmp_path: Path) -> None:
-    """Every node stopped: a 503 with a JSON error before the deadline, never a hang."""
+    """Every node stopped: a 503 with a JSON error before the deadline, never a hang, and no internal URL or
+    exception text in it."""
     cfg, c = cluster
     frozen = [_child(c, n.name) for n in cfg.generation]
     for ch in frozen:
@@ -214,6 +215,8 @@ def test_with_no_node_left_the_client_gets_a_clean_503(cluster: tuple[ClusterCon
             "messages": [{"role": "user", "content": "anyone?"}], "max_tokens": 3})
         assert status == 503, body
         assert "error" in body and "message" in body["error"]
+        message = body["error"]["message"]
+        assert not any(leak in message for leak in ("http://", "127.0.0.1", "Error", "Exception")), message
     finally:
         for ch in frozen:
             os.kill(ch.proc.pid, signal.SIGCONT)

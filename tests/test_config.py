@@ -193,3 +193,14 @@ def test_a_node_a_file_leaves_unspecified_gets_the_served_sizes() -> None:
 def test_every_bench_config_loads(path: Path) -> None:
     """The bench configs name only known keys and valid values (they overlay the embedded default)."""
     assert load_config(path).generation
+
+
+def test_generation_cpus_are_cores_as_taskset_writes_them() -> None:
+    from tessera.config import GenerationNodeConfig, parse_cpus
+
+    assert parse_cpus("") == frozenset()
+    assert parse_cpus("0-2,5") == frozenset({0, 1, 2, 5})
+    assert GenerationNodeConfig("gen0", cpus="1").cpus == "1"
+    for bad in ("2-1", "x", "-1", "0-"):
+        with pytest.raises(ConfigError, match=r"generation\.gen0\.cpus"):
+            GenerationNodeConfig("gen0", cpus=bad)

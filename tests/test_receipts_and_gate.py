@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.cluster import StartCluster, cluster_config, write_config
 from helpers.http import call, chat, metrics_text
+from helpers.processes import StartRole
 from typer.testing import CliRunner
 
 from tessera.benchmark.verify import Layouts, Prompt, Setting, verify
 from tessera.cli import app
-from tessera.composition.calibration import Fingerprint, decide, knobs, read_record, write_record
+from tessera.composition.calibration import (
+    MAX_RECORD_BYTES,
+    BadRecord,
+    Fingerprint,
+    decide,
+    knobs,
+    read_record,
+    write_record,
+)
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig, CompositionConfig
 from tessera.config_file import load_config
+from tessera.engines.checkpoint import resolve
 from tessera.engines.reference import ReferenceEngine
 from tessera.errors import BadRequest
 
@@ -68,6 +80,7 @@ def test_a_receipt_says_where_each_unit_came_from_and_what_was_recomputed(served
     assert second["recomputed_tokens"]["inlined"] == second["unit_tokens"]["inlined"] == per_unit[2]["tokens"]
     assert second["policy"] == knobs(served.composition) and second["calibration"] == "uncalibrated"
     assert "verify --calibrate" in second["reason"] and policy.name == "epic"
+    assert served.composition.calibration_dir not in json.dumps(second_reply)  # no server path in a reply
 
 
 def test_the_receipts_add_up_in_the_metrics(served: ClusterConfig) -> None:
@@ -172,6 +185,26 @@ def test_a_record_is_valid_for_its_own_fingerprint_only(tmp_path: Path) -> None:
     assert decide(config, "prefix", "m", "float32", "float16").status == "exact"
 
 
+
+def test_a_record_names_the_engine_that_measured_it(tmp_path: Path) -> None:
+    """A record measured on the reference engine does not vouch for SGLang's at the same dtypes, nor the
+    reverse; the reference engine's records keep the names they had before engines were named."""
+    config = CompositionConfig(require_calibration=True, calibration_dir=str(tmp_path))
+    _record_for(config, tmp_path, 0.01, 0.9)
+    assert decide(config, "compose", "tiny:abc", "float32", "float16").status == "calibrated"
+    assert decide(config, "compose", "tiny:abc", "float32", "float16", "sglang").status == "fallback-full"
+    on_sglang = Fingerprint.of(config, "tiny:abc", "bfloat16", "float16", "sglang")
+    assert on_sglang.as_dict()["engine"] == "sglang"
+    write_record(tmp_path, on_sglang, {"mean": 0.01, "lo": 0.0, "hi": 0.02}, {"mean": 0.9, "lo": 0.8, "hi": 1.0}, 8,
+                 "test")
+    assert decide(config, "compose", "tiny:abc", "bfloat16", "float16", "sglang").status == "calibrated"
+    assert decide(config, "compose", "tiny:abc", "bfloat16", "float16").status == "fallback-full"
+    reference = Fingerprint.of(config, "tiny:abc", "float32", "float16")
+    legacy = json.dumps(["tiny:abc", "float32", "float16", [list(kv) for kv in reference.setting]], sort_keys=True)
+    assert reference.digest == hashlib.blake2b(legacy.encode(), digest_size=12).hexdigest()
+    assert "engine" not in reference.as_dict()
+
+
 def test_verify_calibrate_writes_records_the_gate_accepts(tiny_model: Path, tmp_path: Path) -> None:
     """``verify --calibrate`` writes a record per scored setting, for the fingerprint the server computes."""
     cfg = _config(tiny_model, tmp_path / "records", max_kl=1e9, min_agreement=0.0, require_calibration=True)
@@ -206,3 +239,97 @@ def test_without_a_record_a_gated_node_serves_full_prefill_visibly(
     assert receipt["recomputed_tokens"]["computed"] == receipt["unit_tokens"]["computed"] > 0
     assert 'tessera_composition_requests_total{calibration="fallback-full",policy="full"} 1.0' in metrics_text(
         cfg.retrieval_url)
+
+
+# --- calibration records are trusted configuration ----------------------------------------------
+
+
+def _forge(directory: Path, config: CompositionConfig, body: dict[str, Any] | None = None,
+           model: str = "tiny:abc") -> Path:
+    """A record that passes every target, written as another user could (a plain file, by hand)."""
+    fp = Fingerprint.of(config, model, "float32", "float16")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{fp.digest}.json"
+    path.write_text(json.dumps(body if body is not None else {
+        "version": 1, "fingerprint": fp.as_dict(), "kl": {"mean": 0.0, "lo": 0.0, "hi": 0.0},
+        "agreement": {"mean": 1.0, "lo": 1.0, "hi": 1.0}, "prompts": 8, "source": "forged", "created": "now"}))
+    return path
+
+
+def test_a_record_in_a_folder_others_may_write_is_refused_with_the_gate_on_and_ignored_without(
+        tmp_path: Path) -> None:
+    """Regression: a record forged in a folder another user could write made a gated cluster serve
+    epic with a receipt claiming "calibrated", KL 0, agreement 1."""
+    folder = tmp_path / "shared"
+    gated = CompositionConfig(require_calibration=True, calibration_dir=str(folder))
+    _forge(folder, gated)
+    folder.chmod(0o777)
+    with pytest.raises(BadRecord, match=f"calibration folder {folder} may be written by other users .*chmod go-w"):
+        decide(gated, "compose", "tiny:abc", "float32", "float16")
+    open_gate = dataclasses.replace(gated, require_calibration=False)
+    decision = decide(open_gate, "compose", "tiny:abc", "float32", "float16")
+    assert (decision.status, decision.record) == ("uncalibrated", None)
+    assert decision.warning is not None and "chmod go-w" in decision.warning
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root")
+def test_a_record_in_another_users_folder_is_refused(tmp_path: Path) -> None:
+    """A folder owned by someone else (here nobody, uid 65534) is that user's to forge records in."""
+    folder = tmp_path / "theirs"
+    gated = CompositionConfig(require_calibration=True, calibration_dir=str(folder))
+    record = _forge(folder, gated)
+    os.chown(folder, 65534, 65534)
+    with pytest.raises(BadRecord, match="belongs to uid 65534, not to the user serving"):
+        decide(gated, "compose", "tiny:abc", "float32", "float16")
+    os.chown(folder, 0, 0)
+    os.chown(record, 65534, 65534)  # a file of theirs in a folder of ours: as untrusted
+    with pytest.raises(BadRecord, match=f"calibration record {record} belongs to uid 65534"):
+        decide(gated, "compose", "tiny:abc", "float32", "float16")
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({"version": 1, "kl": 0.01}, "does not fit the record schema"),
+    ({"version": 1, "kl": {"mean": 0.0, "lo": 0.0, "hi": 0.0}, "agreement": {"mean": 1, "lo": 1, "hi": 1},
+      "prompts": 8, "source": "x" * 50_000, "created": "now"}, "does not fit the record schema"),
+    ("x" * (MAX_RECORD_BYTES + 1), "is larger than"),
+])
+def test_a_bad_record_is_ignored_without_the_gate_and_refused_naming_the_file_with_it(
+        tmp_path: Path, body: Any, why: str) -> None:
+    """Regression: a record of the wrong shape stopped the role even with the gate off, and a 50 MB
+    field of a record was copied into every reply."""
+    gated = CompositionConfig(require_calibration=True, calibration_dir=str(tmp_path))
+    fp = Fingerprint.of(gated, "tiny:abc", "float32", "float16")
+    record = tmp_path / f"{fp.digest}.json"
+    record.write_text(body if isinstance(body, str) else json.dumps({"fingerprint": fp.as_dict(), **body}))
+    with pytest.raises(BadRecord, match=f"calibration record {record} {why}"):
+        decide(gated, "compose", "tiny:abc", "float32", "float16")
+    decision = decide(dataclasses.replace(gated, require_calibration=False), "compose", "tiny:abc", "float32",
+                      "float16")
+    assert decision.status == "uncalibrated" and decision.warning is not None and str(record) in decision.warning
+
+
+def test_a_receipt_names_the_record_never_a_server_path(tmp_path: Path) -> None:
+    """Regression: every receipt named the server's home path (the records folder, the prompts file)."""
+    folder = tmp_path / "home" / "records"
+    config = CompositionConfig(calibration_dir=str(folder))
+    fp = Fingerprint.of(config, "tiny:abc", "float32", "float16")
+    assert "home" not in json.dumps(decide(config, "compose", "tiny:abc", "float32", "float16").describe())
+    write_record(folder, fp, {"mean": 0.1, "lo": 0.1, "hi": 0.1}, {"mean": 0.5, "lo": 0, "hi": 1}, 8,
+                 str(tmp_path / "home" / "prompts.jsonl"))
+    described = decide(config, "compose", "tiny:abc", "float32", "float16").describe()
+    assert described["calibration"] == "calibrated" and described["fidelity"]["record"] == f"{fp.digest}.json"
+    assert described["fidelity"]["source"] == "prompts.jsonl" and "home" not in json.dumps(described)
+
+
+def test_a_gated_role_refuses_to_start_on_a_record_it_cannot_trust(
+        tiny_model: Path, tmp_path: Path, start_role: StartRole) -> None:
+    """From the attacker's side: a passing record in a world-writable folder; the gated role does not serve."""
+    folder = tmp_path / "records"
+    cfg = _config(tiny_model, folder, require_calibration=True)
+    checkpoint = resolve(cfg.model)
+    _forge(folder, cfg.composition, model=f"{checkpoint.name}:{checkpoint.identity}")
+    folder.chmod(0o777)
+    proc = start_role("retrieval", write_config(tmp_path, cfg))
+    assert proc.proc.wait(120) == 3, proc.log()
+    proc.stop()
+    assert f"calibration folder {folder} may be written by other users" in proc.log()

@@ -71,9 +71,16 @@ async def call(service: Service, method: str, path: str, body: Any = None, raw: 
         return resp.status, await resp.json()
 
 
-async def test_health_says_ready(service: Service) -> None:
-    """GET /health is 200 once the tokenizer and the embedder are loaded."""
-    assert await call(service, "GET", "/health") == (200, {"version": V, "status": "ready", "role": "retrieval"})
+async def test_health_is_live_but_not_ready_while_no_generation_node_reported_in(service: Service) -> None:
+    """Regression: /health answered 200 while every chat got 503 "no generation node is alive", so a load
+    balancer sent traffic too early. Now /health (= /health/ready) is 503 with the reason; /health/live is 200."""
+    assert await call(service, "GET", "/health/live") == (200, {"version": V, "status": "live", "role": "retrieval",
+                                                                  "reason": ""})
+    for path in ("/health", "/health/ready"):
+        status, out = await call(service, "GET", path)
+        assert (status, out["status"]) == (503, "unready") and "no generation node is alive" in out["reason"]
+    status, out = await call(service, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}]})
+    assert status == 503 and "no generation node is alive" in out["error"]["message"]
 
 
 async def test_ingest_then_retrieve_the_paraphrased_passage(service: Service) -> None:
@@ -95,6 +102,17 @@ async def test_ingest_then_retrieve_the_paraphrased_passage(service: Service) ->
     top = hits["units"][0]
     assert top["unit_id"] == out["units"][0]["unit_id"] and top["metadata"] == {"source": "reef"}
     assert top["text"] == units[0]["text"] and top["score"] > hits["units"][1]["score"]
+
+
+async def test_a_misspelt_field_of_a_retrieval_api_body_is_refused_naming_the_known_one(service: Service) -> None:
+    """Regression: "topk" and "externalid" were dropped: a default top_k, a unit without its key, and a 200."""
+    for path, body, needle in (
+            ("/v1/retrieve", {"scope": "kb", "query": "x", "topk": 1}, "unknown field 'topk' (did you mean 'top_k'?)"),
+            ("/v1/units", {"units": [{"scope": "kb", "text": "x", "externalid": "doc-1"}]},
+             "units[0]: unknown field 'externalid' (did you mean 'external_id'?)"),
+            ("/v1/units/delete", {"scope": "kb", "filters": {"name": "x"}},
+             "unknown field 'filters' (did you mean 'filter'?)")):
+        assert await call(service, "POST", path, body) == (400, {"error": needle}), path
 
 
 @pytest.mark.parametrize(

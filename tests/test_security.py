@@ -306,7 +306,7 @@ async def test_publish_needs_the_secret_and_a_valid_grant(plane: Plane) -> None:
 
 
 async def test_requests_without_a_known_api_key_are_refused(plane: Plane) -> None:
-    """No key or an unknown key is a 401 on every public route but /health."""
+    """No key or an unknown key is a 401 on every public route but the health checks."""
     for key in (None, "key-guessed"):
         for method, path, body in (("POST", "/v1/retrieve", {"version": V, "scope": "docs", "query": "x"}),
                                    ("POST", "/v1/units", {"version": V, "units": [{"scope": "docs", "text": "x"}]}),
@@ -315,7 +315,10 @@ async def test_requests_without_a_known_api_key_are_refused(plane: Plane) -> Non
             assert status == 401, (key, path)
     status, out = await call(plane, "POST", "/v1/chat/completions", {"messages": []}, key="key-guessed")
     assert status == 401 and out["error"]["type"] == "authentication_error"
-    assert (await call(plane, "GET", "/health"))[0] == 200
+    assert (await call(plane, "GET", "/health/live"))[0] == 200
+    for path in ("/health", "/health/ready"):  # 200 or 503 (ready or not): answered, never 401
+        status, out = await call(plane, "GET", path)
+        assert status in (200, 503) and out["status"] in ("ready", "unready"), (path, status, out)
 
 
 async def test_metrics_need_an_admin_key(plane: Plane) -> None:
@@ -456,7 +459,7 @@ async def test_both_planes_speak_tls_when_configured(tmp_path: Path, pool_config
         async with aiohttp.ClientSession() as s:
             for _ in range(600):
                 try:
-                    async with s.get(config.retrieval_url + "/health", ssl=ctx) as resp:
+                    async with s.get(config.retrieval_url + "/health/live", ssl=ctx) as resp:
                         if resp.status == 200:
                             break
                 except aiohttp.ClientError:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from tessera.benchmark.verify import Setting, bootstrap, prompts_from_workload, verify
+from tessera.benchmark.verify import Setting, bootstrap, prompts_from_file, prompts_from_workload, verify
 from tessera.benchmark.workloads import synthetic_workload
 from tessera.cli import app
 from tessera.config_file import load_config
@@ -146,3 +147,41 @@ def test_unit_bos_is_named_in_every_label_and_the_overlay(tiny_config_file: Path
     engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
     with pytest.raises(ConfigError, match="unit_bos"):
         verify(engine, engine.tokenizer, cfg, [], [Setting("naive")], answer_tokens=2, kl_positions=1)
+
+
+EXAMPLE_TRACE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "example.jsonl"
+
+
+def test_a_trace_file_is_scored_with_its_units(tiny_config_file: Path, tmp_path: Path) -> None:
+    """Regression: ``verify --prompts bench/traces/example.jsonl`` (the trace format) scored every prompt
+    without its units and reported KL 0 and agreement 1 for every setting, naive included."""
+    cfg = load_config(tiny_config_file)
+    trace = prompts_from_file(EXAMPLE_TRACE, cfg)
+    first = json.loads(EXAMPLE_TRACE.read_text().splitlines()[0])
+    as_request = tmp_path / "request.jsonl"  # the same line in the API's format
+    as_request.write_text(json.dumps({"messages": first["messages"], "context_units": first["units"],
+                                      "scope": first["scope"], "unit_placement": first["placement"]}) + "\n")
+    assert trace[0] == prompts_from_file(as_request, cfg)[0] and all(p.units for p in trace)
+    code, report, output = _run(tiny_config_file, tmp_path, "--prompts", str(EXAMPLE_TRACE), "--samples", "3",
+                                "--policies", "naive", "--leads", "none")
+    assert code == 0, output
+    naive = next(r for r in report["rows"] if r["setting"] == "naive lead=none")  # type: ignore[union-attr]
+    assert naive["kl"]["mean"] > 0
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    ({"messages": [{"role": "user", "content": "q"}]}, ":1: the prompt brings no units"),
+    ({"messages": [{"role": "user", "content": "q"}], "placement": "user", "units": ["a", {"id": "doc-17"}]},
+     ":1: units[1]: a private unit needs a non-empty string id and tokens >= 1, got {'id': 'doc-17'}"),
+    ({"messages": [{"role": "user", "content": "q"}], "context_unit": ["a"]},
+     "unknown field 'context_unit' (did you mean 'context_units'?)"),
+])
+def test_a_prompt_whose_units_verify_cannot_find_is_refused_naming_it(tmp_path: Path, line: dict[str, Any],
+                                                                     needle: str) -> None:
+    """A prompt without units, a private unit without its length, or a misspelt context_units: refused,
+    naming the line and the unit, instead of scored as exact."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    with pytest.raises(ConfigError) as info:
+        prompts_from_file(path, load_config(None))
+    assert needle in str(info.value)

@@ -153,6 +153,15 @@ def is_traffic_line(rec: Any) -> bool:
     return isinstance(rec, dict) and "messages" in rec
 
 
+# keys of a trace line that a chat request (the API's format, which also has messages) does not have
+TRACE_ONLY_KEYS = frozenset({"units", "placement", "arrival_s", "tenant"})
+
+
+def is_trace_not_request(rec: Any) -> bool:
+    """Whether a line with messages is a trace line rather than a chat request in the API's format."""
+    return is_traffic_line(rec) and (bool(TRACE_ONLY_KEYS & rec.keys()) or isinstance(rec.get("stream"), str))
+
+
 def read_traffic(path: Path) -> list[TraceRequest]:
     out = [parse_line(rec, where) for where, rec in records(path)]
     if not out:

@@ -34,13 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessera.benchmark.traffic import UnitTexts, is_trace_not_request, parse_line
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.composition.layout import text_ranges
 from tessera.composition.policies import CompositionPolicy, policy_from_config
 from tessera.config import ClusterConfig, CompositionConfig
 from tessera.engines.base import EngineAdapter, UnitState
+from tessera.engines.checkpoint import resolve
 from tessera.engines.offline import compose, prefill_units
-from tessera.engines.tokenizer import Tokenizer, unit_factory
+from tessera.engines.tokenizer import Tokenizer, load_tokenizer, unit_factory
 from tessera.errors import BadRequest, ConfigError
 from tessera.retrieval.chat.request import parse_chat_request
 from tessera.retrieval.prompt import PromptBuilder
@@ -114,29 +116,75 @@ class Prompt:
 
 
 def prompts_from_file(path: Path, config: ClusterConfig) -> list[Prompt]:
-    """Chat requests in the API's format, one JSON object a line, with their ``context_units``."""
+    """The prompts of a JSONL file, one a line: a chat request in the API's format (its
+    ``context_units``) or a line of the traffic trace format (its ``units``; docs/bench/traces.md).
+
+    A trace unit given as ``{id, tokens}`` (private text) is scored on the stand-in text that
+    ``tessera bench --trace`` sends for it (:func:`~tessera.benchmark.traffic.synthetic_text`),
+    and verify says how many were. A prompt without units is refused naming its line: there
+    is nothing to compose in it, and its score would be exact by construction.
+    """
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise ConfigError(f"--prompts {path}: cannot be read ({exc.strerror or exc})") from None
+    traced = _TraceTexts(config)
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         where = f"{path}:{i + 1}"
         try:
-            chat = parse_chat_request(json.loads(line), default_top_k=config.retrieval.top_k,
-                                      default_placement=config.retrieval.unit_placement,
-                                      served_model=config.model.served_name)
-        except (json.JSONDecodeError, BadRequest) as exc:
-            raise ConfigError(f"{where}: not a valid chat request: {exc}") from None
-        if chat.retrieval is not None:
-            raise ConfigError(f"{where}: verify scores the units a request brings; send them as context_units "
-                              "(retrieval needs the cluster's unit store)")
-        out.append(Prompt(tuple(chat.messages), chat.placement, tuple((u.scope, u.text) for u in chat.units)))
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not JSON: {exc}") from None
+        try:
+            if is_trace_not_request(rec):
+                prompt = traced.prompt(rec, where)
+            else:
+                prompt = _request_prompt(rec, where, config)
+        except BadRequest as exc:  # the trace reader names the line itself
+            raise ConfigError(f"{exc} (read as a trace line: docs/bench/traces.md)" if is_trace_not_request(rec)
+                              else f"{where}: not a valid chat request: {exc}") from None
+        if not prompt.units:
+            raise ConfigError(f"{where}: the prompt brings no units, so there is nothing to compose and its score "
+                              "would be exact by construction; give it context_units (a chat request) or units "
+                              "(a trace line)")
+        out.append(prompt)
     if not out:
         raise ConfigError(f"{path} holds no chat requests")
+    if traced.stand_ins:
+        print(f"[verify] {path}: {traced.stand_ins} units are private (an id and a length): scored on the "
+              "stand-in text tessera bench --trace sends for them", file=sys.stderr)
     return out
+
+
+def _request_prompt(rec: Any, where: str, config: ClusterConfig) -> Prompt:
+    """A chat request in the API's format; its unknown fields are refused, as the API refuses them."""
+    chat = parse_chat_request(rec, default_top_k=config.retrieval.top_k,
+                              default_placement=config.retrieval.unit_placement, served_model=config.model.served_name)
+    if chat.retrieval is not None:
+        raise ConfigError(f"{where}: verify scores the units a request brings; send them as context_units "
+                          "(retrieval needs the cluster's unit store)")
+    return Prompt(tuple(chat.messages), chat.placement, tuple((u.scope, u.text) for u in chat.units))
+
+
+class _TraceTexts:
+    """Trace lines as prompts; the served tokenizer is loaded only if a private unit needs its stand-in text."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.texts: UnitTexts | None = None
+        self.stand_ins = 0
+
+    def prompt(self, rec: Any, where: str) -> Prompt:
+        req = parse_line(rec, where)
+        private = sum(u.text is None for u in req.units)
+        if private and self.texts is None:
+            self.texts = UnitTexts(load_tokenizer(resolve(self.config.model)).encode_plain)
+        self.stand_ins += private
+        units = self.texts.pairs(req) if self.texts is not None else [(u.scope, u.text or "") for u in req.units]
+        return Prompt(req.messages, req.placement, tuple(units))
 
 
 def prompts_from_workload(config: ClusterConfig, workload: Workload, tokenizer: Tokenizer) -> list[Prompt]:
@@ -357,14 +405,17 @@ def format_rows(rows: Sequence[Row], marked: Setting | None = None) -> list[str]
 def measured_fidelity(config: ClusterConfig, workload: Workload, n: int, warmup_frac: float, *, seed: int = 0,
                       answer_tokens: int = 16, kl_positions: int = 8) -> dict[str, Any]:
     """``tessera bench --fidelity N``: the configured composition scored on N measured requests."""
-    from tessera.engines.reference import ReferenceEngine
+    from tessera.engines.base import load_engine
+    from tessera.engines.checkpoint import resolve
+    from tessera.engines.tokenizer import load_tokenizer
 
     split = int(len(workload.requests) * warmup_frac)
     measured = Workload(workload.name, workload.corpus, workload.requests[split:], workload.notes)
-    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
-    prompts = sample(prompts_from_workload(config, measured, engine.tokenizer), n, seed)
+    engine = load_engine(config, 0)  # the configured engine: a record is valid for it alone
+    tokenizer = load_tokenizer(resolve(config.model))
+    prompts = sample(prompts_from_workload(config, measured, tokenizer), n, seed)
     setting = Setting.of(config.composition)
-    (row,) = summarize(verify(engine, engine.tokenizer, config, prompts, [setting], answer_tokens=answer_tokens,
+    (row,) = summarize(verify(engine, tokenizer, config, prompts, [setting], answer_tokens=answer_tokens,
                               kl_positions=kl_positions, progress=True))
     return {"prompts": len(prompts), "answer_tokens": answer_tokens, "kl_positions": kl_positions, **row.as_dict()}
 

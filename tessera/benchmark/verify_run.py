@@ -82,7 +82,8 @@ def _records(config: ClusterConfig, model: str, rows: list[vf.Row], source: str,
     """A calibration record per scored setting, for this serving fingerprint (the fidelity gate reads them)."""
     directory = records_dir(config.composition)
     for r in rows:
-        fp = Fingerprint.of(r.setting.composition(config.composition), model, config.model.dtype, config.kv_dtype)
+        fp = Fingerprint.of(r.setting.composition(config.composition), model, config.model.dtype, config.kv_dtype,
+                            config.model.engine)
         write_record(directory, fp, dataclasses.asdict(r.kl), dataclasses.asdict(r.prefix), prompts, source)
     return directory
 
@@ -108,7 +109,9 @@ def _calibrate(rows: list[vf.Row], mine: vf.Row, opts: VerifyOptions, report: di
 
 def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
     """Score every setting, print the table, check thresholds, calibrate; the exit code (0 or 1)."""
-    from tessera.engines.reference import ReferenceEngine
+    from tessera.engines.base import load_engine
+    from tessera.engines.checkpoint import resolve
+    from tessera.engines.tokenizer import load_tokenizer
 
     if opts.frontier:
         extras.require("tessera verify --frontier", "matplotlib")
@@ -120,12 +123,13 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
         n = 0 if opts.workload is WorkloadName.locomo else max(4 * opts.samples, 200)
         wl = select_workload(opts.workload, n, opts.data_dir, 1.0, opts.top_k, opts.unit_words, opts.placement,
                              opts.seed, opts.conversations)
-    engine = ReferenceEngine.from_config(config, prefix_cache_tokens=0)
+    engine = load_engine(config, 0)  # the configured engine: a record is valid for it alone
+    tokenizer = load_tokenizer(resolve(config.model))
     if pool is None:
         assert wl is not None
-        pool = vf.prompts_from_workload(config, wl, engine.tokenizer)
+        pool = vf.prompts_from_workload(config, wl, tokenizer)
     chosen_prompts = vf.sample(pool, opts.samples, opts.seed)
-    scores = vf.verify(engine, engine.tokenizer, config, chosen_prompts, settings, answer_tokens=opts.answer_tokens,
+    scores = vf.verify(engine, tokenizer, config, chosen_prompts, settings, answer_tokens=opts.answer_tokens,
                        kl_positions=opts.kl_positions, progress=True, timed=opts.frontier)
     rows = vf.summarize(scores)
     source = str(opts.prompts) if opts.prompts is not None else opts.workload.value

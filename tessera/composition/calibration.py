@@ -14,25 +14,74 @@ the retrieval role deciding alike from the same config and records:
   setting serves only under a record whose mean KL is at most ``max_kl`` and whose greedy
   agreement is at least ``min_agreement``, else the process serves full prefill instead.
 
-The decision is part of every reply's receipt and of the metrics. This module knows nothing
+A record is trusted configuration: with the gate on it decides what every reply is composed
+by, and every receipt quotes it. So it is read (:func:`read_record`) only from a folder that
+the serving user owns and no one else may write, as a regular file of that user that no one
+else may write, of at most :data:`MAX_RECORD_BYTES`, and only if it fits the record's schema
+(:class:`RecordBody`, every field bounded). Anything else is a :class:`BadRecord` naming the
+file (or folder) and why: with ``require_calibration = true`` the role refuses to start,
+without it the record is ignored with a start-up warning (the setting is uncalibrated).
+
+The decision is part of every reply's receipt and of the metrics; a receipt names a record by
+its file name (the fingerprint's digest), never by a server path. This module knows nothing
 about engines or servers: callers pass the model identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tessera.config import CompositionConfig
+from tessera.errors import ConfigError
 
 EXACT_POLICIES = frozenset({"full"})
-RECORD_VERSION = 1
+DEFAULT_ENGINE = "reference"  # ModelConfig.engine's default
+RECORD_VERSION: Final = 1
+MAX_RECORD_BYTES = 1 << 20  # a record is a few hundred bytes: a larger file is not one
+MAX_SOURCE_CHARS = 256  # characters of a record's source (every receipt quotes it)
+
+
+class BadRecord(ConfigError):
+    """A calibration record (or its folder) that cannot be trusted or does not fit the schema; names the file."""
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class KLInterval(_Schema):
+    mean: Annotated[float, Field(ge=0)]
+    lo: Annotated[float, Field(ge=0)]
+    hi: Annotated[float, Field(ge=0)]
+
+
+class AgreementInterval(_Schema):
+    mean: Annotated[float, Field(ge=0, le=1)]
+    lo: Annotated[float, Field(ge=0, le=1)]
+    hi: Annotated[float, Field(ge=0, le=1)]
+
+
+class RecordBody(_Schema):
+    """The schema of a record file (what :func:`write_record` writes)."""
+
+    version: Literal[1]
+    fingerprint: dict[str, str | bool | int | float] = Field(max_length=16)
+    kl: KLInterval
+    agreement: AgreementInterval
+    prompts: Annotated[int, Field(ge=1)]
+    source: Annotated[str, Field(max_length=MAX_SOURCE_CHARS)]
+    created: Annotated[str, Field(max_length=32)]
 
 
 def knobs(config: CompositionConfig) -> dict[str, Any]:
@@ -47,24 +96,35 @@ def knobs(config: CompositionConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What a calibration record is valid for."""
+    """What a calibration record is valid for: the model, the engine that computes it and in
+    which dtypes, and the composition setting."""
 
     model: str  # checkpoint name:identity (the serving fingerprint's model)
     dtype: str  # compute dtype
     kv_dtype: str
     setting: tuple[tuple[str, Any], ...]  # knobs(config), in order
+    engine: str = DEFAULT_ENGINE  # model.engine: engines differ in numerics, so in fidelity
 
     @classmethod
-    def of(cls, config: CompositionConfig, model: str, dtype: str, kv_dtype: str) -> Fingerprint:
-        return cls(model, dtype, kv_dtype, tuple(knobs(config).items()))
+    def of(cls, config: CompositionConfig, model: str, dtype: str, kv_dtype: str,
+           engine: str = DEFAULT_ENGINE) -> Fingerprint:
+        return cls(model, dtype, kv_dtype, tuple(knobs(config).items()), engine)
+
+    def _named(self) -> dict[str, Any]:
+        # the reference engine goes unnamed, so its records keep the names they have always had
+        return {} if self.engine == DEFAULT_ENGINE else {"engine": self.engine}
 
     @property
     def digest(self) -> str:
-        text = json.dumps([self.model, self.dtype, self.kv_dtype, list(self.setting)], sort_keys=True)
+        parts: list[Any] = [self.model, self.dtype, self.kv_dtype, list(self.setting)]
+        if self._named():
+            parts.append(self.engine)
+        text = json.dumps(parts, sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "dtype": self.dtype, "kv_dtype": self.kv_dtype, **dict(self.setting)}
+        return {"model": self.model, "dtype": self.dtype, "kv_dtype": self.kv_dtype, **self._named(),
+                **dict(self.setting)}
 
 
 def records_dir(config: CompositionConfig) -> Path:
@@ -75,29 +135,93 @@ def records_dir(config: CompositionConfig) -> Path:
     return Path(base) / "tessera" / "calibration"
 
 
+def record_name(fingerprint: Fingerprint) -> str:
+    """The record's file name in ``calibration_dir`` (what receipts call it)."""
+    return f"{fingerprint.digest}.json"
+
+
+def check_folder(directory: Path) -> None:
+    """Refuse (:class:`BadRecord`) a records folder another user owns or others may write:
+    its owner, or anyone who may write it, could put a forged record there."""
+    try:
+        st = os.stat(directory)
+    except OSError as exc:
+        raise BadRecord(f"calibration folder {directory} cannot be read ({exc.strerror})") from None
+    if st.st_uid != os.geteuid():
+        raise BadRecord(f"calibration folder {directory} belongs to uid {st.st_uid}, not to the user serving "
+                        f"(uid {os.geteuid()}), who could forge a record there; set composition.calibration_dir "
+                        "to a folder of your own and run tessera verify --calibrate again")
+    if st.st_mode & 0o022:
+        raise BadRecord(f"calibration folder {directory} may be written by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}), who could forge a record there; run chmod go-w {directory}")
+
+
 def write_record(directory: Path, fingerprint: Fingerprint, kl: dict[str, float], agreement: dict[str, float],
                  prompts: int, source: str) -> Path:
-    """Write (replace) the record of ``fingerprint``: ``kl`` and ``agreement`` are {mean, lo, hi}."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{fingerprint.digest}.json"
-    body = {"version": RECORD_VERSION, "fingerprint": fingerprint.as_dict(), "kl": kl, "agreement": agreement,
-            "prompts": prompts, "source": source, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    """Write (replace) the record of ``fingerprint``: ``kl`` and ``agreement`` are {mean, lo, hi};
+    ``source`` (what was scored) is kept as a name, not a path. BadRecord if the folder is one
+    the roles would refuse to read."""
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    check_folder(directory)
+    path = directory / record_name(fingerprint)
+    body = RecordBody(version=RECORD_VERSION, fingerprint=fingerprint.as_dict(), kl=KLInterval(**kl),
+                      agreement=AgreementInterval(**agreement), prompts=prompts,
+                      source=Path(source).name[:MAX_SOURCE_CHARS], created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body, indent=1))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fd, 0o644)  # whatever the umask: a group-writable record would be refused
+        fh.write(json.dumps(body.model_dump(), indent=1))
     tmp.replace(path)
     return path
 
 
-def read_record(directory: Path, fingerprint: Fingerprint) -> dict[str, Any] | None:
-    """The record of exactly ``fingerprint``, or None (missing, unreadable, or another fingerprint)."""
-    path = directory / f"{fingerprint.digest}.json"
+def _read_trusted(path: Path) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file of this user that others may not write and
+    of at most MAX_RECORD_BYTES; None if it does not exist; BadRecord otherwise."""
     try:
-        body = json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
         return None
-    if body.get("version") != RECORD_VERSION or body.get("fingerprint") != fingerprint.as_dict():
+    except OSError as exc:
+        why = "is a symbolic link; a record must be a file of its own" if exc.errno == errno.ELOOP else \
+            f"cannot be read ({exc.strerror})"
+        raise BadRecord(f"calibration record {path} {why}") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRecord(f"calibration record {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise BadRecord(f"calibration record {path} belongs to uid {st.st_uid}, not to the user serving "
+                            f"(uid {os.geteuid()}); write it with tessera verify --calibrate")
+        if st.st_mode & 0o022:
+            raise BadRecord(f"calibration record {path} may be written by other users (mode "
+                            f"{stat.S_IMODE(st.st_mode):o}); run chmod go-w {path}")
+        data = fh.read(MAX_RECORD_BYTES + 1)
+    if len(data) > MAX_RECORD_BYTES:
+        raise BadRecord(f"calibration record {path} is larger than {MAX_RECORD_BYTES} bytes: not a record")
+    return data
+
+
+def read_record(directory: Path, fingerprint: Fingerprint) -> dict[str, Any] | None:
+    """The record of exactly ``fingerprint``, or None when there is none; :class:`BadRecord`
+    (naming the file and why) when there is one that cannot be trusted or does not fit the schema."""
+    path = directory / record_name(fingerprint)
+    data = _read_trusted(path)
+    if data is None:
         return None
-    return dict(body)
+    check_folder(directory)
+    try:
+        body = RecordBody.model_validate_json(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg']}"
+                             for e in exc.errors(include_url=False)[:5])
+        raise BadRecord(f"calibration record {path} does not fit the record schema ({problems}); "
+                        "write it again with tessera verify --calibrate") from None
+    if body.fingerprint != fingerprint.as_dict():
+        raise BadRecord(f"calibration record {path} is the record of another serving fingerprint; "
+                        "write it again with tessera verify --calibrate")
+    return body.model_dump()
 
 
 @dataclass(frozen=True)
@@ -109,7 +233,8 @@ class Decision:
     status: str  # exact | calibrated | uncalibrated | below-target | fallback-full
     fingerprint: Fingerprint
     record: dict[str, Any] | None
-    reason: str
+    reason: str  # what receipts say: no server path
+    detail: str = ""  # what only the start-up log adds (where records were looked for, why one was ignored)
 
     def describe(self) -> dict[str, Any]:
         """What every receipt says about composition: the served policy's knobs and its fidelity."""
@@ -117,32 +242,47 @@ class Decision:
         if self.served != self.configured:
             out["configured_policy"] = knobs(self.configured)
         if self.record is not None:
-            out["fidelity"] = {k: self.record[k] for k in ("kl", "agreement", "prompts", "source", "created")
-                               if k in self.record}
+            out["fidelity"] = {"record": record_name(self.fingerprint),
+                               **{k: self.record[k] for k in ("kl", "agreement", "prompts", "source", "created")}}
         if self.status != "exact":
             out["reason"] = self.reason
         return out
 
     @property
     def warning(self) -> str | None:
-        """What start-up logs: a missing record, a record below target, or a fallback."""
-        return None if self.status in ("exact", "calibrated") else self.reason
+        """What start-up logs: a missing or ignored record, a record below target, or a fallback."""
+        if self.status in ("exact", "calibrated"):
+            return None
+        return f"{self.reason} ({self.detail})" if self.detail else self.reason
 
 
-def decide(config: CompositionConfig, mode: str, model: str, dtype: str, kv_dtype: str) -> Decision:
-    """The gate (see the module docstring); reads the record of this fingerprint, if any."""
-    fp = Fingerprint.of(config, model, dtype, kv_dtype)
+def decide(config: CompositionConfig, mode: str, model: str, dtype: str, kv_dtype: str,
+           engine: str = DEFAULT_ENGINE) -> Decision:
+    """The gate (see the module docstring); reads the record of this fingerprint, if any.
+
+    Raises :class:`BadRecord` (the role does not start) for a record that cannot be trusted or
+    does not fit the schema while ``require_calibration`` is on; without it such a record is
+    ignored and the decision's warning says why.
+    """
+    fp = Fingerprint.of(config, model, dtype, kv_dtype, engine)
     if mode != "compose" or config.policy in EXACT_POLICIES:
         return Decision(config, config, "exact", fp, None, "exact: no approximation to calibrate")
     directory = records_dir(config)
-    record = read_record(directory, fp)
+    try:
+        record = read_record(directory, fp)
+        detail = f"records are read from {directory}"
+        why_none = f"no calibration record for this serving fingerprint ({record_name(fp)})"
+    except BadRecord as exc:
+        if config.require_calibration:
+            raise
+        record, detail = None, str(exc)
+        why_none = f"the calibration record {record_name(fp)} was ignored: it cannot be trusted or read"
     fallback = dataclasses.replace(config, policy="full")
     if record is None:
-        reason = (f"no calibration record for this serving fingerprint ({fp.digest} in {directory}); "
-                  "measure it with: tessera verify --calibrate")
+        reason = f"{why_none}; measure it with: tessera verify --calibrate"
         if config.require_calibration:
-            return Decision(config, fallback, "fallback-full", fp, None, reason + "; serving full prefill")
-        return Decision(config, config, "uncalibrated", fp, None, reason)
+            return Decision(config, fallback, "fallback-full", fp, None, reason + "; serving full prefill", detail)
+        return Decision(config, config, "uncalibrated", fp, None, reason, detail)
     kl, agreement = float(record["kl"]["mean"]), float(record["agreement"]["mean"])
     if kl <= config.max_kl and agreement >= config.min_agreement:
         return Decision(config, config, "calibrated", fp, record,

@@ -109,6 +109,11 @@ class ControlPlane:
 
     # --- the request path ----------------------------------------------------------------
 
+    @property
+    def routable(self) -> bool:
+        """Whether :meth:`route` has a node to choose now (some generation node is alive)."""
+        return self.fleet.alive != 0
+
     def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str] = (),
               waited_s: float = 0.0) -> str:
         """Step 2: choose the generation node for a request's (unit_id, n_tokens) list.

@@ -6,8 +6,8 @@ status and duration for every request; for a chat request that reached a generat
 also the server-side TTFT, where its prompt tokens' states came from, and on the node how
 long it queued before its first engine step and took to its first token (the rest of the
 TTFT is the retrieval side: parsing, tokenizing, retrieval, routing, the snapshot). The
-level is ``retrieval.access_log`` (``off`` for none); ``/health`` is logged at
-DEBUG (the launcher polls it).
+level is ``retrieval.access_log`` (``off`` for none); the health checks are logged at
+DEBUG (the launcher and load balancers poll them).
 
 The chat path reports its outcome through :func:`note_outcome`; a context variable carries
 the request's record there, so this module needs no reference to the request. It knows
@@ -85,7 +85,7 @@ def access_middleware(level: str) -> Callable[..., Awaitable[web.StreamResponse]
             raise
         finally:
             _CURRENT.reset(token)
-            at = logging.DEBUG if request.path == "/health" else value
+            at = logging.DEBUG if request.path.startswith("/health") else value
             if log.isEnabledFor(at):
                 log.log(at, "%s", access_line(request.method, request.path, status, record, time.perf_counter()))
 

@@ -6,6 +6,10 @@ Every body carries ``version`` (see :func:`tessera.messages.common.check_version
 request bodies a client sends by hand (ingest, delete, retrieve) it may be left out and means
 the current version, as OpenAI-style APIs carry no version field.
 
+The request bodies are decoded closed (:func:`tessera.wire.from_wire`): a field they do not
+have is refused with a 400 naming it (``retrieval.allow_unknown_fields`` lets it through), and
+their schemas say ``additionalProperties: false`` (:data:`CLOSED`).
+
 The ``Annotated`` constraints (pydantic ``Field``) describe what the handlers accept, for
 the served OpenAPI document (:mod:`tessera.retrieval.openapi`); the wire decoder reads the
 plain types only and the handlers check the rest, so the two must be kept in step
@@ -30,10 +34,12 @@ Text = Annotated[str, Field(pattern=r"\S")]
 ExternalId = Annotated[str, Field(min_length=1, max_length=MAX_EXTERNAL_ID)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K, description="units to return; 0 = retrieval.top_k")]
 Embedding = Annotated[tuple[float, ...], Field(description="a vector of the embedder's dimension, finite, non-zero")]
+CLOSED = ConfigDict(extra="forbid")  # the schema of a request body: unknown fields are refused
 
 
 @dataclass(frozen=True, slots=True)
 class IngestUnit:
+    __pydantic_config__ = CLOSED
     scope: Scope
     text: Text
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -45,6 +51,7 @@ class IngestUnit:
 
 @dataclass(frozen=True, slots=True)
 class IngestRequest:
+    __pydantic_config__ = CLOSED
     version: Version = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
     units: Annotated[tuple[IngestUnit, ...], Field(min_length=1)]  # at most routes.MAX_INGEST
 
@@ -81,6 +88,7 @@ class StoredUnitBody:
 class DeleteRequest:
     """``POST /v1/units/delete``: every unit of ``scope`` whose metadata has all of ``filter``."""
 
+    __pydantic_config__ = CLOSED
     version: Version = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
     scope: Scope
     filter: dict[str, Any] = field(default_factory=dict)  # {} deletes the whole scope
@@ -96,7 +104,7 @@ class DeleteResponse:
 @dataclass(frozen=True, slots=True)
 class RetrieveRequest:
     # exactly one of query and embedding, for the OpenAPI document (the store checks it)
-    __pydantic_config__ = ConfigDict(json_schema_extra={"oneOf": [
+    __pydantic_config__ = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
         {"required": ["query"], "properties": {"query": {"type": "string"}, "embedding": {"type": "null"}}},
         {"required": ["embedding"], "properties": {"embedding": {"type": "array"}, "query": {"type": "null"}}}]})
     version: Version = field(default=WIRE_VERSION, kw_only=True)  # optional: missing = current
@@ -125,6 +133,9 @@ class RetrieveResponse:
 
 @dataclass(frozen=True, slots=True)
 class Health:
+    """``GET /health/live`` (status "live") and ``GET /health``, ``/health/ready`` ("ready", or "unready")."""
+
     version: int
-    status: str  # "ready" | "loading"
+    status: str  # "live" | "ready" | "unready"
     role: str = "retrieval"
+    reason: str = ""  # why not ready: what chat would answer now

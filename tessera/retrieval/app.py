@@ -3,8 +3,9 @@
 Two aiohttp applications on two listeners:
 
 * the **public** API (``retrieval.host:port``): ``/v1/*`` (chat, models, units, retrieve),
-  ``/metrics`` and ``/health``, for API clients; every request but ``/health`` carries an
-  API key when ``security.keys_file`` is set (:mod:`tessera.tenants`);
+  ``/metrics`` and the health checks (``/health``, ``/health/live``, ``/health/ready``:
+  :mod:`tessera.retrieval.health`), for API clients; every request but the health checks
+  carries an API key when ``security.keys_file`` is set (:mod:`tessera.tenants`);
 * the **internal** plane (``retrieval.internal_host:internal_port``): ``/control/*``, the
   other roles' RPCs, each signed with the cluster secret (:mod:`tessera.auth`).
 
@@ -28,6 +29,7 @@ from tessera.ha.replicas import replica_config, replica_index
 from tessera.http import application
 from tessera.retrieval.access_log import access_middleware
 from tessera.retrieval.chat.routes import add_chat_routes
+from tessera.retrieval.health import HEALTH_PATHS, add_health_routes
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.routes import RETRIEVAL_NODE, internal_routes, routes
 from tessera.runtime import run, serve
@@ -47,12 +49,13 @@ def build_retrieval_app(config: ClusterConfig, node: RetrievalNode | None = None
                         keys: KeyRing | None = None) -> web.Application:
     """The public application; its state is ``app[RETRIEVAL_NODE]``."""
     app = application([access_middleware(config.retrieval.access_log),
-                       public_middleware(keys, body_timeout_s=config.listener.body_timeout_s)])
+                       public_middleware(keys, open_paths=HEALTH_PATHS, body_timeout_s=config.listener.body_timeout_s)])
     node = node or RetrievalNode(config)
     app[RETRIEVAL_NODE] = node
     app.cleanup_ctx.append(_lifecycle)
     app.add_routes(routes)
     add_chat_routes(app, config)
+    add_health_routes(app)
     return app
 
 

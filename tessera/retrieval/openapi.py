@@ -78,7 +78,7 @@ class Operation:
     ``ok`` maps each media type of the 200 reply to its body type (an :class:`EventStream` for
     server-sent events); ``errors`` maps each error status to when it is sent, each with an
     ``error_body``. ``authenticated``: needs an API key when the role has ``security.keys_file``
-    (every endpoint but ``/health``).
+    (every endpoint but the health checks).
     """
 
     method: str
@@ -95,6 +95,7 @@ class Operation:
 
 JSON = "application/json"
 LOADING = "the role is still loading its tokenizer and embedder"
+NOT_READY = "not ready: still loading, no generation node alive, or no leader elected (the reason says which)"
 NO_KEY = "missing or unknown API key (with security.keys_file)"
 NOT_YOURS = "the API key's tenant does not own the scope"
 UNIT_ID = {"unit_id": ("a unit id returned by POST /v1/units", UNIT_ID_PATTERN)}
@@ -102,8 +103,11 @@ INGESTED_ID = {"unit_id": "$response.body#/units/0/unit_id"}
 INGESTED_SCOPE = {"scope": "$response.body#/units/0/scope"}
 
 PUBLIC_OPERATIONS: tuple[Operation, ...] = (
-    Operation("get", "/health", "readiness: 200 once the tokenizer, embedder and store are loaded",
-              {JSON: api.Health}, {503: "still loading (the body says so)"}, error_body=api.Health,
+    Operation("get", "/health", "readiness (as /health/ready): 200 when a chat can be served through this process",
+              {JSON: api.Health}, {503: NOT_READY}, error_body=api.Health, authenticated=False),
+    Operation("get", "/health/ready", "readiness: 200 when a chat can be served through this process",
+              {JSON: api.Health}, {503: NOT_READY}, error_body=api.Health, authenticated=False),
+    Operation("get", "/health/live", "liveness: 200 while the process serves HTTP", {JSON: api.Health}, {},
               authenticated=False),
     Operation("post", "/v1/units", "ingest (or update by external_id) units; returns their ids and token counts",
               {JSON: api.IngestResponse},

@@ -1,7 +1,6 @@
-"""The retrieval role's own API: health, ingest and retrieve.
+"""The retrieval role's own API: ingest, retrieve and delete units.
 
 =========================  ==================================================================
-GET    /health             200 {"status": "ready"} once the tokenizer, embedder and store are loaded
 POST   /v1/units           ingest (or update by external_id) units -> ids and token counts
 GET    /v1/units/{id}      one stored unit (404 if unknown or deleted)
 DELETE /v1/units/{id}      revoke one unit (200 again if already deleted, 404 if never stored or another tenant's)
@@ -9,6 +8,8 @@ POST   /v1/units/delete    revoke every unit of a scope matching a metadata filt
 POST   /v1/retrieve        top-k units of a scope for a query text or embedding
 POST   /control/kvpool/inventory   a memory node's verified blocks after this role restarted
 =========================  ==================================================================
+
+The health checks (``/health``, ``/health/live``, ``/health/ready``) are in :mod:`tessera.retrieval.health`.
 
 A delete is acknowledged only once it is committed, the unit left the index, the control
 plane revoked it and the generation nodes were told (see RetrievalNode). A unit of another
@@ -18,6 +19,8 @@ another tenant's id exists.
 Ingest and retrieve bodies are checked before the typed decoder turns them into messages
 (its cost is per array element): embeddings must have the embedder's dimension, a retrieve
 body is bounded in bytes, and a unit's text in characters before it is tokenized (limits.py).
+A field these bodies do not have is refused, naming the nearest known one, unless
+``retrieval.allow_unknown_fields`` (:func:`client_body`).
 """
 
 from __future__ import annotations
@@ -64,16 +67,17 @@ def ready(request: web.Request) -> RetrievalNode:
     return node
 
 
-async def checked_body(request: web.Request, cls: type[T], check: Callable[[Any], None],
-                       limit: int | None = None, fix: str = "send a smaller body") -> T:
-    """:func:`tessera.http.body`, with ``check`` run on the raw JSON before the typed decode.
+async def client_body(request: web.Request, cls: type[T], check: Callable[[Any], None] | None = None,
+                      limit: int | None = None, fix: str = "send a smaller body") -> T:
+    """:func:`tessera.http.body` of a client's request: ``check`` runs on the raw JSON before the
+    typed decode, and unknown fields are refused unless ``retrieval.allow_unknown_fields``.
 
     ``limit``: bytes of the body (413 naming ``fix`` past it); else the app's ``client_max_size``.
     """
     if limit is not None:
         check_body_size(request.content_length, limit, fix)
         check_body_size(len(await request.read()), limit, fix)  # a chunked body has no Content-Length
-    return await body(request, cls, check)
+    return await body(request, cls, check, closed=not state(request).config.retrieval.allow_unknown_fields)
 
 
 def _ingest_bounds(dim: int) -> Callable[[Any], None]:
@@ -96,16 +100,10 @@ def _retrieve_bounds(dim: int) -> Callable[[Any], None]:
     return check
 
 
-@routes.get("/health")
-async def health(request: web.Request) -> web.Response:
-    ok = state(request).ready
-    return reply(api.Health(WIRE_VERSION, "ready" if ok else "loading"), status=200 if ok else 503)
-
-
 @routes.post("/v1/units")
 async def ingest(request: web.Request) -> web.Response:
     node = ready(request)
-    msg = await checked_body(request, api.IngestRequest, _ingest_bounds(node.embedding_dim))
+    msg = await client_body(request, api.IngestRequest, _ingest_bounds(node.embedding_dim))
     if not msg.units:
         raise BadRequest("units is empty; send at least one {scope, text} unit")
     tenant = tenant_of(request)
@@ -152,7 +150,7 @@ async def delete_unit(request: web.Request) -> web.Response:
 
 @routes.post("/v1/units/delete")
 async def delete_units(request: web.Request) -> web.Response:
-    msg = await body(request, api.DeleteRequest)
+    msg = await client_body(request, api.DeleteRequest)
     tenant = tenant_of(request)
     tenant.check_scope(msg.scope)
     done = await ready(request).delete_where(msg.scope, msg.filter, tenant.name)
@@ -162,8 +160,8 @@ async def delete_units(request: web.Request) -> web.Response:
 @routes.post("/v1/retrieve")
 async def retrieve(request: web.Request) -> web.Response:
     node = ready(request)
-    msg = await checked_body(request, api.RetrieveRequest, _retrieve_bounds(node.embedding_dim),
-                             MAX_RETRIEVE_BODY_BYTES, "send one query text or one embedding")
+    msg = await client_body(request, api.RetrieveRequest, _retrieve_bounds(node.embedding_dim),
+                            MAX_RETRIEVE_BODY_BYTES, "send one query text or one embedding")
     tenant = tenant_of(request)
     tenant.check_scope(msg.scope)
     hits = await node.retrieve(msg.scope, query=msg.query, embedding=msg.embedding, top_k=msg.top_k,

@@ -34,6 +34,7 @@ from tessera.retrieval.chat.driver import ChatDriver
 from tessera.retrieval.chat.layout import chat_layout
 from tessera.retrieval.chat.metrics import ChatMetrics
 from tessera.retrieval.chat.receipt import Composition, receipt
+from tessera.retrieval.chat.refusal import refusal
 from tessera.retrieval.chat.request import ChatRequest
 from tessera.retrieval.chat.response import (
     Delta,
@@ -212,8 +213,9 @@ class Reply:
             if not resp.prepared:
                 raise
             status = "stream-error"
+            told = refusal(exc)  # after the first token: an error event, not a status
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await send(error_body(str(exc), 503))
+                await send(error_body(told.message, told.status))
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp, status

@@ -16,21 +16,36 @@ Extensions (sent by the official client through ``extra_body``):
 * ``scope`` — default sharing scope of ``context_units``;
 * ``return_layout`` — the response carries the prompt layout (``tessera_layout``).
 
-Validation is strict where a mistake would silently change the answer (unknown roles, wrong
-types, ``true`` for a number, both retrieval and context units) and ignores fields OpenAI
-clients send that we do not use (``user``, ``frequency_penalty`` ...).
+Validation is strict where a mistake would silently change the answer: unknown roles, wrong
+types, ``true`` for a number, both retrieval and context units, and a field the body does not
+have (a misspelt ``context_unit`` is refused naming ``context_units``, in the request and in
+its ``retrieval``, ``context_units`` and ``stream_options`` objects). OpenAI's bookkeeping
+fields that do not change the answer (``user``, ``metadata``, ``store`` ...) are accepted and
+not used; OpenAI fields this server does not implement (``frequency_penalty``, ``tools`` ...)
+are refused unless null or their neutral value. ``retrieval.allow_unknown_fields`` (for
+clients that send vendor fields) turns both refusals off: such fields are then ignored.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tessera.errors import BadRequest
 from tessera.messages.generation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TOP_P, SamplingParams
+from tessera.wire import unknown_keys
 
 Role = Literal["system", "user", "assistant"]
 Placement = Literal["system", "user"]
@@ -50,6 +65,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+class _Closed(_Strict):
+    """An object the client writes: a key it does not have is refused, naming the nearest known one.
+
+    The validation context's ``closed`` (default true) turns the refusal on; ``_unsupported``
+    lists keys that are not fields but known, each accepted only with a value in its tuple or null.
+    """
+
+    # unknown keys are ignored by the model, refused by _known_fields: the schema says so
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False})
+    _unsupported: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, dict) or not (info.context or {}).get("closed", True):
+            return value
+        problem = unknown_keys(value, cls.model_fields.keys() | cls._unsupported.keys())
+        if problem is not None:
+            raise ValueError(problem)
+        for key, neutral in cls._unsupported.items():
+            if value.get(key) is not None and value[key] not in neutral:
+                shown = " or ".join(["null", *(repr(v) for v in neutral)])
+                raise ValueError(f"{key}: this server does not implement it; leave it out (or send {shown})")
+        return value
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str = ""
@@ -65,7 +106,7 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class RetrievalOptions(_Strict):
+class RetrievalOptions(_Closed):
     query: str = Field(min_length=1)
     top_k: int | None = Field(None, ge=1, le=MAX_UNITS)
     scope: str | None = None
@@ -81,7 +122,7 @@ class RetrievalOptions(_Strict):
         return value
 
 
-class ContextUnitInput(_Strict):
+class ContextUnitInput(_Closed):
     text: str
     scope: str | None = None
 
@@ -95,12 +136,20 @@ class ContextUnitInput(_Strict):
         return value
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Closed):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, not used: this server sends no obfuscation field
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(_Closed):
     """The body of ``POST /v1/chat/completions``: OpenAI's fields that we serve, plus Tessera's."""
+
+    # OpenAI fields this server does not implement, each with the values that change nothing
+    _unsupported: ClassVar[Mapping[str, tuple[Any, ...]]] = {
+        "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "tools": ([],),
+        "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+        "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+        "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": ()}
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -116,6 +165,16 @@ class ChatCompletionRequest(_Strict):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool = False
+    # OpenAI's bookkeeping: accepted and not used (none of them changes what is generated)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # Tessera's extensions
     retrieval: RetrievalOptions | None = None
     context_units: list[ContextUnitInput] | None = Field(None, max_length=MAX_UNITS)
@@ -135,12 +194,14 @@ class ChatCompletionRequest(_Strict):
                              "probability keeps only that token)")
         return value
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", mode="before", json_schema_input_type=str | list[str] | None)  # OpenAI's: one or a list
     @classmethod
     def _one_stop(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("context_units", mode="before")
+    # a bare string is a unit's text: the schema says so (items: a string or an object)
+    @field_validator("context_units", mode="before",
+                     json_schema_input_type=Annotated[list[str | ContextUnitInput], Field(max_length=MAX_UNITS)] | None)
     @classmethod
     def _bare_texts(cls, value: Any) -> Any:
         if not isinstance(value, list):
@@ -229,12 +290,17 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str, served_model: str) -> ChatRequest:
-    """Validate a decoded JSON body (BadRequest naming every field to fix) and resolve the defaults."""
+def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str, served_model: str,
+                       allow_unknown: bool = False) -> ChatRequest:
+    """Validate a decoded JSON body (BadRequest naming every field to fix) and resolve the defaults.
+
+    ``allow_unknown`` (``retrieval.allow_unknown_fields``): unknown and unimplemented fields are
+    ignored instead of refused.
+    """
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     try:
-        req = ChatCompletionRequest.model_validate(body)
+        req = ChatCompletionRequest.model_validate(body, context={"closed": not allow_unknown})
     except ValidationError as exc:
         raise BadRequest(validation_message(exc)) from None
     if req.model and req.model != served_model:  # OpenAI's and vLLM's answer to a model not served

@@ -28,8 +28,8 @@ import orjson
 from aiohttp import web
 
 from tessera.config import ClusterConfig
-from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
-from tessera.retrieval.chat.generation_client import NodeUnavailable
+from tessera.errors import BadRequest, TesseraError
+from tessera.retrieval.chat.refusal import refusal
 from tessera.retrieval.chat.reply import ClientGone, answer
 from tessera.retrieval.chat.request import parse_chat_request
 from tessera.retrieval.chat.response import error_body, openapi_document, to_json
@@ -100,21 +100,15 @@ async def _chat(request: web.Request, serving: Serving, node: RetrievalNode) -> 
     try:
         chat = parse_chat_request(body, default_top_k=node.config.retrieval.top_k,
                                   default_placement=node.config.retrieval.unit_placement,
-                                  served_model=serving.config.model.served_name)
+                                  served_model=serving.config.model.served_name,
+                                  allow_unknown=node.config.retrieval.allow_unknown_fields)
         return await answer(request, serving, node, chat, tenant_of(request))
-    except BadRequest as exc:
-        return _json_error(str(exc), exc.status), str(exc.status)
-    except Overloaded as exc:
-        refused = _json_error(str(exc), 429)
-        if exc.retry_after_s is not None:
-            refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-        return refused, "429"
-    except Unavailable as exc:  # no node alive, or (with [ha]) no leader reachable: retry shortly
-        unavailable = _json_error(str(exc), 503)
-        unavailable.headers["Retry-After"] = str(max(1, round(exc.retry_after_s or node.config.ha.retry_after_s)))
-        return unavailable, "503"
-    except (NodeUnavailable, TesseraError) as exc:
-        return _json_error(str(exc), 503), "503"
+    except TesseraError as exc:  # what the client is told: no internal URL, no exception text
+        told = refusal(exc, node.config.ha.retry_after_s)
+        refused = _json_error(told.message, told.status)
+        if told.retry_after_s is not None:
+            refused.headers["Retry-After"] = str(max(1, round(told.retry_after_s)))
+        return refused, str(told.status)
     finally:
         serving.leave()
 

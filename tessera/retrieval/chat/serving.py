@@ -63,7 +63,8 @@ class Serving:
         c = self.config
         checkpoint = resolve(c.model)
         self.max_context = geometry_from_checkpoint(checkpoint, c.kv_dtype, c.model.max_context).max_context
-        decision = decide(c.composition, c.control.mode, node.fingerprint.model, c.model.dtype, c.kv_dtype)
+        decision = decide(c.composition, c.control.mode, node.fingerprint.model, c.model.dtype, c.kv_dtype,
+                          c.model.engine)
         if decision.warning:
             log.warning("retrieval: %s", decision.warning)
         self.policy = policy_from_config(decision.served)

@@ -67,8 +67,23 @@ class Office:
         """The plane to issue under now; NotLeader if this replica does not lead (any more)."""
         if self.leads:
             return self.plane
-        known = f"the leader is {self.leader.value.decode()}" if self.leader else "no leader is elected yet"
-        raise NotLeader(f"this retrieval replica ({self.url}) does not lead; {known}", self.ha.retry_after_s)
+        # no URL in the message: a follower's chat passes the leader's refusal on to its client
+        known = "another replica leads" if self.leader else "no leader is elected yet"
+        raise NotLeader(f"this retrieval replica does not lead the control plane ({known}); retry",
+                        self.ha.retry_after_s)
+
+    def unready(self) -> str | None:
+        """Why a chat cannot be routed through this replica now, or None when it can (no I/O).
+
+        A leader (or the one process without ``[ha]``) needs a generation node alive in its
+        plane; a follower needs a leader elsewhere, whose nodes it takes on trust (it hears
+        their heartbeats only through the leader, and only while a request waits).
+        """
+        if self.leads:
+            return None if self.plane.routable else "no generation node is alive (none is reporting in)"
+        if self.leader is None or self.leader.value.decode() == self.url:
+            return "no retrieval replica leads the control plane right now (a failover is under way)"
+        return None
 
     def path(self) -> RequestPath:
         if self.leads:
