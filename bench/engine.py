@@ -1,7 +1,8 @@
 """Time to first token: composed prefill over cached units vs full prefill (prints, never asserts).
 
 Prompt: system prompt + 5 passages (truncated to --unit-tokens) + question, chat-rendered.
-Measured on the reference engine (default tessera.toml: fp32 compute, fp16 unit storage):
+Measured on the reference engine (default tessera.toml: fp32 compute, fp16 unit storage), or
+with ``--engine sglang`` on SGLang's model runner (bf16 compute, its CPU kernels):
 
 * full prefill of the whole prompt (and transformers' own model on the same tokens, --hf);
 * independent prefill of the 5 units (the cost of a miss);
@@ -10,6 +11,7 @@ Measured on the reference engine (default tessera.toml: fp32 compute, fp16 unit 
   separators only) is timed too, so recompute = epic extend - naive extend.
 
     flock /tmp/tessera-cpu.lock python bench/engine.py
+    flock /tmp/tessera-cpu.lock python bench/engine.py --engine sglang --no-hf   # SGLang installed
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ from prompts import build_layout, load_questions
 from tessera.composition.layout import leading_text_tokens, placements, tokens_to_compute
 from tessera.composition.policies import get_policy
 from tessera.config_file import load_config
-from tessera.engines.base import Extend
+from tessera.engines.base import EngineAdapter, Extend, load_engine
 from tessera.engines.offline import place_units, prefill_units
-from tessera.engines.reference import ReferenceEngine
 from tessera.messages.prompt import PromptLayout
 
 
@@ -43,7 +44,7 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def composed(engine: ReferenceEngine, layout: PromptLayout, policy: str, k: int, states: dict, repeats: int
+def composed(engine: EngineAdapter, layout: PromptLayout, policy: str, k: int, states: dict, repeats: int
              ) -> dict[str, float]:
     """Median time of each stage of one composed prefill."""
     pol = get_policy(policy, recompute_tokens=k, recompute_fraction=1.0)  # epic: the first k of every unit
@@ -67,7 +68,7 @@ def composed(engine: ReferenceEngine, layout: PromptLayout, policy: str, k: int,
     return out
 
 
-def decode_step_time(engine: ReferenceEngine, layout: PromptLayout, states: dict, batch: int, steps: int) -> float:
+def decode_step_time(engine: EngineAdapter, layout: PromptLayout, states: dict, batch: int, steps: int) -> float:
     """Median seconds of one decode step for ``batch`` requests whose prompts were composed (epic k=16)."""
     ranges = get_policy("epic", recompute_tokens=16, recompute_fraction=1.0).select(layout)
     n = layout.n_tokens
@@ -96,11 +97,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' own model")
+    ap.add_argument("--engine", choices=("reference", "sglang"), default="reference",
+                    help="sglang: SGLang's model runner in bfloat16 (SGLang must be installed)")
     args = ap.parse_args()
 
     cfg = load_config()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, threads=args.threads))
-    engine = ReferenceEngine.from_config(cfg)
+    dtype = "bfloat16" if args.engine == "sglang" else cfg.model.dtype
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, threads=args.threads, engine=args.engine,
+                                                             dtype=dtype))
+    engine = load_engine(cfg, 16384)
     (question,), _ = load_questions(args.data, 1, 5)
     layout = build_layout(engine, question, args.unit_tokens)
     tokens = layout.token_ids()
@@ -146,7 +151,8 @@ def main() -> None:
                 samples.append(time.perf_counter() - t)
             t_hf_decode = statistics.median(samples)
 
-    print(f"\nSmolLM2-135M, {args.threads} threads, fp32 compute, {cfg.kv_dtype} unit storage; prompt {n} tokens "
+    print(f"\nSmolLM2-135M, {args.engine} engine, {args.threads} threads, {dtype} compute, {cfg.kv_dtype} unit "
+          f"storage; prompt {n} tokens "
           f"= {len(lead)} system + 5 units ({n_units} tokens) + {n - len(lead) - n_units} separators/question; "
           f"median of {args.repeats}\n")
     print("| path | tokens computed | placement | final extend | TTFT | speed-up vs full |")

@@ -75,6 +75,10 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "pytest tests/test_ha_failover.py":
         "tests/test_ha_failover.py::test_killing_the_leader_hands_over_without_connection_errors_or_lost_units",
     "python bench/failover.py": HA_UP + "test_bench_failover_kills_the_leader_and_prints_its_figures",
+    "pytest tests/test_sglang_engine.py":
+        "tests/test_sglang_engine.py::test_openai_client_against_sglang_nodes_composes_like_the_offline_engine",
+    "python bench/sglang_agreement.py":
+        "tests/test_sglang_engine.py::test_bench_sglang_agreement_compares_three_engines_greedy_tokens",
 }
 
 SETUP = {"source .venv/bin/activate"}  # shell set-up, not a command with output of its own

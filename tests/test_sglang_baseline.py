@@ -20,6 +20,7 @@ from helpers.cluster import REPO, child_env, cluster_config, write_config
 
 from tessera.benchmark import sweep
 from tessera.benchmark.options import LoadOptions
+from tessera.benchmark.runner import system_config
 from tessera.benchmark.sglang import (
     SERVED_NAME,
     SGLangServer,
@@ -91,23 +92,42 @@ def test_asking_for_the_baseline_without_sglang_fails_before_any_load(monkeypatc
         run_sweep(_config(), opts)
 
 
+def test_a_system_runs_on_the_engine_its_name_gives() -> None:
+    """`tessera@sglang` is the tessera system on SGLang's runner, in the baseline's dtype; unknown parts are named."""
+    cfg = _config()
+    on_sglang = system_config(cfg, "tessera@sglang")
+    assert (on_sglang.model.engine, on_sglang.model.dtype) == ("sglang", cfg.sglang.dtype)
+    assert on_sglang.control == system_config(cfg, "tessera").control
+    assert system_config(cfg, "prefix@reference").model == cfg.model
+    # SGLang's kernels bind cores: each node gets its own (the reference engine's nodes are left as they are)
+    assert [n.cpus for n in on_sglang.generation] == ["0-0", "1-1"]
+    assert [n.cpus for n in system_config(cfg, "tessera").generation] == ["", ""]
+    for bad in ("tessera@nope", "nope@sglang", "tessera@"):
+        with pytest.raises(ConfigError, match="sglang"):
+            system_config(cfg, bad)
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(MISSING is not None, reason=f"needs SGLang: {MISSING}")
 def test_tessera_bench_runs_unmodified_sglang_beside_tessera(tmp_path: Path) -> None:
-    """`tessera bench --systems sglang,tessera`: both answer every measured request, SGLang on its own server."""
+    """`tessera bench --systems sglang,tessera@sglang,tessera`: unmodified SGLang on its own server, Tessera on
+    SGLang's runner and Tessera on the reference engine answer every measured request, in one report."""
     cfg = dataclasses.replace(cluster_config("smollm2", nodes=1), model=ModelConfig(source="smollm2"),
                               sglang=SGLangConfig(max_total_tokens=8192))
     path = write_config(tmp_path, cfg)
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "tessera", "bench", "--workload", "synthetic", "--systems",
-                           "sglang,tessera", "--requests", "6", "--rates", "1", "--unloaded", "0", "--config",
-                           str(path), "--out", str(out)], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=1200, check=False)
+                           "sglang,tessera@sglang,tessera", "--requests", "6", "--rates", "1", "--unloaded", "0",
+                           "--config", str(path), "--out", str(out)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     report = json.loads((out / "bench.json").read_text())
-    for system in ("sglang", "tessera"):
+    for system in ("sglang", "tessera@sglang", "tessera"):
         (run,) = report["systems"][system]["runs"]
         assert (run["ok"], run["requests"]) == (3, 3), (system, run)
+    assert report["systems"]["tessera@sglang"]["config"]["engine"] == "sglang"
+    assert report["systems"]["tessera@sglang"]["config"]["dtype"] == "bfloat16"
+    assert report["systems"]["tessera"]["config"]["engine"] == "reference"
     assert report["systems"]["sglang"]["config"]["server"] == "sglang.launch_server"
     assert re.search(r"^\| sglang \| 1 \| \d+\.\d{3} ", done.stdout, re.M), done.stdout
     log = (out / "logs-sglang-1" / "sglang.log").read_text()

@@ -31,7 +31,8 @@ def _flags(workload: WorkloadName) -> list[inspect.Parameter]:
     return [
         flag("workload", WorkloadName, workload, "rag (MuSiQue), locomo (agent memory) or synthetic."),
         flag("systems", str, "prefix,tessera",
-             "Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera, sglang (unmodified SGLang: docs/sglang.md)."),
+             "Comma-separated: prefix, C+S, C+S+R, C+S+A, tessera, each optionally on another engine "
+             "(tessera@sglang: Tessera on SGLang's model runner), and sglang (unmodified SGLang: docs/sglang.md)."),
         flag("rates", str, "0.1,0.2,0.4", "Comma-separated aggregate request rates (req/s)."),
         flag("rates_for", list[str] | None, None,
              "SYSTEM=R1,R2,...: this system's own rates instead of --rates (repeatable), e.g. "

@@ -57,7 +57,7 @@ class LoadOptions:
     command line (``tessera bench --help`` gives each one's meaning)."""
 
     workload: WorkloadName
-    systems: str  # comma-separated names of tessera.benchmark.runner.SYSTEMS, or sglang
+    systems: str  # comma-separated names of tessera.benchmark.runner.SYSTEMS (each may be SYSTEM@ENGINE), or sglang
     rates: str  # comma-separated req/s
     rates_for: tuple[str, ...]  # SYSTEM=R1,R2,... each
     requests: int

@@ -27,7 +27,8 @@ from tessera.benchmark.report import compare, plot, summarize, table
 from tessera.benchmark.sglang import BASELINE_SYSTEM, sglang_target
 from tessera.benchmark.targets import FreshCluster, Target
 from tessera.benchmark.workloads import BenchRequest, Workload
-from tessera.config import ClusterConfig, ControlConfig
+from tessera.config import ClusterConfig, ControlConfig, GenerationNodeConfig
+from tessera.engines.base import ENGINES
 from tessera.errors import ConfigError
 
 # the paper's §6.4 ablations, plus the exact-prefix baseline (what SGLang/vLLM do today)
@@ -40,18 +41,53 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
+# ``SYSTEM@ENGINE`` runs a system on another engine than the config's ``model.engine``
+ENGINE_SEPARATOR = "@"
+
+
+def split_system(system: str) -> tuple[str, str | None]:
+    """``"tessera@sglang"`` -> ``("tessera", "sglang")``; a plain name has no engine of its own."""
+    name, sep, engine = system.partition(ENGINE_SEPARATOR)
+    if name not in SYSTEMS or (sep and engine not in ENGINES.names()):
+        raise ConfigError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}, each optionally "
+                          f"{ENGINE_SEPARATOR}ENGINE with ENGINE one of {', '.join(ENGINES.names())}")
+    return name, engine if sep else None
+
+
 def system_config(base: ClusterConfig, system: str) -> ClusterConfig:
-    if system not in SYSTEMS:
-        raise ConfigError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    """The cluster config of one bench system: its control settings, on its engine.
+
+    On ``@sglang`` the nodes compute in ``[sglang] dtype``, the unmodified baseline's dtype, so
+    Tessera on SGLang and SGLang itself are compared at one precision."""
+    name, engine = split_system(system)
+    if engine is not None:
+        dtype = base.sglang.dtype if engine == "sglang" else base.model.dtype
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model, engine=engine, dtype=dtype))
+    if base.model.engine == "sglang":
+        base = dataclasses.replace(base, generation=disjoint_cores(base))
     # overload control off: the bench measures how queueing grows with the rate, and a 429
     # would hide exactly that (refused requests have no TTFT); bench/overload.py measures it.
     # For the same reason the first-token deadline is the client's own: past saturation a
     # request queues longer than the default 60 s, and the deadline would end it with a 503
     # (and take its busy but healthy node out of routing) instead of measuring its wait
     control: ControlConfig = dataclasses.replace(
-        base.control, **SYSTEMS[system], max_queue_wait_s=0.0,
+        base.control, **SYSTEMS[name], max_queue_wait_s=0.0,
         first_token_timeout_s=max(base.control.first_token_timeout_s, BENCH_CLIENT_TIMEOUT_S))
     return dataclasses.replace(base, control=control)
+
+
+def disjoint_cores(base: ClusterConfig) -> tuple[GenerationNodeConfig, ...]:
+    """The generation nodes, each without ``cpus`` given its own ``model.threads`` cores in turn
+    (SGLang's kernels bind cores, so nodes sharing a host must be told which)."""
+    t = base.model.threads
+    return tuple(n if n.cpus else dataclasses.replace(n, cpus=f"{i * t}-{(i + 1) * t - 1}")
+                 for i, n in enumerate(base.generation))
+
+
+def system_description(base: ClusterConfig, system: str) -> dict[str, Any]:
+    """What a report says a system is: its control settings and the engine its nodes run."""
+    cfg = system_config(base, system)
+    return {**SYSTEMS[split_system(system)[0]], "engine": cfg.model.engine, "dtype": cfg.model.dtype}
 
 
 @dataclass
@@ -204,7 +240,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
     if targets is None:
         embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
         targets = {s: sglang_target(base, workload) if s == BASELINE_SYSTEM
-                   else FreshCluster(system_config(base, s), workload, SYSTEMS[s], embeddings) for s in opts.systems}
+                   else FreshCluster(system_config(base, s), workload, system_description(base, s), embeddings)
+                   for s in opts.systems}
     for system, target in targets.items():
         rates = opts.rates_for(system)
         sysrep: dict[str, Any] = {"config": target.description, "rates": rates, "runs": []}

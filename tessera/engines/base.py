@@ -189,7 +189,8 @@ class EngineAdapter(ABC):
 
 # ``model.engine`` in tessera.toml names one of these; a test or a plugin may register more.
 ENGINES: Registry[type[EngineAdapter]] = Registry(
-    "model.engine", {"reference": "tessera.engines.reference", "paged": "tessera.engines.paged"})
+    "model.engine", {"reference": "tessera.engines.reference", "paged": "tessera.engines.paged",
+                     "sglang": "tessera.engines.sglang"})
 
 
 def load_engine(cfg: ClusterConfig, prefix_cache_tokens: int) -> EngineAdapter:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,7 +32,7 @@ from aiohttp import web
 from tessera.auth import ClusterAuth
 from tessera.composition.calibration import Decision, decide
 from tessera.composition.policies import policy_from_config
-from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig
+from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig, parse_cpus
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
@@ -89,6 +90,9 @@ class GenerationNode:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        if cores := parse_cpus(self.cfg.cpus):
+            # before any worker thread exists: threads inherit the mask of the thread that starts them
+            os.sched_setaffinity(0, cores)
         torch.set_num_threads(self.config.model.threads)
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(load_engine, self.config, self.cfg.prefix_cache_tokens)
@@ -136,7 +140,8 @@ class GenerationNode:
     def _gate(self) -> Decision:
         """The fidelity gate for this node's engine (the retrieval role decides alike): what it serves."""
         c = self.config
-        decision = decide(c.composition, c.control.mode, self.engine.fingerprint.model, c.model.dtype, c.kv_dtype)
+        decision = decide(c.composition, c.control.mode, self.engine.fingerprint.model, c.model.dtype, c.kv_dtype,
+                          c.model.engine)
         if decision.warning:
             log.warning("%s: %s", self.name, decision.warning)
         return decision
