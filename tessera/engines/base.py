@@ -96,6 +96,18 @@ class UnitFeed:
     spans: Sequence[tuple[int, int, int]]
     state: UnitState | None = None
 
+    def checked_spans(self, n_slots: int) -> list[tuple[int, int, int]]:
+        """The non-empty spans, each checked to lie in the unit and in ``n_slots`` slots."""
+        n = len(self.token_ids)
+        out = []
+        for start, end, position in self.spans:
+            if not (0 <= start <= end <= n and 0 <= position <= n_slots - (end - start)):
+                raise ValueError(f"a unit span {start}..{end} at position {position} does not fit a unit of "
+                                 f"{n} tokens in {n_slots} slots")
+            if end > start:
+                out.append((start, end, position))
+        return out
+
 
 @dataclass
 class Extend:

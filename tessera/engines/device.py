@@ -49,6 +49,20 @@ def _named(state: UnitState) -> tuple[tuple[str, torch.Tensor], ...]:
     return (("state.keys", state.keys), ("state.values", state.values))
 
 
+def placement(state: UnitState, offset: int, n_slots: int, geometry: ModelGeometry, kv_dtype: torch.dtype,
+              device: torch.device) -> UnitState | None:
+    """``state`` checked to fit a request of ``n_slots`` at ``offset`` and this engine, on ``device``;
+    None for an empty state (nothing to place). The adapter boundary every engine's ``place``
+    crosses: a state from the cache, the pool or a prefill must fit the engine it is placed on."""
+    n = state.n_tokens
+    if not 0 <= offset <= n_slots - n:
+        raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {n_slots} slots")
+    if n == 0:
+        return None
+    check_state(state, geometry, kv_dtype, device)
+    return to_device(state, device)
+
+
 def check_state(state: UnitState, geometry: ModelGeometry, dtype: torch.dtype, device: torch.device) -> None:
     """Raise PlacementError naming the tensor unless ``state`` can be placed on ``device``.
 

@@ -47,13 +47,13 @@ from tessera.engines.base import (
     UnitState,
 )
 from tessera.engines.decode_graphs import DecodeGraphs
-from tessera.engines.device import check_state, to_device
+from tessera.engines.device import placement
 from tessera.engines.geometry import ModelGeometry
 from tessera.engines.kv_pages import PagedKVPool, PagedSlots
 from tessera.engines.model import Model
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.reference import DEFAULT_PREFIX_CACHE_TOKENS, load_model
-from tessera.engines.tokenizer import Tokenizer
+from tessera.engines.tokenizer import Tokenized, Tokenizer
 from tessera.errors import BadRequest, ConfigError
 from tessera.kernels.rope import rope_place
 from tessera.units import ServingFingerprint
@@ -106,7 +106,7 @@ class _Batch:
 
 
 @ENGINES.register("paged")
-class PagedEngine(EngineAdapter):
+class PagedEngine(Tokenized, EngineAdapter):
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False, pool_tokens: int = 0, page_tokens: int = 16,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, cuda_graphs: bool = False) -> None:
@@ -160,13 +160,10 @@ class PagedEngine(EngineAdapter):
 
     def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
         s = _paged(slots)
-        n = state.n_tokens
-        if not 0 <= offset <= s.n_slots - n:
-            raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {s.n_slots} slots")
-        if n == 0:
+        checked = placement(state, offset, s.n_slots, self.geometry, self.kv_dtype, self.pool.device)
+        if checked is None:
             return
-        check_state(state, self.geometry, self.kv_dtype, self.pool.device)
-        state = to_device(state, self.pool.device)
+        state, n = checked, checked.n_tokens
         rope = self.model.rope
         rope.ensure(offset + n)
         positions = torch.arange(offset, offset + n, device=self.pool.device)
@@ -297,18 +294,6 @@ class PagedEngine(EngineAdapter):
         s = _paged(slots)
         assert len(token_ids) <= s.n_slots, (len(token_ids), s.n_slots)
         self.prefix_cache.insert(token_ids, lambda a, b: self.pool.read(s, a, b), namespace)
-
-    # --- tokenizer ------------------------------------------------------------------------
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_token_ids
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode_tokens(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids)
 
 
 def _decodes(rows: list[int], keys: list[torch.Tensor], device: torch.device) -> _Decodes | None:

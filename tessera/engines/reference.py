@@ -27,11 +27,11 @@ from tessera.engines.base import (
     UnitState,
 )
 from tessera.engines.checkpoint import Checkpoint, load_config_dict, resolve
-from tessera.engines.device import check_state, to_device
+from tessera.engines.device import placement
 from tessera.engines.geometry import ModelGeometry
 from tessera.engines.model import Feed, Item, Model
 from tessera.engines.prefix_cache import PrefixCache
-from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
+from tessera.engines.tokenizer import Tokenized, Tokenizer, load_tokenizer, serving_fingerprint
 from tessera.engines.weights import ModelSpec
 from tessera.errors import BadRequest, ConfigError
 from tessera.kernels.rope import rope_place_span
@@ -51,7 +51,7 @@ class TorchSlots(KVSlots):
 
 
 @ENGINES.register("reference")
-class ReferenceEngine(EngineAdapter):
+class ReferenceEngine(Tokenized, EngineAdapter):
     fuses_unit_prefills = True  # Extend.units: see tessera.engines.model (Feed)
 
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
@@ -95,14 +95,10 @@ class ReferenceEngine(EngineAdapter):
 
     def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
         s = _torch_slots(slots)
-        n = state.n_tokens
-        if not 0 <= offset <= s.n_slots - n:
-            raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {s.n_slots} slots")
-        if n == 0:
+        checked = placement(state, offset, s.n_slots, self.geometry, self.kv_dtype, s.keys.device)
+        if checked is None:
             return
-        # the adapter boundary: a state from the cache, the pool or a prefill must fit this engine
-        check_state(state, self.geometry, self.kv_dtype, s.keys.device)
-        state = to_device(state, s.keys.device)
+        state, n = checked, checked.n_tokens
         self.model.rope.ensure(offset + n)
         rope_place_span(state.keys, offset, self.model.rope.cos, self.model.rope.sin, s.keys)
         s.values[:, offset:offset + n].copy_(state.values)
@@ -150,15 +146,8 @@ class ReferenceEngine(EngineAdapter):
 
     @staticmethod
     def _feeds(unit: UnitFeed, slots: TorchSlots) -> list[Feed]:
-        n = len(unit.token_ids)
-        out = []
-        for start, end, position in unit.spans:
-            if not (0 <= start <= end <= n and 0 <= position <= slots.n_slots - (end - start)):
-                raise ValueError(f"a unit span {start}..{end} at position {position} does not fit a unit of "
-                                 f"{n} tokens in {slots.n_slots} slots")
-            if end > start:
-                out.append(Feed((slots.keys, slots.values), start, end, position))
-        return out
+        return [Feed((slots.keys, slots.values), start, end, position)
+                for start, end, position in unit.checked_spans(slots.n_slots)]
 
     # --- exact prefix cache ---------------------------------------------------------------
 
@@ -176,18 +165,6 @@ class ReferenceEngine(EngineAdapter):
         assert len(token_ids) <= s.n_slots, (len(token_ids), s.n_slots)
         self.prefix_cache.insert(
             token_ids, lambda a, b: (s.keys[:, a:b].clone(), s.values[:, a:b].clone()), namespace)
-
-    # --- tokenizer ------------------------------------------------------------------------
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_token_ids
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode_tokens(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids)
 
 
 def load_model(cfg: ClusterConfig) -> tuple[Model, Tokenizer, ServingFingerprint]:

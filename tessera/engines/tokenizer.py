@@ -55,6 +55,23 @@ class Tokenizer:
                                                add_generation_prompt=add_generation_prompt))
 
 
+class Tokenized:
+    """An engine's tokenizer methods (``eos_token_ids``, ``encode``, ``decode_tokens``) from its
+    ``tokenizer``; listed before :class:`~tessera.engines.base.EngineAdapter` in the bases."""
+
+    tokenizer: Tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode_tokens(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+
 def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     try:
         from transformers import AutoTokenizer

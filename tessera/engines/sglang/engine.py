@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 from tessera.config import ClusterConfig
-from tessera.engines.base import DTYPES, ENGINES, EngineAdapter, Extend, KVSlots, UnitFeed, UnitPrefill, UnitState
+from tessera.engines.base import DTYPES, ENGINES, EngineAdapter, Extend, KVSlots, UnitPrefill, UnitState
 from tessera.engines.checkpoint import load_config_dict, resolve
-from tessera.engines.device import check_state, to_device
+from tessera.engines.device import placement
 from tessera.engines.geometry import ModelGeometry
 from tessera.engines.prefix_cache import PrefixCache
 from tessera.engines.sglang.attention import Batch, ComposeAttention, Seq, runs
 from tessera.engines.sglang.runner import RunnerSpec, build_runner
-from tessera.engines.tokenizer import Tokenizer, load_tokenizer, serving_fingerprint
+from tessera.engines.tokenizer import Tokenized, Tokenizer, load_tokenizer, serving_fingerprint
 from tessera.engines.weights import ModelSpec
 from tessera.errors import BadRequest, ConfigError
 from tessera.units import ServingFingerprint
@@ -72,7 +72,7 @@ class _CapturingRope(nn.Module):
 
 
 @ENGINES.register("sglang")
-class SGLangEngine(EngineAdapter):
+class SGLangEngine(Tokenized, EngineAdapter):
     fuses_unit_prefills = True  # Extend.units: a missed unit is prefilled in its request's own forward
 
     def __init__(self, runner: Any, tokenizer: Tokenizer, fingerprint: ServingFingerprint, spec: ModelSpec, *,
@@ -150,15 +150,10 @@ class SGLangEngine(EngineAdapter):
 
     def place(self, slots: KVSlots, offset: int, state: UnitState) -> None:
         s = _slots(slots)
-        n = state.n_tokens
-        if not 0 <= offset <= s.n_slots - n:
-            raise ValueError(f"unit of {n} tokens at offset {offset} does not fit {s.n_slots} slots")
-        if n == 0:
+        checked = placement(state, offset, s.n_slots, self.geometry, self.kv_dtype, self.device)
+        if checked is None:
             return
-        # the adapter boundary: a state from the cache, the pool or a prefill must fit this engine
-        check_state(state, self.geometry, self.kv_dtype, self.device)
-        state = to_device(state, self.device)
-        g = self.geometry
+        state, n, g = checked, checked.n_tokens, self.geometry
         keys = self.rotate(state.keys, torch.arange(offset, offset + n, device=self.device))
         locs = s.locs[offset:offset + n]
         for layer in range(g.n_layers):
@@ -195,7 +190,7 @@ class SGLangEngine(EngineAdapter):
                 raise ValueError("an extend's positions must be strictly increasing")
             # the request's own units first: each layer of theirs reaches its slots before it attends
             for u in w.units:
-                u.state = self._unit(u.token_ids, seqs, ids, self._feeds(u, s), s.locs)
+                u.state = self._unit(u.token_ids, seqs, ids, u.checked_spans(s.n_slots), s.locs)
             start = len(ids)
             for a, b in runs(positions):
                 seqs.append(Seq("tail", start + a, positions[a:b], req_idx=s.req_idx, locs=s.locs))
@@ -223,18 +218,6 @@ class SGLangEngine(EngineAdapter):
                             capture_from=len(lead), feeds=feeds or [], feed_locs=feed_locs))
             ids += tokens
         return state
-
-    @staticmethod
-    def _feeds(unit: UnitFeed, slots: SGLangSlots) -> list[tuple[int, int, int]]:
-        n = len(unit.token_ids)
-        out = []
-        for start, end, position in unit.spans:
-            if not (0 <= start <= end <= n and 0 <= position <= slots.n_slots - (end - start)):
-                raise ValueError(f"a unit span {start}..{end} at position {position} does not fit a unit of "
-                                 f"{n} tokens in {slots.n_slots} slots")
-            if end > start:
-                out.append((start, end, position))
-        return out
 
     def _forward(self, batch: Batch, ids: list[int], logit_rows: list[int]) -> torch.Tensor:
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -280,18 +263,6 @@ class SGLangEngine(EngineAdapter):
         layers = range(self.geometry.n_layers)
         return (torch.stack([self.pool.get_key_buffer(i)[locs] for i in layers]),
                 torch.stack([self.pool.get_value_buffer(i)[locs] for i in layers]))
-
-    # --- tokenizer ------------------------------------------------------------------------
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_token_ids
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode_tokens(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids)
 
 
 class _ForwardMarker:
