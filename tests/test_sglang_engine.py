@@ -280,4 +280,6 @@ def test_bench_sglang_agreement_compares_three_engines_greedy_tokens() -> None:
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(r"^\| (.+?) \| (\d+)/2 \| (\d\.\d{3}) \|$", done.stdout, re.M)
-    assert [r[0].split(" vs ")[0] for r in rows] == ["Tessera on SGLang", "Tessera on SGLang", "unmodified SGLang"]
+    pairs = [tuple(side.split(" (")[0] for side in r[0].split(" vs ")) for r in rows]
+    assert pairs == [("Tessera on SGLang", "unmodified SGLang"), ("Tessera on SGLang", "reference engine"),
+                     ("unmodified SGLang", "reference engine")], rows
