@@ -7,6 +7,7 @@ how to install it); CI has no SGLang.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,10 @@ from tessera.errors import BadRequest
 from tessera.kernels.rope import rope_place_span
 
 pytestmark = pytest.mark.skipif(sglang_missing() is not None, reason=sglang_missing() or "")
+# the environment before this process built an SGLang runner (which sets SGLang's and
+# torch.distributed's variables for itself): a child starting SGLang of its own needs this one
+STARTING_ENV = dict(os.environ)
+STARTING_CORES = os.sched_getaffinity(0)  # SGLang binds the thread that builds its runner to its cores
 
 UNIT_A = "Record A: the lighthouse keeper logs every passing ship in a blue notebook, and rests on Sundays. "
 UNIT_B = "Record B: the orchard on the hill grows pears, plums and late apples for the autumn market. "
@@ -276,8 +281,13 @@ def test_openai_client_against_sglang_nodes_composes_like_the_offline_engine(sgl
 
 def test_bench_sglang_agreement_compares_three_engines_greedy_tokens() -> None:
     """`python bench/sglang_agreement.py`: one table row per pair of engines, counts out of the prompts."""
+    env = child_env()
+    for key in set(os.environ) - set(STARTING_ENV):
+        env.pop(key, None)
+    env.update({k: v for k, v in STARTING_ENV.items() if os.environ.get(k) != v})
     done = subprocess.run([sys.executable, "bench/sglang_agreement.py", "--prompts", "2", "--answer-tokens", "3"],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900, check=False)
+                          cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, STARTING_CORES),
+                          capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(r"^\| (.+?) \| (\d+)/2 \| (\d\.\d{3}) \|$", done.stdout, re.M)
     pairs = [tuple(side.split(" (")[0] for side in r[0].split(" vs ")) for r in rows]
