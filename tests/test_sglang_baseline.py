@@ -28,11 +28,11 @@ from tessera.benchmark.sglang import (
     cores,
     launch_argv,
     launch_env,
-    sglang_missing,
 )
 from tessera.benchmark.sweep import SweepOptions, run_sweep
 from tessera.benchmark.workloads import BenchRequest, Workload, WorkloadName
 from tessera.config import ClusterConfig, ModelConfig, SGLangConfig
+from tessera.engines.sglang.runner import sglang_missing
 from tessera.errors import ConfigError
 from tessera.retrieval.prompt import text_placement
 

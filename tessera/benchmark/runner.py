@@ -18,6 +18,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,10 +85,15 @@ def disjoint_cores(base: ClusterConfig) -> tuple[GenerationNodeConfig, ...]:
                  for i, n in enumerate(base.generation))
 
 
-def system_description(base: ClusterConfig, system: str) -> dict[str, Any]:
-    """What a report says a system is: its control settings and the engine its nodes run."""
-    cfg = system_config(base, system)
+def system_description(cfg: ClusterConfig, system: str) -> dict[str, Any]:
+    """What a report says a system is: its control settings and the engine its nodes run
+    (``cfg``: the system's config, :func:`system_config`)."""
     return {**SYSTEMS[split_system(system)[0]], "engine": cfg.model.engine, "dtype": cfg.model.dtype}
+
+
+def _fresh(cfg: ClusterConfig, system: str, workload: Workload,
+           embeddings: Mapping[str, list[float]] | None) -> FreshCluster:
+    return FreshCluster(cfg, workload, system_description(cfg, system), embeddings)
 
 
 @dataclass
@@ -240,8 +246,7 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
     if targets is None:
         embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
         targets = {s: sglang_target(base, workload) if s == BASELINE_SYSTEM
-                   else FreshCluster(system_config(base, s), workload, system_description(base, s), embeddings)
-                   for s in opts.systems}
+                   else _fresh(system_config(base, s), s, workload, embeddings) for s in opts.systems}
     for system, target in targets.items():
         rates = opts.rates_for(system)
         sysrep: dict[str, Any] = {"config": target.description, "rates": rates, "runs": []}

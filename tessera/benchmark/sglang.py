@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import shlex
 import signal
@@ -35,6 +34,7 @@ from tessera.benchmark.endpoints import Endpoint
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import resolve
+from tessera.engines.sglang.runner import sglang_missing
 from tessera.errors import ConfigError
 from tessera.ports import bind_listener
 
@@ -47,14 +47,6 @@ ENDPOINT = Endpoint(BASELINE_SYSTEM, "", "openai", SERVED_NAME)
 # a cold start loads the model and builds SGLang's kernels' workspaces: minutes on a busy host
 START_DEADLINE_S = 900.0
 STOP_GRACE_S = 30.0
-
-
-def sglang_missing() -> str | None:
-    """Why this interpreter cannot run SGLang's server, or None when it can."""
-    if importlib.util.find_spec("sglang") is None:
-        return (f"SGLang is not installed for {sys.executable}: install it into this environment "
-                "(docs/sglang.md) to run the sglang baseline")
-    return None
 
 
 def cores(config: ClusterConfig) -> int:

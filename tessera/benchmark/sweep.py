@@ -18,12 +18,12 @@ from tessera.benchmark import extras, options
 from tessera.benchmark.client import BENCH_CLIENT_TIMEOUT_S
 from tessera.benchmark.options import LoadOptions, say
 from tessera.benchmark.report import format_demo, format_report
-from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench, split_system
-from tessera.benchmark.sglang import BASELINE_SYSTEM, sglang_missing
+from tessera.benchmark.runner import SYSTEMS, BenchOptions, run_bench, system_config
+from tessera.benchmark.sglang import BASELINE_SYSTEM
 from tessera.benchmark.targets import Target
 from tessera.benchmark.workloads import Workload, synthetic_workload
 from tessera.config import ClusterConfig
-from tessera.engines.sglang.runner import sglang_missing as engine_missing
+from tessera.engines.sglang.runner import sglang_missing
 from tessera.errors import ConfigError
 
 
@@ -100,13 +100,9 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
     names = options.names(opts.load.systems)
     if not names:
         raise ConfigError(f"--systems names no system; known: {', '.join([*SYSTEMS, BASELINE_SYSTEM])}")
-    for name in names:
-        if name != BASELINE_SYSTEM:
-            split_system(name)  # raises, naming what is known
-    if any(split_system(n)[1] == "sglang" for n in names if n != BASELINE_SYSTEM) and not opts.urls \
-            and (why := engine_missing()) is not None:
-        raise ConfigError(why)
-    if BASELINE_SYSTEM in names and not opts.urls and (why := sglang_missing()) is not None:
+    # system_config raises for an unknown name, naming what is known
+    on_sglang = [n for n in names if n == BASELINE_SYSTEM or system_config(config, n).model.engine == "sglang"]
+    if on_sglang and not opts.urls and (why := sglang_missing()) is not None:
         raise ConfigError(why)  # before minutes of load on the other systems, not after
     if not 0 <= opts.load.warmup < 1 or opts.load.requests < 2 or opts.saturation < 0:
         raise ConfigError("--warmup must be in [0, 1), --requests >= 2 and --saturation >= 0")

@@ -39,7 +39,7 @@ from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.composition.layout import text_ranges
 from tessera.composition.policies import CompositionPolicy, policy_from_config
 from tessera.config import ClusterConfig, CompositionConfig
-from tessera.engines.base import EngineAdapter, UnitState
+from tessera.engines.base import EngineAdapter, UnitState, load_engine
 from tessera.engines.checkpoint import resolve
 from tessera.engines.offline import compose, prefill_units
 from tessera.engines.tokenizer import Tokenizer, load_tokenizer, unit_factory
@@ -402,17 +402,17 @@ def format_rows(rows: Sequence[Row], marked: Setting | None = None) -> list[str]
     return lines
 
 
+def configured_engine(config: ClusterConfig) -> tuple[EngineAdapter, Tokenizer]:
+    """The configured engine (``model.engine``: a score is valid for it alone) and the model's tokenizer."""
+    return load_engine(config, 0), load_tokenizer(resolve(config.model))
+
+
 def measured_fidelity(config: ClusterConfig, workload: Workload, n: int, warmup_frac: float, *, seed: int = 0,
                       answer_tokens: int = 16, kl_positions: int = 8) -> dict[str, Any]:
     """``tessera bench --fidelity N``: the configured composition scored on N measured requests."""
-    from tessera.engines.base import load_engine
-    from tessera.engines.checkpoint import resolve
-    from tessera.engines.tokenizer import load_tokenizer
-
     split = int(len(workload.requests) * warmup_frac)
     measured = Workload(workload.name, workload.corpus, workload.requests[split:], workload.notes)
-    engine = load_engine(config, 0)  # the configured engine: a record is valid for it alone
-    tokenizer = load_tokenizer(resolve(config.model))
+    engine, tokenizer = configured_engine(config)
     prompts = sample(prompts_from_workload(config, measured, tokenizer), n, seed)
     setting = Setting.of(config.composition)
     (row,) = summarize(verify(engine, tokenizer, config, prompts, [setting], answer_tokens=answer_tokens,

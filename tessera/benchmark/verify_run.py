@@ -109,10 +109,6 @@ def _calibrate(rows: list[vf.Row], mine: vf.Row, opts: VerifyOptions, report: di
 
 def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
     """Score every setting, print the table, check thresholds, calibrate; the exit code (0 or 1)."""
-    from tessera.engines.base import load_engine
-    from tessera.engines.checkpoint import resolve
-    from tessera.engines.tokenizer import load_tokenizer
-
     if opts.frontier:
         extras.require("tessera verify --frontier", "matplotlib")
     configured, settings = _settings(config, opts)
@@ -123,8 +119,7 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
         n = 0 if opts.workload is WorkloadName.locomo else max(4 * opts.samples, 200)
         wl = select_workload(opts.workload, n, opts.data_dir, 1.0, opts.top_k, opts.unit_words, opts.placement,
                              opts.seed, opts.conversations)
-    engine = load_engine(config, 0)  # the configured engine: a record is valid for it alone
-    tokenizer = load_tokenizer(resolve(config.model))
+    engine, tokenizer = vf.configured_engine(config)
     if pool is None:
         assert wl is not None
         pool = vf.prompts_from_workload(config, wl, tokenizer)

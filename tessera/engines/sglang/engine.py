@@ -153,12 +153,8 @@ class SGLangEngine(Tokenized, EngineAdapter):
         checked = placement(state, offset, s.n_slots, self.geometry, self.kv_dtype, self.device)
         if checked is None:
             return
-        state, n, g = checked, checked.n_tokens, self.geometry
-        keys = self.rotate(state.keys, torch.arange(offset, offset + n, device=self.device))
-        locs = s.locs[offset:offset + n]
-        for layer in range(g.n_layers):
-            self.pool.get_key_buffer(layer)[locs] = keys[layer]
-            self.pool.get_value_buffer(layer)[locs] = state.values[layer].to(self.dtype)
+        positions = torch.arange(offset, offset + checked.n_tokens, device=self.device)
+        self.write_slots(s, offset, self.rotate(checked.keys, positions), checked.values.to(self.dtype))
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys before RoPE ``[L, T, H, D]`` rotated at ``positions`` by the model's RoPE, in the pool dtype."""
@@ -246,16 +242,20 @@ class SGLangEngine(Tokenized, EngineAdapter):
         s = _slots(slots)
         hit = self.prefix_cache.match(token_ids[:s.n_slots], namespace)
         for start, keys, values in hit.chunks:
-            locs = s.locs[start:start + keys.shape[1]]
-            for layer in range(self.geometry.n_layers):
-                self.pool.get_key_buffer(layer)[locs] = keys[layer]
-                self.pool.get_value_buffer(layer)[locs] = values[layer]
+            self.write_slots(s, start, keys, values)
         return hit.length
 
     def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
         s = _slots(slots)
         assert len(token_ids) <= s.n_slots, (len(token_ids), s.n_slots)
         self.prefix_cache.insert(token_ids, lambda a, b: self.read_slots(s, a, b), namespace)
+
+    def write_slots(self, slots: SGLangSlots, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Post-RoPE keys and values ``[L, n, H, D]`` (pool dtype) into positions ``start .. start+n``."""
+        locs = slots.locs[start:start + keys.shape[1]]
+        for layer in range(self.geometry.n_layers):
+            self.pool.get_key_buffer(layer)[locs] = keys[layer]
+            self.pool.get_value_buffer(layer)[locs] = values[layer]
 
     def read_slots(self, slots: KVSlots, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE keys and values of positions ``start .. end``, ``[L, n, H, D]`` each (copies)."""

@@ -33,10 +33,10 @@ MEMORY_FRACTION = 0.9
 
 
 def sglang_missing() -> str | None:
-    """Why ``model.engine = "sglang"`` cannot run in this interpreter, or None when it can."""
+    """Why this interpreter cannot run SGLang (the engine or the bench baseline), or None when it can."""
     if importlib.util.find_spec("sglang") is None:
-        return (f"model.engine = \"sglang\" needs SGLang installed for {sys.executable}; "
-                "see docs/sglang.md (SGLang's own install documentation, and the version tested)")
+        return (f"SGLang is not installed for {sys.executable}: install it into this environment (docs/sglang.md "
+                "says how and which version was tested) to use model.engine = \"sglang\" or the sglang baseline")
     return None
 
 
