@@ -103,13 +103,13 @@ def test_repeats_of_one_rate_pool_into_one_row_over_all_their_requests() -> None
     a = _tagged(_report({"tessera": _sys([_measured(4, [0.2, 0.4], reuse_efficiency=1.0, reusable_unit_tokens=100,
                                                     mean_prompt_tokens=300.0, computed_share_of_prompt=0.5,
                                                     hit_rate={"local": 1.0, "remote": 0.0}, throughput=4.0,
-                                                    errors=["HTTP 503"]),
+                                                    errors=["HTTP 503"], coalesced_units=2),
                                           _measured(5, [0.9, 1.1])], unloaded=[0.25])}), "a")
     b = _tagged(_report({"tessera": _sys([_measured(4, [0.6, 0.8, 1.0, 1.2], reuse_efficiency=0.5,
                                                     reusable_unit_tokens=300, mean_prompt_tokens=150.0,
                                                     computed_share_of_prompt=0.0,
                                                     hit_rate={"local": 0.25, "remote": 0.75}, throughput=3.0,
-                                                    errors=["timeout"])],
+                                                    errors=["timeout"], coalesced_units=3)],
                                          unloaded=[0.35])}), "b")
     c = _tagged(_report({"tessera": _sys([_measured(4, [0.7, 0.7])], unloaded=[0.35])}), "c")
     merged = merge_reports([a, b, c], keep="pool")["systems"]["tessera"]
@@ -117,7 +117,7 @@ def test_repeats_of_one_rate_pool_into_one_row_over_all_their_requests() -> None
     assert four["rate"] == 4 and four["ttfts"] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 0.7, 0.7]
     assert four["mean"] == pytest.approx(5.6 / 8)
     assert four["p50"] == pytest.approx(0.7) and four["p99"] == pytest.approx(np.percentile(four["ttfts"], 99))
-    assert (four["requests"], four["ok"], four["failed"]) == (11, 8, 3)
+    assert (four["requests"], four["ok"], four["failed"], four["coalesced_units"]) == (11, 8, 3, 2 + 3)
     assert four["errors"] == ["HTTP 503", "timeout"]
     assert four["reuse_efficiency"] == pytest.approx((100 * 1.0 + 300 * 0.5) / 400)  # c had no reusable tokens
     assert four["computed_share_of_prompt"] == pytest.approx(0.5 * 600 / (600 + 600 + 0))

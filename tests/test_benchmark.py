@@ -13,7 +13,7 @@ from helpers.cluster import child_env
 from helpers.http import serving
 
 from tessera.benchmark.client import Result
-from tessera.benchmark.report import compare, summarize, sustained_rate
+from tessera.benchmark.report import compare, summarize, sustained_rate, table
 from tessera.benchmark.workloads import DATA_DIR, Zipf, locomo_workload, rag_workload, synthetic_workload
 
 
@@ -94,6 +94,26 @@ def test_reuse_efficiency_is_cached_unit_tokens_over_those_an_earlier_request_al
     assert summary["reusable_unit_tokens"] == 250
     assert summary["reuse_efficiency"] == pytest.approx(150 / 250)
     assert summarize(results[:1], 0.0, 1.0)["reuse_efficiency"] is None  # nothing was reusable
+
+
+def test_a_coalesced_unit_is_reused_not_computed_in_the_summary() -> None:
+    """Two requests share one prefill of unit a: the one that ran it computed it, the one that
+    joined it did not, so the computed shares count the forward pass once and the joined unit
+    counts as reused (the engine did not compute it again for that request)."""
+    def reply(index: int, source: str, tiers: dict[str, int]) -> Result:
+        r = _served(index, ("a", 40, source))
+        r.usage = {"prompt_tokens": 50, "tessera": {**tiers, "recomputed_tokens": 10, **r.usage["tessera"]}}
+        return r
+
+    ran = reply(0, "computed", {"computed_unit_tokens": 40, "computed_units": 1})
+    joined = reply(1, "coalesced", {"coalesced_unit_tokens": 40, "coalesced_units": 1})
+    s = summarize([ran, joined], 0.0, 1.0)
+    assert s["hit_rate"]["computed"] == pytest.approx(0.5) and s["hit_rate"]["coalesced"] == pytest.approx(0.5)
+    assert s["computed_share_of_prompt"] == pytest.approx((10 + 40 + 10) / 100)
+    assert s["coalesced_units"] == 1
+    assert (s["reusable_unit_tokens"], s["reuse_efficiency"]) == (40, pytest.approx(1.0))
+    row = table({"systems": {"tessera": {"runs": [s]}}}).splitlines()
+    assert "coalesced units" in row[0] and "| 0%/0%/50% | 1 | 100% |" in row[2]
 
 
 def test_sustained_rate_interpolates_the_crossing() -> None:

@@ -43,9 +43,11 @@ def test_a_done_event_with_a_mistyped_stat_names_the_field() -> None:
 def test_the_tier_mapping_covers_every_prompt_token_field() -> None:
     """tokens_by_source names every per-tier token field of RequestStats exactly once."""
     stats = RequestStats(prefix_cached_tokens=1, local_tokens=2, remote_tokens=3, computed_unit_tokens=4,
-                         recomputed_tokens=5, local_units=6, remote_units=7, computed_units=8)
-    assert dict(stats.tokens_by_source()) == {"prefix": 1, "local": 2, "remote": 3, "computed": 4, "recomputed": 5}
-    assert dict(stats.units_by_preparation()) == {"local": 6, "remote": 7, "computed": 8}
+                         recomputed_tokens=5, local_units=6, remote_units=7, computed_units=8,
+                         coalesced_unit_tokens=9, coalesced_units=10)
+    assert dict(stats.tokens_by_source()) == {"prefix": 1, "local": 2, "remote": 3, "computed": 4, "coalesced": 9,
+                                              "recomputed": 5}
+    assert dict(stats.units_by_preparation()) == {"local": 6, "remote": 7, "computed": 8, "coalesced": 10}
     assert stats.cached_tokens == 1 + 2 + 3
     token_fields = {f.name for f in dataclasses.fields(RequestStats)
                     if f.name.endswith("_tokens") and f.name not in ("prompt_tokens", "completion_tokens")}

@@ -182,9 +182,39 @@ async def test_a_later_miss_of_a_just_computed_unit_never_prefills_it_again(engi
 
         dones = await asyncio.gather(*(one(i, 0.0005 * i) for i in range(12)))
     assert n.executor.prefills.started == 1
-    assert sum(d.stats.computed_units - d.stats.coalesced_units for d in dones) == 1
+    assert sum(d.stats.computed_units for d in dones) == 1
+    assert sum(d.stats.computed_unit_tokens for d in dones) == len(UNIT)  # the one forward, counted once
     assert sum(d.stats.coalesced_units + d.stats.local_units for d in dones) == 11
     assert ([len(UNIT)] in engine.batches) == (engine_cls is FakeEngine)  # a prefill of its own, or none
+
+
+async def test_a_unit_prefill_two_requests_share_is_counted_computed_once() -> None:
+    """Two requests missing one unit on a node share its prefill: the one that ran it counts it
+    computed, the one that joined it counts it coalesced, so their computed tokens add up to
+    the one forward pass (the replies' usage, receipts and bench shares read these)."""
+    engine = FakeEngine()
+    async with node(engine) as n:
+        gate = asyncio.Event()
+        prefill_unit = n.scheduler.prefill_unit
+
+        async def held_prefill(token_ids: Any, deadline: Any = None) -> UnitState:
+            await gate.wait()  # held off the engine thread: the other request's engine calls go on
+            return await prefill_unit(token_ids, deadline)
+
+        n.scheduler.prefill_unit = held_prefill  # type: ignore[method-assign]
+        first = asyncio.ensure_future(_events(n.executor.run(request(Preparation.COMPUTE, request_id="a"))))
+        await asyncio.wait_for(_until(lambda: len(n.executor.prefills) == 1), 30)
+        second = asyncio.ensure_future(_events(n.executor.run(request(Preparation.COMPUTE, request_id="b"))))
+        await asyncio.wait_for(_until(lambda: n.executor.prefills.coalesced == 1), 30)
+        gate.set()
+        a, b = (events[-1].stats for events in await asyncio.wait_for(asyncio.gather(first, second), 30))
+    assert (a.computed_units, a.computed_unit_tokens, a.coalesced_units, a.coalesced_unit_tokens,
+            a.unit_sources) == (1, len(UNIT), 0, 0, {"u1": "computed"})
+    assert (b.computed_units, b.computed_unit_tokens, b.coalesced_units, b.coalesced_unit_tokens,
+            b.unit_sources) == (0, 0, 1, len(UNIT), {"u1": "coalesced"})
+    assert a.computed_unit_tokens + b.computed_unit_tokens == len(UNIT)
+    assert dict(b.tokens_by_source())["coalesced"] == len(UNIT) and b.cached_tokens == 0
+    assert engine.batches.count([len(UNIT)]) == 1  # one prefill of the unit ran
 
 
 async def test_a_miss_on_a_fusing_engine_is_prefilled_in_the_requests_own_forward() -> None:

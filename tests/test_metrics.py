@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera.metrics import Metrics, counter, gauge
+from tessera.control.plane import ControlPlane
+from tessera.messages.generation import RequestStats
+from tessera.metrics import Metric, Metrics, counter, gauge
+from tessera.retrieval.chat.metrics import ChatMetrics
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -66,3 +71,26 @@ def test_a_scrape_time_counter_may_carry_one_label() -> None:
     text = m.render().decode()
     assert 't_engine_cpu_seconds_total{call="step"} 1.5' in text
     assert _samples(text)[("t_engine_cpu_seconds_total", (("call", "place_units"),))] == 0.25
+
+
+class NoPlane:
+    """A control plane with no figures of its own to scrape."""
+
+    def metrics(self) -> list[Metric]:
+        return []
+
+
+def test_a_unit_prefill_two_replies_share_counts_as_computed_tokens_once() -> None:
+    """The retrieval role's computed-token counter counts one forward pass once: the reply that
+    joined another's prefill of the unit adds to the coalesced label instead."""
+    chat = ChatMetrics(lambda: cast(ControlPlane, NoPlane()))
+    ran = RequestStats(prompt_tokens=9, computed_unit_tokens=4, computed_units=1, recomputed_tokens=5)
+    joined = RequestStats(prompt_tokens=9, coalesced_unit_tokens=4, coalesced_units=1, recomputed_tokens=5)
+    for stats in (ran, joined):
+        chat.finished(stats, {"units": {}, "unit_tokens": {}, "recomputed_tokens": {}})
+    samples = _samples(chat.registry.render().decode())
+    assert samples[("tessera_prompt_tokens_total", (("source", "computed"),))] == 4
+    assert samples[("tessera_prompt_tokens_total", (("source", "coalesced"),))] == 4
+    assert samples[("tessera_units_total", (("preparation", "computed"),))] == 1
+    assert samples[("tessera_units_total", (("preparation", "coalesced"),))] == 1
+    assert samples[("tessera_coalesced_prefills_total", ())] == 1

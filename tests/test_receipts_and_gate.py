@@ -33,6 +33,9 @@ from tessera.config_file import load_config
 from tessera.engines.checkpoint import resolve
 from tessera.engines.reference import ReferenceEngine
 from tessera.errors import BadRequest
+from tessera.messages.generation import RequestStats
+from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
+from tessera.retrieval.chat.receipt import Composition, receipt
 
 UNIT_A = "Record A: the lighthouse keeper logs every passing ship in a blue notebook, page by page."
 UNIT_B = "Record B: the orchard on the hill grows pears, plums and late apples each autumn."
@@ -81,6 +84,21 @@ def test_a_receipt_says_where_each_unit_came_from_and_what_was_recomputed(served
     assert second["policy"] == knobs(served.composition) and second["calibration"] == "uncalibrated"
     assert "verify --calibrate" in second["reason"] and policy.name == "epic"
     assert served.composition.calibration_dir not in json.dumps(second_reply)  # no server path in a reply
+
+
+def test_a_unit_that_joined_another_requests_prefill_is_coalesced_not_computed() -> None:
+    """A unit the node coalesced is its own receipt source, with its tokens and its recomputed head."""
+    layout = PromptLayout((Segment(SegmentKind.TEXT, (1, 2)), Segment(SegmentKind.UNIT, (3, 4, 5, 6), "u1"),
+                           Segment(SegmentKind.TEXT, (7,)), Segment(SegmentKind.UNIT, (8, 9, 10), "u2"),
+                           Segment(SegmentKind.TEXT, (11,))))
+    epic = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
+    stats = RequestStats(prompt_tokens=layout.n_tokens, computed_unit_tokens=3, coalesced_unit_tokens=4,
+                         computed_units=1, coalesced_units=1, unit_sources={"u1": "coalesced", "u2": "computed"})
+    out = receipt(layout, layout, Composition(epic), stats, per_unit=True)
+    assert (out["units"]["coalesced"], out["unit_tokens"]["coalesced"], out["recomputed_tokens"]["coalesced"]) \
+        == (1, 4, 1)
+    assert (out["units"]["computed"], out["unit_tokens"]["computed"]) == (1, 3)
+    assert [u["source"] for u in out["per_unit"]] == ["coalesced", "computed"]
 
 
 def test_the_receipts_add_up_in_the_metrics(served: ClusterConfig) -> None:

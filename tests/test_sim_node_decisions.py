@@ -47,7 +47,7 @@ COSTS = CostModel("test", "hand-written for the tests", base_s=0.02, per_token_s
 # the decisions: where the states came from and what was recomputed (not bytes or timings)
 DECIDED = ("prompt_tokens", "completion_tokens", "prefix_cached_tokens", "recomputed_tokens", "local_units",
            "local_tokens", "remote_units", "remote_tokens", "computed_units", "computed_unit_tokens",
-           "coalesced_units")
+           "coalesced_units", "coalesced_unit_tokens")
 
 
 @dataclasses.dataclass(frozen=True)

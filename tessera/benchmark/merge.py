@@ -127,12 +127,12 @@ def pool_runs(runs: Sequence[dict[str, Any]], what: str = "the runs") -> dict[st
     with its ``source``; a row pooled before may be one of them).
 
     Exact where the rows allow it: the TTFT mean and percentiles over every request's TTFT
-    together, the request counts summed, the reuse efficiency over all reusable unit tokens,
-    the computed share over all prompt tokens. The unit tokens' tier shares (local, remote,
-    computed) and the throughput are weighted by each row's successful requests: the rows keep
-    neither their unit-token totals nor a common time span, so these two are averages of
-    the repeats, not one measurement. Fields other than these are dropped unless every row
-    has the same value.
+    together, the request and coalesced-unit counts summed, the reuse efficiency over all
+    reusable unit tokens, the computed share over all prompt tokens. The unit tokens' tier
+    shares (local, remote, computed, coalesced) and the throughput are weighted by each row's
+    successful requests: the rows keep neither their unit-token totals nor a common time span,
+    so these two are averages of the repeats, not one measurement. Fields other than these are
+    dropped unless every row has the same value.
     """
     # a row where nothing succeeded has no TTFTs to give, and needs none
     missing = [r.get("source", "?") for r in runs if "ttfts" not in r and r.get("ok", 0) > 0]
@@ -161,6 +161,8 @@ def pool_runs(runs: Sequence[dict[str, Any]], what: str = "the runs") -> dict[st
         "source": " + ".join(sources),
         "pooled": sources,
     })
+    if any("coalesced_units" in r for r in runs):  # absent from reports written before it was counted
+        out["coalesced_units"] = sum(int(r.get("coalesced_units", 0)) for r in runs)
     if "computed_share_of_prompt" in runs[0]:
         out["computed_share_of_prompt"] = sum(r.get("computed_share_of_prompt", 0.0) * p
                                               for r, p in zip(runs, prompt, strict=True)) / max(sum(prompt), 1e-9)

@@ -13,12 +13,18 @@ from tessera.benchmark.extras import pyplot
 
 
 def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dict[str, Any]:
-    """Stats over the measured part (after the warm-up share of the sequence)."""
+    """Stats over the measured part (after the warm-up share of the sequence).
+
+    A coalesced unit (one that joined another request's in-flight prefill on its node) is a
+    tier of its own: it is not in ``computed`` nor in ``computed_share_of_prompt``, which count
+    each forward pass once, and it counts as reused in ``reuse_efficiency`` (see :func:`reuse`).
+    """
     start = int(len(results) * warmup_frac)
     measured = results[start:]
     ok = [r for r in measured if r.ok]
     ttfts = np.array([r.ttft for r in ok], dtype=np.float64)
-    tiers = {"prefix": 0, "local": 0, "remote": 0, "computed": 0, "recomputed": 0, "prompt": 0}
+    tiers = {"prefix": 0, "local": 0, "remote": 0, "computed": 0, "coalesced": 0, "recomputed": 0, "prompt": 0}
+    coalesced_units = 0
     for r in ok:
         t = r.usage.get("tessera", {})
         # an OpenAI-compatible server's prefix cache hits, where it reports them
@@ -27,9 +33,11 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
         tiers["local"] += t.get("local_tokens", 0)
         tiers["remote"] += t.get("remote_tokens", 0)
         tiers["computed"] += t.get("computed_unit_tokens", 0)
+        tiers["coalesced"] += t.get("coalesced_unit_tokens", 0)
         tiers["recomputed"] += t.get("recomputed_tokens", 0)
         tiers["prompt"] += r.usage.get("prompt_tokens", 0)
-    unit_tokens = tiers["local"] + tiers["remote"] + tiers["computed"]
+        coalesced_units += t.get("coalesced_units", 0)
+    unit_tokens = tiers["local"] + tiers["remote"] + tiers["computed"] + tiers["coalesced"]
     reusable, reused = reuse(results, start)
     span = 0.0
     if ok:
@@ -48,9 +56,13 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
             "local": tiers["local"] / max(unit_tokens, 1),
             "remote": tiers["remote"] / max(unit_tokens, 1),
             "computed": tiers["computed"] / max(unit_tokens, 1),
+            "coalesced": tiers["coalesced"] / max(unit_tokens, 1),
         },
+        # the prompt tokens an engine ran a forward pass over for these requests, each pass once
         "computed_share_of_prompt": (tiers["recomputed"] + tiers["computed"]) / max(tiers["prompt"], 1),
-        # unit tokens served from a cache over those whose unit an earlier request already had
+        "coalesced_units": coalesced_units,
+        # unit tokens served from a cache (or a joined prefill) over those whose unit an earlier
+        # request already had
         # (the trace's ceiling in the measured window); None without per-unit receipts
         "reuse_efficiency": reused / reusable if reusable else None,
         "reusable_unit_tokens": reusable,
@@ -67,7 +79,9 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
     return out
 
 
-REUSED_SOURCES = ("prefix", "local", "remote")  # a receipt's sources whose state was not computed again
+# a receipt's sources whose state the engine did not compute again for the request; a coalesced
+# unit's was computed once, for the request whose prefill it joined
+REUSED_SOURCES = ("prefix", "local", "remote", "coalesced")
 
 
 def reuse(results: Sequence[Result], start: int) -> tuple[int, int]:
@@ -75,9 +89,10 @@ def reuse(results: Sequence[Result], start: int) -> tuple[int, int]:
 
     Reusable: the tokens of every unit that an earlier request of the sequence (warm-up
     included) already carried, the ceiling any cache could reach in the window. Reused: those
-    of them served from the prefix cache, the local or the remote tier. Read from the replies'
-    per-unit receipts (``return_layout``); a request without one (failed, or a server that
-    gives none) adds nothing, and its units count as unseen.
+    of them served from the prefix cache, the local or the remote tier, or by joining another
+    request's in-flight prefill of the unit (coalesced: the engine did not compute it again for
+    this request). Read from the replies' per-unit receipts (``return_layout``); a request
+    without one (failed, or a server that gives none) adds nothing, and its units count as unseen.
     """
     seen: set[str] = set()
     reusable = reused = 0
@@ -167,23 +182,24 @@ def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tes
 
 def table(report: dict[str, Any]) -> str:
     rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput | ok/sent "
-            "| unit tokens local/remote/computed | reuse efficiency |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| unit tokens local/remote/computed | coalesced units | reuse efficiency |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, sysrep in report["systems"].items():
         unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
         for r in [*unloaded, *sysrep["runs"]]:
             if "skipped" in r:
-                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) | - | - | - | - | - | - | - |")
+                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) | - | - | - | - | - | - | - | - |")
                 continue
             if "mean" not in r:
-                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - | - |")
+                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - | - | - |")
                 continue
             h = r["hit_rate"]
             rate = "unloaded" if unloaded and r is unloaded[0] else f"{r['rate']:g}"
             rows.append(
                 f"| {name} | {rate} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | "
                 f"{r['throughput']:.2f} | {r['ok']}/{r['requests']} | "
-                f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} | {_share(r.get('reuse_efficiency'))} |")
+                f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} | {r.get('coalesced_units', '-')} | "
+                f"{_share(r.get('reuse_efficiency'))} |")
     return "\n".join(rows)
 
 

@@ -322,10 +322,16 @@ class Executor:
         """Prefill the unit (coalesced with anyone computing it already), retain it and place it."""
         stats = run.stats
         state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline)
-        stats.computed_unit_tokens += len(token_ids)
-        stats.computed_units += 1
-        stats.coalesced_units += int(coalesced)
-        stats.unit_sources[plan.unit_id] = "computed"
+        # a joined prefill is counted as computed by the request that ran it only, so that the
+        # cluster's computed tokens count each forward pass once
+        if coalesced:
+            stats.coalesced_unit_tokens += len(token_ids)
+            stats.coalesced_units += 1
+            stats.unit_sources[plan.unit_id] = "coalesced"
+        else:
+            stats.computed_unit_tokens += len(token_ids)
+            stats.computed_units += 1
+            stats.unit_sources[plan.unit_id] = "computed"
         # retained before it is placed, in the same step as the prefill's return: a request
         # arriving next finds the unit in flight (coalesced) or in the local cache, never neither
         self.retainer.retain(plan.unit_id, state, plan.retention.local, plan.grant, run.req.plan.local_evict,

@@ -122,11 +122,14 @@ class RequestStats:
     prefix_cached_tokens: int = 0  # served by the exact prefix cache
     local_tokens: int = 0  # unit tokens whose state came from the local cache
     remote_tokens: int = 0  # ... from the shared KV Pool
-    computed_unit_tokens: int = 0  # ... prefilled from text on this node
+    computed_unit_tokens: int = 0  # ... prefilled from text on this node, for this request
+    # ... joined another request's in-flight prefill on this node: one forward pass serves
+    # both, and only the request that ran it counts it as computed
+    coalesced_unit_tokens: int = 0
     local_units: int = 0
     remote_units: int = 0
     computed_units: int = 0
-    coalesced_units: int = 0  # misses that joined another request's in-flight prefill
+    coalesced_units: int = 0
     fallbacks: int = 0  # remote fetches that failed and were computed instead
     recomputed_tokens: int = 0  # tokens computed in the final extend pass
     bytes_fetched: int = 0
@@ -135,21 +138,27 @@ class RequestStats:
     # queueing there) and until its first token was sampled (0: not reached)
     node_queued_s: float = 0.0
     node_first_token_s: float = 0.0
-    # unit id -> where its state came from: local, remote or computed (prefilled here; also a
-    # failed fetch); a unit the final extend recomputes whole is not prepared and not listed
+    # unit id -> where its state came from: local, remote, computed (prefilled here; also a
+    # failed fetch) or coalesced (another request's prefill of it, joined); a unit the final
+    # extend recomputes whole is not prepared and not listed
     unit_sources: dict[str, str] = field(default_factory=dict)
 
     def tokens_by_source(self) -> tuple[tuple[str, int], ...]:
         """Prompt tokens by where their state came from: the ``source`` label of the token metrics."""
         return (("prefix", self.prefix_cached_tokens), ("local", self.local_tokens), ("remote", self.remote_tokens),
-                ("computed", self.computed_unit_tokens), ("recomputed", self.recomputed_tokens))
+                ("computed", self.computed_unit_tokens), ("coalesced", self.coalesced_unit_tokens),
+                ("recomputed", self.recomputed_tokens))
 
     def units_by_preparation(self) -> tuple[tuple[str, int], ...]:
-        return (("local", self.local_units), ("remote", self.remote_units), ("computed", self.computed_units))
+        return (("local", self.local_units), ("remote", self.remote_units), ("computed", self.computed_units),
+                ("coalesced", self.coalesced_units))
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens whose state was reused (OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
+        """Prompt tokens whose state was reused (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
+
+        Coalesced tokens are not among them: no cache held their state when the request
+        arrived, and the request waited for the prefill that made it."""
         return self.prefix_cached_tokens + self.local_tokens + self.remote_tokens
 
 

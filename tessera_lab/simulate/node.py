@@ -211,11 +211,17 @@ class SimNode:
             self._retain(up, up.retention.local, evict)
             self.engine.call(self.costs.place_s(n), ready)
 
+        def joined() -> None:
+            # the request that ran the prefill counts it computed, a joiner coalesced (as the executor does)
+            stats.coalesced_unit_tokens += n
+            stats.coalesced_units += 1
+            self._retain(up, up.retention.local, evict)
+            self.engine.call(self.costs.place_s(n), ready)
+
         waiters = self._prefilling.get(up.unit_id)
         if waiters is not None:
-            stats.coalesced_units += 1
             self.coalesced += 1
-            waiters.append(computed)
+            waiters.append(joined)
             return
         if self.fuse_units:
             # computed by this request's own extend (placed in its forward, no engine call)

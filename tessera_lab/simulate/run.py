@@ -66,6 +66,7 @@ def _result(i: int, out: Outcome, t0: float) -> Result:
         usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
                  "tessera": {"prefix_cached_tokens": s.prefix_cached_tokens, "local_tokens": s.local_tokens,
                              "remote_tokens": s.remote_tokens, "computed_unit_tokens": s.computed_unit_tokens,
+                             "coalesced_unit_tokens": s.coalesced_unit_tokens, "coalesced_units": s.coalesced_units,
                              "recomputed_tokens": s.recomputed_tokens}}
     return Result(i, out.sent_at - t0, out.ttft, out.latency, status=200 if out.ttft is not None else 0, usage=usage)
 

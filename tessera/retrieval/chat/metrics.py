@@ -29,7 +29,8 @@ class ChatMetrics:
         self._requests = m.counter("tessera_requests_total", "Chat requests by HTTP status", ["status"])
         self._ttft = m.histogram("tessera_ttft_seconds", "Time to first token at the server")
         self._tokens = m.counter("tessera_prompt_tokens_total", "Prompt tokens by where their state came from "
-                                 "(prefix cache, local unit cache, shared KV pool, computed unit, recomputed)",
+                                 "(prefix cache, local unit cache, shared KV pool, computed unit, coalesced "
+                                 "unit, recomputed); each unit prefill counts as computed once",
                                  ["source"])
         self._units = m.counter("tessera_units_total", "Context units by preparation outcome", ["preparation"])
         self._fallbacks = m.counter("tessera_fetch_fallbacks_total", "Remote fetches that failed and were computed")
@@ -40,7 +41,8 @@ class ChatMetrics:
         self._pending = m.gauge("tessera_pending_requests", "Requests in flight at the retrieval node")
         # the reuse receipts, summed (tessera.retrieval.chat.receipt): per unit source, and the fidelity gate
         self._receipt_units = m.counter("tessera_receipt_units_total", "Context units by where their state came "
-                                        "from (prefix, local, remote, computed, inlined)", ["source"])
+                                        "from (prefix, local, remote, computed, coalesced, inlined)",
+                                        ["source"])
         self._receipt_tokens = m.counter("tessera_receipt_unit_tokens_total", "Unit tokens by source", ["source"])
         self._receipt_recomputed = m.counter("tessera_receipt_recomputed_tokens_total",
                                              "Unit tokens recomputed in the final extend, by the unit's source",

@@ -6,6 +6,8 @@ Every reply's ``usage.tessera.receipt`` says, per source, how many units and uni
 * ``local`` / ``remote``: placed from the node's local cache / fetched from the KV pool;
 * ``computed``: computed for this request (a unit prefill on the node, a failed fetch, or, for
   a unit the policy recomputes whole, the final extend);
+* ``coalesced``: computed once for another request on the same node, whose in-flight prefill
+  this one joined (the request that ran it says ``computed``);
 * ``inlined``: sent as plain text because the policy would recompute (nearly) all of it;
 
 and how many tokens of each were recomputed in the request's final extend. It names the
@@ -27,7 +29,7 @@ from tessera.composition.policies import CompositionPolicy
 from tessera.messages.generation import RequestStats
 from tessera.messages.prompt import PromptLayout
 
-SOURCES = ("prefix", "local", "remote", "computed", "inlined")
+SOURCES = ("prefix", "local", "remote", "computed", "coalesced", "inlined")
 
 
 @dataclass(frozen=True)
