@@ -7,13 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from helpers.cluster import StartCluster, cluster_config, write_config
+from helpers.http import serving
 from helpers.text_server import text_server
 from typer.testing import CliRunner
 
-from tessera.benchmark.endpoints import parse_endpoint
+from tessera.benchmark.client import run_load
+from tessera.benchmark.endpoints import Endpoint, detect, parse_endpoint
 from tessera.benchmark.runner import recorded_rate
 from tessera.benchmark.traffic import UnitTexts, read_traffic
+from tessera.benchmark.workloads import synthetic_workload
 from tessera.cli import app
 from tessera.config import ClusterConfig
 from tessera.engines.checkpoint import resolve
@@ -64,6 +68,36 @@ def test_only_loopback_or_explicitly_allowed_hosts_are_driven() -> None:
     assert parse_endpoint("http://10.0.0.7:8000", ["10.0.0.7"]).url == "http://10.0.0.7:8000"
     with pytest.raises(ConfigError, match="loopback"):
         parse_endpoint("http://gpu-box:8000", ["10.0.0.7"])
+
+
+async def test_a_redirect_is_a_failed_request_never_followed() -> None:
+    """Regression: bench followed a loopback endpoint's redirect elsewhere and sent it prompts. A 3xx
+    is now a failed request (and a failed endpoint check) naming where it pointed; nothing
+    reaches the other server."""
+    reached: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        reached.append(f"{request.method} {request.path}")
+        return web.json_response({"data": [{"id": "m", "owned_by": "someone"}]})
+
+    target = web.Application()
+    target.router.add_route("*", "/{tail:.*}", elsewhere)
+    async with serving(target) as far:
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{far}{request.path}")
+
+        front = web.Application()
+        front.router.add_route("*", "/{tail:.*}", redirect)
+        async with serving(front) as near:
+            url = f"http://127.0.0.1:{near}"
+            with pytest.raises(ConfigError, match=rf"redirect to http://127\.0\.0\.1:{far}/v1/models.*--url"):
+                await detect(Endpoint("near", url, "auto"), {})
+            results = await run_load(url, synthetic_workload(4, n_units=10).requests, 0.0, progress=False)
+    assert reached == []
+    assert [r.status for r in results] == [307] * 4 and not any(r.ok for r in results)
+    for r in results:
+        assert f"redirect to http://127.0.0.1:{far}/v1/chat/completions" in r.error, r.error
+        assert "does not follow redirects; pass the final URL with --url" in r.error, r.error
 
 
 def test_bench_replays_a_trace_at_its_recorded_times_on_a_fresh_cluster(tiny_model: Path, tmp_path: Path) -> None:

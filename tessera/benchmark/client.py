@@ -4,6 +4,10 @@ Requests are sent at Poisson arrival times regardless of completions (open loop)
 streaming, and TTFT is measured at the client from sending the HTTP request (retrieval
 included) to the first streamed content chunk. Usage (tokens per cache tier) comes from the
 final stream chunk.
+
+Redirects are never followed: the host a request goes to is the one ``--url`` named and the
+endpoint check allowed (:mod:`tessera.benchmark.endpoints`), never one a server names in a
+``Location``. A 3xx answer is a failed request that says where it pointed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from tessera.benchmark.workloads import BenchRequest, CorpusUnit
 
 # how long the load generator waits for one reply: the bench measures queueing, however long
 BENCH_CLIENT_TIMEOUT_S = 3600.0
+
+
+def redirected(url: str, resp: aiohttp.ClientResponse) -> str:
+    """Why a 3xx answer to ``url`` is an error, naming where it pointed."""
+    where = resp.headers.get("Location", "(no Location header)")
+    return (f"{url} answered HTTP {resp.status}, a redirect to {where}: tessera bench does not follow "
+            "redirects; pass the final URL with --url")
 
 
 @dataclass
@@ -64,8 +75,10 @@ async def ingest(url: str, corpus: Sequence[CorpusUnit], batch: int = 64, progre
                     unit["embedding"] = embeddings[u.text]
                 units.append(unit)
             body = {"version": 1, "units": units}
-            async with http.post(f"{url}/v1/units", data=orjson.dumps(body),
+            async with http.post(f"{url}/v1/units", data=orjson.dumps(body), allow_redirects=False,
                                  headers={"Content-Type": "application/json"}) as resp:
+                if 300 <= resp.status < 400:
+                    raise RuntimeError(f"ingest failed: {redirected(f'{url}/v1/units', resp)}")
                 if resp.status != 200:
                     raise RuntimeError(f"ingest failed with HTTP {resp.status}: {await resp.text()}")
             if bar is not None:
@@ -93,9 +106,13 @@ async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], resu
 async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], result: Result, t0: float,
                 headers: Mapping[str, str] | None) -> None:
     """One streamed chat request: status, TTFT (from ``t0``), text, usage and layout into ``result``."""
-    async with http.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
+    chat = f"{url}/v1/chat/completions"
+    async with http.post(chat, data=orjson.dumps(body), allow_redirects=False,
                          headers={"Content-Type": "application/json", **(headers or {})}) as resp:
         result.status = resp.status
+        if 300 <= resp.status < 400:
+            result.error = redirected(chat, resp)
+            return
         if resp.status != 200:
             result.error = (await resp.text())[:300]
             return

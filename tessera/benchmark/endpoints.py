@@ -11,7 +11,9 @@ An endpoint is a name, a base URL and an API:
 ``auto`` asks ``GET /v1/models``: a server whose model is ``owned_by: "tessera"`` is Tessera.
 Only loopback hosts (127.0.0.0/8, ::1, localhost) are driven unless a host is explicitly
 allowed (``--allow-host``): names are compared as given, never resolved, so a name cannot
-stand in for another address.
+stand in for another address. Redirects are never followed, here or under load
+(:mod:`tessera.benchmark.client`): a server cannot send the bench to a host the check did not
+allow.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from tessera.benchmark.client import redirected
 from tessera.benchmark.workloads import BenchRequest
 from tessera.errors import ConfigError
 from tessera.retrieval.prompt import text_placement
@@ -75,9 +78,12 @@ def parse_endpoint(spec: str, allowed: Sequence[str], api: str = "auto") -> Endp
 
 async def detect(endpoint: Endpoint, headers: dict[str, str], timeout_s: float = 10.0) -> Endpoint:
     """The endpoint with its API (``auto``: from ``/v1/models``) and served model name."""
+    models_url = f"{endpoint.url}/v1/models"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http, \
-                http.get(f"{endpoint.url}/v1/models", headers=headers) as resp:
+                http.get(models_url, headers=headers, allow_redirects=False) as resp:
+            if 300 <= resp.status < 400:
+                raise ConfigError(redirected(models_url, resp))
             if resp.status != 200:
                 raise ConfigError(f"{endpoint.url}/v1/models answered HTTP {resp.status}: {(await resp.text())[:200]}")
             models = (await resp.json()).get("data") or []

@@ -8,7 +8,8 @@ first token bounded; queueing everything only makes every request late.
 
 The bound is on the time from the request's arrival: the time spent before routing
 (tokenizing, retrieving, ingesting units, on the same cores as busy engines) counts against
-it, or accepted requests would overshoot the promise under overload.
+it, or accepted requests would overshoot the promise under overload. A retry's ``waited_s``
+leaves out its attempts on nodes that failed (:mod:`tessera.retrieval.chat.driver`).
 
 ``admit_mask`` reads the :class:`~tessera.control.fleet.Fleet`'s ``queued`` and ``over`` masks,
 so a request that has not waited walks no nodes. ``admit`` is the same rule over a list, the

@@ -16,6 +16,15 @@ another node would have to redo the same work. A failed attempt's leases and gra
 at once. An attempt that ends before its ``DoneEvent`` (a deadline, a broken stream, a stop
 string, a client gone: the consumer closes :meth:`run`) tells the node to abort.
 
+The queueing bound (``control.max_queue_wait_s``, held by the plane when it routes and by the
+node when it starts the work) runs from the request's arrival, less the time of the attempts
+whose node failed. Finding a node dead can take longer than the bound (its heartbeats must
+go silent first); that time went to a failure, not to a queue, and counting it would turn a
+dead node into a 429 while another node was free. A node that refused is different: the
+request queued there until its bound ran out, and that time still counts, or a request
+bounced between busy nodes would queue the bound once per node; its retry goes only where
+nothing is queued ahead of it.
+
 This module knows nothing about HTTP, text or metrics: it relays node events as they come.
 """
 
@@ -68,6 +77,7 @@ class ChatDriver:
         # perf_counter at the request's arrival: the time before routing counts against the
         # queueing bound (control/overload.py)
         self.arrived = time.perf_counter() if arrived is None else arrived
+        self.excused_s = 0.0  # time of the attempts whose node failed: not counted (module docstring)
         self.control = node.config.control
         self.nodes = nodes
         self.sampling = sampling
@@ -85,6 +95,7 @@ class ChatDriver:
         for attempt in range(1, attempts + 1):
             self.plan = None
             delivered = finished = False
+            began = time.perf_counter()
             self.target, watch = await self._route(refs, tried, failed, layout.n_tokens)
             try:
                 msg = await self._plan(watch, layout, refs)
@@ -104,6 +115,8 @@ class ChatDriver:
             except (NodeUnavailable, NodeFailed, Overloaded) as exc:
                 if isinstance(exc, NodeUnavailable):
                     self.path.suspect(self.target)
+                if not isinstance(exc, Overloaded):  # failed, not queued: see the module docstring
+                    self.excused_s += time.perf_counter() - began
                 if not delivered:
                     self._return_grants()
                 if receiver.committed() or attempt == attempts:
@@ -131,7 +144,7 @@ class ChatDriver:
         """The attempt's node and its watch (its first-token deadline: the prompt's work there)."""
         try:
             return await self.path.route(self.request_id, list(refs.items()), tried, prompt_tokens,
-                                         waited_s=time.perf_counter() - self.arrived)
+                                         waited_s=self._waited_s())
         except Unavailable:
             if isinstance(failed, Overloaded):
                 raise failed from None  # every node that could serve is full: 429, not 503
@@ -144,9 +157,13 @@ class ChatDriver:
         bound = self.control.max_queue_wait_s
         # what is left of the queueing bound: the node refuses the request if its work cannot
         # begin within it (tessera.generation.scheduler, late starts)
-        budget = max(0.0, bound - (time.perf_counter() - self.arrived)) if bound > 0 else None
+        budget = max(0.0, bound - self._waited_s()) if bound > 0 else None
         return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant,
                               queue_budget_s=budget)
+
+    def _waited_s(self) -> float:
+        """The time that counts against the queueing bound: since arrival, less failed attempts."""
+        return max(0.0, time.perf_counter() - self.arrived - self.excused_s)
 
     def _complete(self, finished: bool) -> None:
         """The attempt is over: an unfinished run is aborted on its node, and its route completed."""
