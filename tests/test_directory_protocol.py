@@ -9,7 +9,9 @@ lease has at least a transfer timeout left). Whatever the order of events:
 
 * a READY entry never has a block whose content is not its own (unwritten or overwritten);
 * a block under a live lease is never reclaimed and reused;
-* a publish by a stale epoch, a second writer or with a partial block set is rejected.
+* a publish by a stale epoch, a second writer or with a partial block set is rejected;
+* a renewed grant (a slow writer's) keeps its epoch and blocks, and its blocks are not
+  reclaimed while its renewed deadline allows a write.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Writer:
     landed: set[int] = field(default_factory=set)
     failed: bool = False
     stopped: bool = False  # cancelled, published, or gave up: starts no more writes
+    computing: bool = False  # its unit is still being computed: it writes nothing before it renews
 
 
 @dataclass
@@ -132,7 +135,7 @@ class DirectoryProtocol(RuleBasedStateMachine):
             self.inflight.append(InFlight(w, b, ref, self.incarnation[ref.node], self.clock.now + TRANSFER_TIMEOUT))
 
     def unstarted(self) -> list[Writer]:
-        return [w for w in self.active_writers() if len(w.started) < len(w.grant.blocks)]
+        return [w for w in self.active_writers() if len(w.started) < len(w.grant.blocks) and not w.computing]
 
     def complete(self) -> list[Writer]:
         return [w for w in self.active_writers() if not w.failed and len(w.landed) == len(w.grant.blocks)]
@@ -144,6 +147,40 @@ class DirectoryProtocol(RuleBasedStateMachine):
         w = data.draw(st.sampled_from(self.unstarted()))
         blocks = [b for b in range(len(w.grant.blocks)) if b not in w.started]
         self.start(w, data.draw(st.lists(st.sampled_from(blocks), min_size=1, unique=True)) if some else blocks)
+
+    def unwritten(self) -> list[Writer]:
+        return [w for w in self.active_writers() if not w.started]
+
+    @precondition(lambda self: self.unwritten())
+    @rule(data=st.data())
+    def compute_for_long(self, data: st.DataObject) -> None:
+        """The unit waits behind a busy node's queue: no write starts, even at the deadline."""
+        data.draw(st.sampled_from(self.unwritten())).computing = True
+
+    @precondition(lambda self: self.unwritten())
+    @rule(data=st.data(), as_whom=st.sampled_from(["itself", "rogue", "old epoch"]))
+    def renew(self, data: st.DataObject, as_whom: str) -> None:
+        """A writer whose unit was computed late renews its grant before its first write: the
+        same epoch and blocks, a deadline a full write timeout from now, or None (lapsed)."""
+        w = data.draw(st.sampled_from(self.unwritten()))
+        g = w.grant
+        entry = self.directory.get(g.unit_id)
+        if as_whom != "itself":  # someone else's renewal never extends this entry
+            before = None if entry is None else entry.deadline
+            writer, epoch = ("rogue", g.epoch) if as_whom == "rogue" else (g.writer, g.epoch - 1)
+            assert self.directory.renew(g.unit_id, epoch, writer) is None
+            assert (None if entry is None else entry.deadline) == before
+            return
+        live = (entry is not None and entry.epoch == g.epoch and entry.writer == g.writer
+                and entry.state is EntryState.PENDING and self.clock.now <= entry.deadline)
+        renewed = self.directory.renew(g.unit_id, g.epoch, g.writer)
+        assert (renewed is not None) == live
+        w.computing = False
+        if renewed is None:
+            w.stopped = True  # it would ask for a new reservation: a new writer in this model
+        else:
+            assert (renewed.epoch, renewed.blocks, renewed.writer) == (g.epoch, g.blocks, g.writer)
+            w.grant, w.received = renewed, self.clock.now
 
     def land(self, f: InFlight) -> None:
         self.inflight.remove(f)
@@ -266,7 +303,7 @@ class DirectoryProtocol(RuleBasedStateMachine):
         while True:
             lands = [(f.latest, 0, i) for i, f in enumerate(self.inflight) if f.latest <= target]
             lasts = [(w.received + w.grant.deadline_s, 1, i) for i, w in enumerate(self.writers)
-                     if not w.stopped and w.received + w.grant.deadline_s <= target]
+                     if not w.stopped and not w.computing and w.received + w.grant.deadline_s <= target]
             if not lands and not lasts:
                 break
             when, kind, i = min(lands + lasts)

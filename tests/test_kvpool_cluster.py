@@ -14,6 +14,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -315,3 +316,70 @@ async def test_a_restarted_memory_node_comes_back_empty_and_the_directory_drops_
                 restarted.stop()
         finally:
             await pool.close()
+
+
+async def test_a_slow_writer_renews_its_grant_and_publishes_under_the_same_epoch(
+    shared_cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A unit computed late on a busy node: less than a write's time is left of its grant, so
+    the writer renews it (same epoch and blocks, a new deadline) and publishes."""
+    c = shared_cluster
+    grant = await granted(http, c, "unit-late", 9)
+    state = fresh_state(c, 9, seed=6)
+    pool = KVPoolClient(c.config, c.layout())
+    try:
+        # the plan arrived long ago: 0.5 s of its 10 s deadline is left, under the renew margin
+        late = time.monotonic() - grant.deadline_s + 0.5
+        assert await pool.store(grant, state, received_at=late)
+        assert pool.renewed == 1
+        hit = await plan_unit(http, c, "unit-late", 9)
+        assert hit.lease is not None and (hit.lease.epoch, hit.lease.blocks) == (grant.epoch, grant.blocks)
+        assert same_state(await pool.fetch(hit.lease, 9), state)
+        assert (await stats(http, c))["grants_renewed"] >= 1
+    finally:
+        await pool.close()
+
+
+async def test_a_writer_whose_grant_lapsed_gets_a_new_reservation_and_keeps_the_unit(
+    tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession, pool_config: PoolConfig
+) -> None:
+    """The reservation expired while the unit waited to be computed: the plane drops it, and
+    the writer's renewal reserves anew (a new epoch) so the computed unit is still kept."""
+    with cluster(pool_config, tmp_path, tiny_model, write_timeout_s=1.0) as c:
+        grant = await granted(http, c, "unit-lapsed", 10)
+        received = time.monotonic()
+
+        async def dropped() -> bool:
+            return (await stats(http, c))["shared_entries"] == 0
+
+        await eventually(dropped, "the reservation expires unpublished")
+        state = fresh_state(c, 10, seed=7)
+        pool = KVPoolClient(c.config, c.layout())
+        try:
+            assert await pool.store(grant, state, received_at=received)
+            hit = await plan_unit(http, c, "unit-lapsed", 10)
+            assert hit.lease is not None and hit.lease.epoch > grant.epoch
+            assert same_state(await pool.fetch(hit.lease, 10), state)
+            assert (await stats(http, c))["grants_reissued"] == 1
+        finally:
+            await pool.close()
+
+
+async def test_a_lapsed_grant_of_a_unit_someone_else_published_writes_nothing(
+    shared_cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Renewal is refused when the shared tier holds the unit under another grant: the late
+    writer neither writes nor fails; the published entry stays as it was."""
+    c = shared_cluster
+    grant = await granted(http, c, "unit-taken", 8)
+    pool = KVPoolClient(c.config, c.layout())
+    try:
+        forged = dataclasses.replace(grant, epoch=grant.epoch + 1000)  # a grant the plane never issued
+        assert not await pool.store(forged, fresh_state(c, 8, seed=8), received_at=time.monotonic() - 60.0)
+        state = fresh_state(c, 8, seed=9)
+        assert await pool.store(grant, state)
+        hit = await plan_unit(http, c, "unit-taken", 8)
+        assert hit.lease is not None and hit.lease.epoch == grant.epoch
+        assert same_state(await pool.fetch(hit.lease, 8), state)
+    finally:
+        await pool.close()

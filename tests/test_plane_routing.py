@@ -4,8 +4,9 @@ The reference is the routing path without the fleet index: the live nodes
 as a list, the queue bound over that list, the locality counts of every node, and the
 router's ``choose``. A long seeded run of the simulated cluster (more than 64 nodes, so the
 masks span machine words) asks both at every request, through node deaths and returns,
-retries that exclude nodes, and a queue bound that refuses busy nodes (less of it left for a
-request that waited before routing).
+retries that exclude nodes, a queue bound that refuses busy nodes (less of it left for a
+request that waited before routing), and measured prefill rates, so queues are weighed
+against reuse.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def exhaustive_route(plane: ControlPlane, units: list[tuple[str, int]], exclude:
     pairs = tuple((u, -(-n // b)) for u, n in dict(units).items())
     router = make_router(plane.router.name, len(plane.nodes))
     router._last = plane.router._last
-    return router.choose(live, plane._local_blocks(pairs) if router.uses_locality else ()).name
+    return router.choose(live, plane._local_blocks(pairs) if router.uses_locality else (), plane.rates.block_s).name
 
 
 @pytest.mark.parametrize("routing", ["cache_aware", "cache_aware_all", "load"])
@@ -48,12 +49,13 @@ def test_the_plane_routes_every_request_as_the_exhaustive_rule_would(routing: st
     popular = [f"u{int(rng.paretovariate(0.8)) % 400}" for _ in range(4000)]
     started: list[str] = []  # routed and executed, no first token yet
     running: list[str] = []  # first token sent, not completed
-    outcomes = {"routed": 0, "refused": 0, "unavailable": 0, "some nodes over the bound": 0}
+    outcomes = {"routed": 0, "refused": 0, "unavailable": 0, "some nodes over the bound": 0, "weighed": 0}
     for _ in range(1500):
         units = [(u, sizes[u]) for u in dict.fromkeys(rng.sample(popular, rng.randint(1, 8)))]
         exclude = set(rng.sample(names, rng.randint(1, 40))) if rng.random() < 0.1 else set()
         waited_s = rng.choice([0.0, 0.0, rng.random() * 1.5])  # time spent before routing, against the bound
         outcomes["some nodes over the bound"] += plane.fleet.over != 0
+        outcomes["weighed"] += plane.rates.block_s is not None and plane.fleet.queued != 0
         try:
             expected = exhaustive_route(plane, units, exclude, waited_s)
         except (Overloaded, Unavailable) as refused:
@@ -75,10 +77,11 @@ def test_the_plane_routes_every_request_as_the_exhaustive_rule_would(routing: st
             plane.complete(running.pop(rng.randrange(len(running))))
         if rng.random() < 0.03:
             plane.suspect(rng.choice(names))
-        if rng.random() < 0.05:
-            c.heartbeat(*rng.sample(names, 5))
+        if rng.random() < 0.05:  # with a prefill rate: the router weighs queues against reuse
+            c.heartbeat(*rng.sample(names, 5), prefill_tokens_per_s=rng.choice([0.0, 100.0, 400.0, 2000.0]))
         plane.fleet.check_invariants()
     plane.check_invariants()
     # every path was taken: routed, refused by the queue bound, and routed past nodes it refused
     assert outcomes["routed"] > 900 and outcomes["refused"] > 10, outcomes
     assert outcomes["some nodes over the bound"] > 500, outcomes
+    assert outcomes["weighed"] > 300, outcomes

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tessera.control.fleet import Fleet
 from tessera.control.locality import spread
+from tessera.control.pace import PrefillRates
 from tessera.control.router import CacheAwareRouter, LoadRouter, N, Router, make_router, router_names
 from tessera.errors import ConfigError
 
@@ -19,6 +20,10 @@ from tessera.errors import ConfigError
 class Node:
     index: int
     inflight: int = 0
+    wait: float = 0.0
+
+    def expected_wait_s(self) -> float:
+        return self.wait
 
 
 def nodes(*loads: int) -> list[Node]:
@@ -45,6 +50,32 @@ def test_cache_aware_breaks_locality_ties_by_lower_load_then_round_robin() -> No
     r = CacheAwareRouter(3)
     picks = [r.choose(nodes(0, 0, 0), [0, 0, 0]).index for _ in range(6)]
     assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_queue_longer_than_the_prefill_it_saves_loses_to_an_idle_node() -> None:
+    """The holder's 2 s queue against 10 blocks: at 0.1 s a block they save 1 s, so the idle
+    node computes them sooner; at 0.5 s a block they save 5 s, so the holder is worth its queue."""
+    busy, idle = Node(0, inflight=1, wait=2.0), Node(1, inflight=0, wait=0.0)
+    assert CacheAwareRouter(2).choose([busy, idle], [10, 0], block_s=0.1).index == 1
+    assert CacheAwareRouter(2).choose([busy, idle], [10, 0], block_s=0.5).index == 0
+    assert CacheAwareRouter(2).choose([busy, idle], [10, 0], block_s=None).index == 0  # no rate measured yet
+
+
+def test_with_equal_queues_the_most_blocks_win_whatever_a_block_costs() -> None:
+    both = [Node(0, 0, wait=1.0), Node(1, 0, wait=1.0)]
+    assert CacheAwareRouter(2).choose(both, [3, 4], block_s=0.01).index == 1
+    assert CacheAwareRouter(2).choose(both, [3, 4], block_s=None).index == 1
+
+
+def test_the_fleet_block_cost_is_the_mean_measured_rate_and_forgets_replaced_reports() -> None:
+    rates = PrefillRates(block_tokens=16)
+    assert rates.block_s is None
+    rates.report(0.0, 400.0)
+    rates.report(0.0, 800.0)
+    assert rates.block_s == pytest.approx(16 / 600)
+    rates.report(800.0, 0.0)  # that node's rate is unknown again
+    rates.report(400.0, float("nan"))  # a malformed report counts as unmeasured
+    assert rates.block_s is None
 
 
 def test_load_router_ignores_locality() -> None:
@@ -92,14 +123,15 @@ def test_routing_never_picks_a_node_loaded_more_than_the_minimum_plus_one(
 
 @dataclass
 class Member:
-    """A fleet member whose queue-bound verdict the test sets."""
+    """A fleet member whose expected wait (and so queue-bound verdict) the test sets."""
 
     index: int
     inflight: int = 0
     refused: bool = False
+    wait: float = 0.0  # under the bound
 
     def expected_wait_s(self) -> float:
-        return 1.0 if self.refused else 0.0
+        return 1.0 if self.refused else self.wait
 
 
 @given(
@@ -112,10 +144,13 @@ def test_pick_over_bitmasks_chooses_what_the_exhaustive_choose_chooses(
         data: st.DataObject, n: int, name: str, rounds: int) -> None:
     """The fast path (least-loaded masks, holders only) agrees with ``choose`` over every node.
 
-    Random loads, live sets, queue-bound refusals, exclusions, holder sets and round-robin
-    cursors; after each choice the chosen node's load rises and a random node changes.
+    Random loads, expected waits, block costs, live sets, queue-bound refusals, exclusions,
+    holder sets and round-robin cursors; after each choice the chosen node's load rises and
+    a random node changes.
     """
-    members = [Member(i, data.draw(st.integers(0, 4)), data.draw(st.booleans())) for i in range(n)]
+    waits = st.sampled_from([0.0, 0.0, 0.1, 0.3])
+    members = [Member(i, data.draw(st.integers(0, 4)), data.draw(st.booleans()), data.draw(waits)) for i in range(n)]
+    block_s = data.draw(st.sampled_from([None, 0.005, 0.02, 0.1]))
     fleet = Fleet(n, 0.5)  # a refused member's wait (1 s) is over the bound
     for m in members:
         if data.draw(st.booleans()) or m.index == 0:
@@ -132,20 +167,23 @@ def test_pick_over_bitmasks_chooses_what_the_exhaustive_choose_chooses(
             eligible = fleet.alive
         holders = {m: data.draw(st.integers(1, 30)) for m in data.draw(st.lists(mask_of.filter(bool), max_size=10))}
         nodes = [m for m in members if eligible >> m.index & 1]
-        expected = reference.choose(nodes, spread(holders, n)).index
-        assert fast.pick(fleet, eligible, holders) == expected
+        expected = reference.choose(nodes, spread(holders, n), block_s).index
+        assert fast.pick(fleet, eligible, holders, block_s) == expected
         assert fast._last == reference._last
         chosen = members[expected]
         chosen.inflight += 1
         fleet.update(chosen, chosen.inflight - 1)
         other = members[data.draw(st.integers(0, n - 1))]
-        action = data.draw(st.sampled_from(["left", "refused", "toggle"]))
+        action = data.draw(st.sampled_from(["left", "refused", "toggle", "wait"]))
         alive = bool(fleet.alive >> other.index & 1)
         if action == "left" and other.inflight:
             other.inflight -= 1
             fleet.update(other, other.inflight + 1)
         elif action == "refused":
             other.refused = not other.refused
+            fleet.update(other, other.inflight)
+        elif action == "wait":
+            other.wait = data.draw(waits)
             fleet.update(other, other.inflight)
         elif action == "toggle" and alive and fleet.alive != 1 << other.index:
             fleet.leave(other)
@@ -160,7 +198,7 @@ def test_a_router_without_a_fast_path_picks_through_choose() -> None:
         name = "last_holder"
         uses_locality = True
 
-        def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+        def choose(self, nodes: Sequence[N], local_blocks: Sequence[int], block_s: float | None = None) -> N:
             return self._chose(max(nodes, key=lambda n: (local_blocks[n.index] > 0, n.index)))
 
     members = [Member(i) for i in range(5)]

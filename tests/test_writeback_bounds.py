@@ -20,9 +20,10 @@ class _BlockedWriter:
         self.go = asyncio.Event()
         self.stored: list[str] = []
 
-    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> None:
+    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> bool:
         await self.go.wait()
         self.stored.append(grant.unit_id)
+        return True
 
 
 def _state(n_tokens: int) -> UnitState:

@@ -274,6 +274,7 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
             results, _ = await _run_once(target, opts, opts.out_dir / f"logs-{system}-{rate:g}",
                                          load=workload.requests, rate=rate, embeddings=embeddings)
             summary = summarize(results, opts.warmup_frac, rate)
+            summary["nodes"] = dict(target.counters)
             sysrep["runs"].append(summary)
             _say(f"[{system}] rate {rate:g}: mean TTFT {summary.get('mean', float('nan')):.3f}s "
                  f"p90 {summary.get('p90', float('nan')):.3f}s ok {summary['ok']}/{summary['requests']}")

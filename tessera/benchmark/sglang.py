@@ -106,6 +106,10 @@ class SGLangServer:
                 "attention_backend": s.attention_backend, "device": self.config.model.device,
                 "cores": cores(self.config), "max_total_tokens": s.max_total_tokens, "extra_args": s.extra_args}
 
+    @property
+    def counters(self) -> dict[str, float]:
+        return {}  # unmodified SGLang keeps no shared tier
+
     def body_of(self, req: BenchRequest, max_tokens: int) -> dict[str, Any]:
         """The plain OpenAI body ``--url`` sends any server, with this request's units as text."""
         return ENDPOINT.body(dataclasses.replace(req, context_units=self.units.of(req)), max_tokens)

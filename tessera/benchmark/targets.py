@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tessera.benchmark.client import BodyOf, ingest
+from tessera.benchmark.counters import node_counters
 from tessera.benchmark.endpoints import Endpoint
 from tessera.benchmark.workloads import Workload
 from tessera.config import ClusterConfig
 from tessera.launcher import LocalCluster
 from tessera.ports import on_free_ports
+
+WRITEBACK_SETTLE_S = 1.0  # after the last reply, before the nodes' counters are read
 
 
 class Target(Protocol):
@@ -40,6 +43,10 @@ class Target(Protocol):
     def open(self, log_dir: Path, progress: bool) -> Any:
         """An async context manager yielding the base URL for one run."""
 
+    @property
+    def counters(self) -> dict[str, float]:
+        """What the servers of the last run counted (:mod:`tessera.benchmark.counters`); {}: none known."""
+
 
 @dataclass
 class FreshCluster:
@@ -49,16 +56,21 @@ class FreshCluster:
     embeddings: Mapping[str, list[float]] | None = None
     body_of: BodyOf | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
 
     @asynccontextmanager
     async def open(self, log_dir: Path, progress: bool) -> AsyncIterator[str]:
         # ports of its own: a bench runs beside a cluster that serves on the configured ones
         cluster = LocalCluster(on_free_ports(self.config), log_dir=log_dir, quiet=True)
         await asyncio.to_thread(cluster.start)
+        self.counters = {}
         try:
             url = cluster.config.retrieval_url
             await ingest(url, self.workload.corpus, progress=progress, embeddings=self.embeddings)
             yield url
+            # the writebacks of the run's last units may still be in flight: they count
+            await asyncio.sleep(WRITEBACK_SETTLE_S)
+            self.counters = await node_counters(cluster.config)
         finally:
             await asyncio.to_thread(cluster.stop)
 
@@ -77,6 +89,10 @@ class RunningEndpoint:
     def body_of(self) -> BodyOf | None:
         # a Tessera endpoint takes Tessera's own body (and its return_layout); others the plain one
         return None if self.endpoint.api == "tessera" else self.endpoint.body
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return {}  # someone else's server: its counters are its own
 
     @asynccontextmanager
     async def open(self, log_dir: Path, progress: bool) -> AsyncIterator[str]:

@@ -34,6 +34,8 @@ from tessera.messages.control import (
     PlanRequest,
     PublishRequest,
     ReleaseRequest,
+    RenewRequest,
+    RenewResponse,
     ResidencyReport,
     RouteRequest,
     RouteResponse,
@@ -112,6 +114,13 @@ class ControlClient:
     async def cancel(self, msg: CancelRequest) -> bool:
         """Give up a reservation; False if there was nothing to cancel (expired, published)."""
         return (await self._ack("/control/cancel", msg)).ok
+
+    async def renew(self, msg: RenewRequest) -> RenewResponse:
+        """The grant to write under now (extended, or reserved anew), or None and why."""
+        status, payload = await self._call("POST", "/control/renew", msg)
+        if status != 200:
+            raise ControlPlaneError(f"POST /control/renew: HTTP {status}: {self._reason(payload)}")
+        return from_wire(RenewResponse, payload)
 
     async def release(self, lease_ids: tuple[str, ...]) -> None:
         await self._ack("/control/release", ReleaseRequest(WIRE_VERSION, lease_ids))

@@ -65,7 +65,7 @@ class Entry:
 
 
 class Directory:
-    """Shared-tier metadata. Verbs: reserve/publish/cancel, lease/release, evict, expire."""
+    """Shared-tier metadata. Verbs: reserve/renew/publish/cancel, lease/release, evict, expire."""
 
     def __init__(
         self,
@@ -137,11 +137,31 @@ class Directory:
             return None
         epoch = next(self._epochs)
         deadline = self.clock() + self.write_timeout_s
-        self._entries[unit_id] = Entry(unit_id, epoch, EntryState.PENDING, blocks, n_tokens, writer, deadline)
+        entry = self._entries[unit_id] = Entry(unit_id, epoch, EntryState.PENDING, blocks, n_tokens, writer,
+                                               deadline)
+        return self._grant(entry)
+
+    def renew(self, unit_id: str, epoch: int, writer: str) -> WriteGrant | None:
+        """The writer's PENDING reservation, deadline moved to a full write timeout from now.
+
+        Same epoch and blocks, fresh capabilities. None unless the entry is this writer's,
+        at this epoch, still PENDING and not overdue. A dropped reservation's quarantine is
+        computed from its deadline when dropped, so a later deadline delays reuse with it.
+        """
+        entry = self._entries.get(unit_id)
+        now = self.clock()
+        if (entry is None or entry.epoch != epoch or entry.writer != writer
+                or entry.state is not EntryState.PENDING or now > entry.deadline):
+            return None
+        entry.deadline = now + self.write_timeout_s
+        return self._grant(entry)
+
+    def _grant(self, entry: Entry) -> WriteGrant:
         # writes may start until the deadline and land within a transfer timeout (< reclaim grace)
         tokens = () if self.capabilities is None else self.capabilities.issue(
-            "write", blocks, epoch, self.write_timeout_s + self.reclaim_grace_s, holder=writer)
-        return WriteGrant(unit_id, epoch, blocks, writer, n_tokens, self.write_timeout_s, tokens)
+            "write", entry.blocks, entry.epoch, self.write_timeout_s + self.reclaim_grace_s, holder=entry.writer)
+        return WriteGrant(entry.unit_id, entry.epoch, entry.blocks, entry.writer, entry.n_tokens,
+                          self.write_timeout_s, tokens)
 
     def publish(self, unit_id: str, epoch: int, writer: str, blocks: tuple[BlockRef, ...]) -> None:
         """Flip PENDING -> READY atomically after verifying writer, epoch and the full block set."""

@@ -16,6 +16,7 @@ This module knows nothing of HTTP; the retrieval role's node client applies the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -124,3 +125,38 @@ class RemoteWatch:
 
     def heard_since_mark(self) -> bool:
         return self._heard.heard_since(self.name, self._since)
+
+
+class PrefillRates:
+    """The fleet's prefill rate, from the nodes' reports: what one block of prefill costs.
+
+    The mean of the rates reported (nodes that measured none yet are left out), kept as a
+    running sum so a heartbeat costs the same at any fleet size. ``block_s`` is None until
+    some node measured its rate: the router then does not weigh waits against reuse.
+    """
+
+    __slots__ = ("_n", "_sum", "block_tokens")
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._sum = 0.0
+        self._n = 0
+
+    def report(self, was: float, now: float) -> None:
+        """A node's reported rate went from ``was`` to ``now`` (tokens/s; 0: not measured)."""
+        if _measured(was):
+            self._sum -= was
+            self._n -= 1
+        if _measured(now):
+            self._sum += now
+            self._n += 1
+        if not self._n:
+            self._sum = 0.0  # no drift from the subtractions
+
+    @property
+    def block_s(self) -> float | None:
+        return self.block_tokens * self._n / self._sum if self._n else None
+
+
+def _measured(rate: float) -> bool:
+    return math.isfinite(rate) and rate > 0

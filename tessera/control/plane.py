@@ -29,6 +29,7 @@ from tessera.control.local import AdmittedBlocks, LocalTier
 from tessera.control.locality import Locality, spread
 from tessera.control.membership import GenerationMember, HelloOutcome, Liveness, MemoryNodes
 from tessera.control.overload import QueueBound
+from tessera.control.pace import PrefillRates
 from tessera.control.planner import Planner
 from tessera.control.recovery import Reassembly
 from tessera.control.requests import RequestTable, RoutedRequest
@@ -43,6 +44,8 @@ from tessera.messages.control import (
     LoadReport,
     PublishRequest,
     ReleaseRequest,
+    RenewRequest,
+    RenewResponse,
     ResidencyReport,
 )
 from tessera.messages.kvpool import InventoryResult, MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
@@ -97,9 +100,12 @@ class ControlPlane:
         self._members = list(self.nodes.values())  # by index
         self.liveness = Liveness(self.nodes, self.fleet)
         self.router = make_router(routing or control.routing, len(self.nodes))
+        self.rates = PrefillRates(self.block_tokens)  # what a block of prefill costs: the router's exchange rate
         self.memory = MemoryNodes({k.name: k.capacity_blocks for k in config.kvpools})
         self.stats = PlaneStats()
         self.invalidated = 0  # shared entries a reader found corrupt
+        self.grants_renewed = 0  # write grants extended as their writer started (renew)
+        self.grants_reissued = 0  # ... reserved anew: the first one had lapsed
         self.requests = RequestTable(control.request_ttl_s)
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
         self.admitted = AdmittedBlocks()  # block counts of local admissions, for the views' reports
@@ -144,7 +150,8 @@ class ControlPlane:
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         router = self.router
-        node = self._members[router.pick(fleet, eligible, self._holders(pairs) if router.uses_locality else {})]
+        node = self._members[router.pick(fleet, eligible, self._holders(pairs) if router.uses_locality else {},
+                                         self.rates.block_s)]
         self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock()))
         return node.name
 
@@ -198,6 +205,31 @@ class ControlPlane:
         return Ack(WIRE_VERSION, False, f"unit {msg.unit_id}: no pending reservation at epoch {msg.epoch} "
                    f"for writer {msg.writer!r} (already published, expired or cancelled)")
 
+    def renew(self, msg: RenewRequest) -> RenewResponse:
+        """A writer about to write: its reservation extended, or a new one if it lapsed.
+
+        A lapsed reservation (overdue, expired, or lost with a leader change) is admitted
+        again as if planned now, so a unit computed late on a busy node is still kept; a unit
+        with another entry (written or being written by someone else) or revoked gets none.
+        """
+        if msg.n_blocks != -(-msg.n_tokens // self.block_tokens) or msg.n_tokens <= 0:
+            return RenewResponse(WIRE_VERSION, None, f"unit {msg.unit_id}: {msg.n_blocks} blocks do not hold "
+                                 f"{msg.n_tokens} tokens of {self.block_tokens}")
+        grant = self.directory.renew(msg.unit_id, msg.epoch, msg.writer)
+        if grant is not None:
+            self.grants_renewed += 1
+            return RenewResponse(WIRE_VERSION, grant)
+        self.shared.forget(self.directory.expire())  # an overdue reservation goes now, not at the next tick
+        if msg.unit_id in self.revoked or msg.writer not in self.nodes:
+            return RenewResponse(WIRE_VERSION, None, f"unit {msg.unit_id}: revoked, or {msg.writer!r} is not "
+                                 "a generation node of this cluster")
+        grant = self.shared.admit(msg.unit_id, msg.n_tokens, msg.n_blocks, msg.writer)
+        if grant is None:
+            return RenewResponse(WIRE_VERSION, None, f"unit {msg.unit_id}: the shared tier has it already "
+                                 "or no room for it")
+        self.grants_reissued += 1
+        return RenewResponse(WIRE_VERSION, grant)
+
     def release(self, msg: ReleaseRequest) -> Ack:
         unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
         if self._draining:
@@ -230,6 +262,7 @@ class ControlPlane:
         resync, node.resync = node.resync, False
         self.liveness.heard(node, self.clock())
         node.queued_tokens = msg.queued_tokens
+        self.rates.report(node.prefill_tokens_per_s, msg.prefill_tokens_per_s)
         node.prefill_tokens_per_s = msg.prefill_tokens_per_s
         # a view cleared or never filled would re-learn from snapshots only the units asked again
         return Ack(WIRE_VERSION, True, "resync" if resync else "")
@@ -375,6 +408,8 @@ class ControlPlane:
             "shared_evictions": self.shared.evictions,
             "expired_requests": self.requests.expired,
             "invalidated_entries": self.invalidated,
+            "grants_renewed": self.grants_renewed,
+            "grants_reissued": self.grants_reissued,
             "refused_overload": self.queue_bound.refused,
             "fences_lifted_by_term": self.fences_lifted,
             "nodes_suspected": self.suspected,

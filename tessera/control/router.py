@@ -1,21 +1,25 @@
 """Routing policies: which generation node executes a request (paper §5.2).
 
 Contract of :class:`Router` (register new ones with :func:`register_router`):
-``choose(nodes, local_blocks)`` picks one of ``nodes`` (the live generation nodes, never
-empty). ``local_blocks[node.index]`` is how many blocks of the request's units that node's
-local cache holds (per the control plane's view) *and the shared tier does not hold ready*;
-it is only computed for routers that set ``uses_locality``. The router reads each node's
-``inflight`` count; it mutates nothing but its own round-robin cursor, and never raises on
-well-formed input.
+``choose(nodes, local_blocks, block_s)`` picks one of ``nodes`` (the live generation nodes,
+never empty). ``local_blocks[node.index]`` is how many blocks of the request's units that
+node's local cache holds (per the control plane's view) *and the shared tier does not hold
+ready*; it is only computed for routers that set ``uses_locality``. ``block_s`` is what one
+block of prefill costs on the fleet (seconds; None until some node measured its rate). The
+router reads each node's ``inflight`` count and expected queueing (``expected_wait_s``); it
+mutates nothing but its own round-robin cursor, and never raises on well-formed input.
 
-The plane calls ``pick(loads, eligible, holders)``, the same decision over bitmasks (node
-``i`` is bit ``1 << i``; ``holders`` maps holder masks to blocks). By default it calls
+The plane calls ``pick(loads, eligible, holders, block_s)``, the same decision over bitmasks
+(node ``i`` is bit ``1 << i``; ``holders`` maps holder masks to blocks). By default it calls
 ``choose``, so a new router needs only ``choose``; the built-in ones override it to visit
 only holders and the least loaded, never the whole fleet, and a property test checks they
 agree with ``choose``.
 
 Shared-tier residency is left out of the counts: every node can copy a shared hit, so it
 cannot make one node better than another, and counting it queues requests behind a holder.
+Locality is worth a wait only up to the prefill it saves: a node whose queue is longer than
+the time its cached blocks save loses to an idle node that computes them (the request's
+other work costs the same everywhere, so it does not enter the comparison).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class RoutableNode(Protocol):
     @property
     def inflight(self) -> int: ...
 
+    def expected_wait_s(self) -> float: ...  # queueing a new request would see there
+
 
 N = TypeVar("N", bound=RoutableNode)
 
@@ -50,6 +56,9 @@ class Loads(Protocol):
     def inflight(self, index: int) -> int: ...
 
     def members(self, mask: int) -> Sequence[RoutableNode]: ...  # in config order
+
+    @property
+    def queued(self) -> int: ...  # the alive nodes whose expected wait is above 0
 
 
 class Router(ABC):
@@ -71,12 +80,12 @@ class Router(ABC):
         return node
 
     @abstractmethod
-    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N: ...
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int], block_s: float | None = None) -> N: ...
 
-    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int]) -> int:
+    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int], block_s: float | None = None) -> int:
         """``choose`` over bitmasks: the index of the chosen node among ``eligible`` (nonzero)."""
         local_blocks = spread(holders, self.n_nodes) if self.uses_locality else ()
-        return self.choose(loads.members(eligible), local_blocks).index
+        return self.choose(loads.members(eligible), local_blocks, block_s).index
 
     def _next_of(self, mask: int) -> int:
         """The node of ``mask`` first after the last choice in round-robin order, chosen."""
@@ -95,45 +104,49 @@ def make_router(name: str, n_nodes: int) -> Router:
 
 @register_router("cache_aware")
 class CacheAwareRouter(Router):
-    """Load-constrained cache-aware routing.
+    """Load-constrained cache-aware routing, with the queue weighed against the reuse.
 
-    Among nodes whose in-flight count is within one of the least loaded, pick the one whose
-    local cache holds the most blocks of the request's units that no other node could copy
-    from the shared tier; ties by lower load, then round-robin. The load bound keeps a node
-    holding popular units from drawing every request to itself.
+    Among nodes whose in-flight count is within one of the least loaded, pick the one where
+    the request's unit prefill ends first: the most ``blocks × block_s − expected wait``
+    (the prefill its local cache saves, less the queueing ahead of it), counting the blocks
+    of the request's units that no other node could copy from the shared tier; ties by more
+    blocks, lower load, then round-robin. With equal waits (or ``block_s`` unknown) that is
+    the node holding the most blocks. The load bound keeps a node holding popular units
+    from drawing every request to itself.
     """
 
     uses_locality = True
 
-    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int], block_s: float | None = None) -> N:
         bound = min(n.inflight for n in nodes) + 1
         n_nodes = self.n_nodes
         after = self._last + 1
         best = nodes[0]
-        # rank by (most blocks, lowest load, earliest after the last choice), without tuples:
-        # this runs once per request over every node
-        best_blocks = best_load = best_rr = -1
+        best_key: tuple[float, int, int, int] | None = None
         for node in nodes:
             load = node.inflight
             if load > bound:
                 continue
             blocks = local_blocks[node.index]
-            if blocks < best_blocks:
-                continue
-            rr = (node.index - after) % n_nodes
-            if blocks > best_blocks or load < best_load or (load == best_load and rr < best_rr):
-                best, best_blocks, best_load, best_rr = node, blocks, load, rr
+            gain = 0.0 if block_s is None else blocks * block_s - node.expected_wait_s()
+            key = (-gain, -blocks, load, (node.index - after) % n_nodes)
+            if best_key is None or key < best_key:
+                best, best_key = node, key
         return self._chose(best)
 
-    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int]) -> int:
+    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int], block_s: float | None = None) -> int:
         """``choose``'s rule, visiting only the holders within the load bound.
 
-        A node holding a block outranks every node holding none, so when some holder is
-        within the bound the choice is among the holders; otherwise it is the round-robin
-        successor among the least loaded (``choose`` ranks them by load, then round-robin).
+        While no candidate has a queue, a node holding a block outranks every node holding
+        none, so when some holder is within the bound the choice is among the holders;
+        otherwise it is the round-robin successor among the least loaded (``choose`` ranks
+        them by load, then round-robin). Once a candidate has a queue, its wait is weighed
+        against its blocks on every candidate.
         """
         least = loads.least(eligible)
         within = eligible & (loads.at(least) | loads.at(least + 1))
+        if block_s is not None and within & loads.queued:
+            return self.choose(loads.members(within), spread(holders, self.n_nodes), block_s).index
         counts: dict[int, int] = {}
         for mask, b in holders.items():
             for i in bits(mask & within):  # holder sets are small
@@ -170,10 +183,10 @@ class CacheAwareAllRouter(CacheAwareRouter):
 class LoadRouter(Router):
     """Least loaded node, round-robin among equals; ignores cache contents (ablation baseline)."""
 
-    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int]) -> N:
+    def choose(self, nodes: Sequence[N], local_blocks: Sequence[int], block_s: float | None = None) -> N:
         best = min(nodes, key=lambda n: (n.inflight, self._after_last(n.index)))
         return self._chose(best)
 
-    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int]) -> int:
+    def pick(self, loads: Loads, eligible: int, holders: Mapping[int, int], block_s: float | None = None) -> int:
         """The round-robin successor among the least loaded eligible nodes."""
         return self._next_of(loads.at(loads.least(eligible)) & eligible)

@@ -12,6 +12,7 @@ POST /control/liveness what the heartbeats say of generation nodes (a follower's
 POST /control/units    another replica revoked / re-ingested units (``[ha]``)
 POST /control/publish  writer finished a shared entry (409 + reason when rejected)
 POST /control/cancel   writer gives up a reservation
+POST /control/renew    writer about to write: its grant extended, or a new one if it lapsed
 POST /control/release  reader releases read leases
 POST /control/residency  a generation node's local cache changed
 POST /control/load     a generation node's load figures (its heartbeat)
@@ -49,6 +50,7 @@ from tessera.messages.control import (
     PlanRequest,
     PublishRequest,
     ReleaseRequest,
+    RenewRequest,
     ResidencyReport,
     RouteRequest,
     RouteResponse,
@@ -134,6 +136,7 @@ def _rpc(path: str, cls: type[Any], verb: str) -> None:
 
 _rpc("/control/publish", PublishRequest, "publish")
 _rpc("/control/cancel", CancelRequest, "cancel")
+_rpc("/control/renew", RenewRequest, "renew")
 _rpc("/control/release", ReleaseRequest, "release")
 _rpc("/control/invalidate", InvalidateRequest, "invalidate")
 _rpc("/control/residency", ResidencyReport, "residency")

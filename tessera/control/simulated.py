@@ -60,10 +60,10 @@ class SimulatedCluster:
         if join_generation:
             self.heartbeat()
 
-    def heartbeat(self, *names: str) -> None:
+    def heartbeat(self, *names: str, prefill_tokens_per_s: float = 0.0) -> None:
         """Generation nodes report in (all by default): only a node heard from is routable."""
         for name in names or list(self.caches):
-            self.plane.load(LoadReport(WIRE_VERSION, name, 0))
+            self.plane.load(LoadReport(WIRE_VERSION, name, 0, prefill_tokens_per_s=prefill_tokens_per_s))
 
     def rid(self) -> str:
         """A new request id."""

@@ -280,6 +280,11 @@ class GenerationNode:
             counter("tessera_node_writebacks_published_total", "Shared writebacks published", self.retainer.published),
             counter("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)",
                     self.retainer.write_failures),
+            counter("tessera_node_writebacks_skipped_total", "Shared write grants not used, by reason",
+                    {"over_budget": self.retainer.over_budget, "not_needed": self.retainer.not_needed},
+                    label="reason"),
+            counter("tessera_node_write_grants_renewed_total", "Write grants renewed or reissued before writing",
+                    0 if self.pool is None else self.pool.renewed),
             # a copy: the engine thread adds to the dict while this reads it
             counter("tessera_node_engine_cpu_seconds_total", "Engine-thread CPU seconds by engine call",
                     dict(self.scheduler.worker.cpu_s), label="call"),

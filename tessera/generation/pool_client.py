@@ -2,8 +2,9 @@
 
 Safe publication (paper §5.4), from the writer's side:
 
-1. ``store`` refuses to start writing after the grant's deadline, or when a memory node it
-   would write to restarted after the grant was received (the slots are not ours anymore);
+1. ``store`` renews a grant with less than a write's time left (on a busy node the unit may
+   be computed long after the plan), and refuses to write when a memory node it would write
+   to restarted after the grant was received (the slots are not ours anymore);
 2. it encodes every block with its header (unit, epoch, index, token counts, CRC-32) and
    writes all of them, on every node concurrently;
 3. only after *every* write has completed does it ask the control plane to publish;
@@ -32,7 +33,7 @@ from tessera.engines.base import UnitState
 from tessera.errors import ChecksumMismatch, ControlPlaneError, TransferError
 from tessera.generation.pool_endpoints import EndpointBook
 from tessera.messages.common import BlockRef
-from tessera.messages.control import CancelRequest, PublishRequest
+from tessera.messages.control import CancelRequest, PublishRequest, RenewRequest
 from tessera.messages.plan import NodeToken, ReadLease, WriteGrant
 from tessera.transport.base import SlotIO, Transport, all_or_nothing, create_transport
 from tessera.transport.blocks import BlockLayout
@@ -78,6 +79,10 @@ class KVPoolClient:
         # timeout (Mooncake's engine rounds it up to whole seconds); the cancel waits that out
         self.settle_s = math.ceil(config.transport.timeout_s) + 1.0
         self.timeout_s = config.transport.timeout_s
+        # a write takes at most a transfer timeout, then its publish one control RPC: a grant
+        # with less left than this is renewed before writing, so its publish is not refused
+        self.renew_margin_s = 2 * self.timeout_s + 1.0
+        self.renewed = 0  # grants renewed (or reissued) before their write
 
     async def close(self) -> None:
         await self.transport.close()
@@ -130,12 +135,16 @@ class KVPoolClient:
 
     # --- writer --------------------------------------------------------------------------
 
-    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> None:
+    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> bool:
         """Write every block, then publish; on failure cancel (with settle time) and raise.
 
         ``received_at`` is the ``time.monotonic()`` at which the grant arrived (default: now).
-        Raises TransferError/TransferTimeout (nothing published), PublishRejected (the control
-        plane refused: stale epoch, expired reservation) or ControlPlaneError.
+        A grant with less than a write's time left (:attr:`renew_margin_s`) is renewed first:
+        the control plane extends it, or reserves anew if it lapsed while the unit waited
+        to be computed. Returns False, writing nothing, when the plane no longer wants the
+        write (another writer's entry, revoked, no room). Raises TransferError/TransferTimeout
+        (nothing published), PublishRejected (the control plane refused: stale epoch, expired
+        reservation) or ControlPlaneError.
         """
         received = time.monotonic() if received_at is None else received_at
         n = state.n_tokens
@@ -145,14 +154,21 @@ class KVPoolClient:
         )
         assert state.keys.device.type == "cpu", (
             f"unit {grant.unit_id}: state.keys is on {state.keys.device}; the retainer stages it to host first")
-        if time.monotonic() > received + grant.deadline_s:
-            await self._cancel(grant, 0.0)
-            raise TransferError(f"unit {grant.unit_id}: write grant of epoch {grant.epoch} expired before writing")
         restarted = sorted({b.node for b in grant.blocks if self.endpoints.restarted_since(b.node, received)})
         if restarted:
             await self._cancel(grant, 0.0)
             raise TransferError(f"unit {grant.unit_id}: memory node(s) {', '.join(restarted)} "
                                 "restarted after the grant")
+        # (at most half the grant: a cluster configured with grants shorter than a write would
+        # otherwise renew every one)
+        if time.monotonic() + min(self.renew_margin_s, grant.deadline_s / 2) > received + grant.deadline_s:
+            renewed = await self.control.renew(RenewRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer,
+                                                            grant.n_tokens, len(grant.blocks)))
+            if renewed.grant is None:
+                log.info("writeback of unit %s not needed any more: %s", grant.unit_id, renewed.reason)
+                return False
+            grant, received = renewed.grant, time.monotonic()
+            self.renewed += 1
         views = await self._maybe_offload(
             state.nbytes(), lambda: encode_unit(self.layout, state, grant.unit_id, grant.epoch))
         try:
@@ -161,6 +177,7 @@ class KVPoolClient:
             await self._cancel(grant, self.settle_s)
             raise
         await self.control.publish(PublishRequest(WIRE_VERSION, grant.unit_id, grant.epoch, grant.writer, grant.blocks))
+        return True
 
     async def _cancel(self, grant: WriteGrant, settle_s: float) -> None:
         try:

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class SharedWriter(Protocol):
     """Writes all blocks of a grant, then publishes; cancels and raises on failure."""
 
-    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> None: ...
+    async def store(self, grant: WriteGrant, state: UnitState, *, received_at: float | None = None) -> bool: ...
 
 
 class ResidencyReporter(Protocol):
@@ -60,6 +60,8 @@ class Retainer:
         self.tasks = BackgroundTasks("retention")
         self.published = 0
         self.write_failures = 0
+        self.not_needed = 0  # grants that lapsed and that the plane did not renew (the unit is kept elsewhere)
+        self.over_budget = 0  # grants given back at once: the writeback budget was full
 
     def retain(self, unit_id: str, state: UnitState, local: bool, grant: WriteGrant | None,
                evict: Sequence[str], received_at: float) -> None:
@@ -76,6 +78,7 @@ class Retainer:
         if grant is not None:
             nbytes = state.nbytes()
             if self.writer is None or not self._reserve(nbytes):
+                self.over_budget += self.writer is not None
                 self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
             else:
                 self.tasks.spawn(self._write_shared(grant, state, received_at, nbytes),
@@ -124,7 +127,7 @@ class Retainer:
         """One writeback whose budget :meth:`_reserve` already took; gives it back when done."""
         assert self.writer is not None
         try:
-            await self.writer.store(grant, state, received_at=received)
+            written = await self.writer.store(grant, state, received_at=received)
         except (TesseraError, OSError, TimeoutError) as exc:
             # the writer already cancelled the reservation (with settle time) or it expires
             self.write_failures += 1
@@ -133,7 +136,10 @@ class Retainer:
         finally:
             self.writing -= 1
             self.staged -= nbytes
-        self.published += 1
+        if written:
+            self.published += 1
+        else:
+            self.not_needed += 1
 
     async def drain(self, timeout: float) -> None:
         await self.tasks.drain(timeout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.messages.common import BlockRef
+from tessera.messages.plan import WriteGrant
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,31 @@ class CancelRequest:
     epoch: int
     writer: str
     settle_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RenewRequest:
+    """The writer is about to write: extend its reservation, or reserve anew if it lapsed.
+
+    A grant's deadline counts from the plan; on a loaded node the unit may be computed long
+    after. ``n_blocks`` is the grant's block count (checked against ``n_tokens``).
+    """
+
+    version: int
+    unit_id: str
+    epoch: int
+    writer: str
+    n_tokens: int
+    n_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RenewResponse:
+    """A grant to write under now (the same epoch and blocks, or a new reservation), or why not."""
+
+    version: int
+    grant: WriteGrant | None
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
