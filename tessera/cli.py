@@ -279,6 +279,9 @@ def bench(
     max_concurrency: Annotated[int, typer.Option(help="Requests in flight at most; a request waiting for a slot "
                                                  "counts the wait in its TTFT (0: no bound).")] = 256,
     timeout: Annotated[float, typer.Option(help="Seconds one request may take before it counts as failed.")] = 3600.0,
+    overload_control: Annotated[bool, typer.Option(
+        "--overload-control", help="Keep the config's control.max_queue_wait_s (off by default: a 429 has no "
+                                   "TTFT); refused requests count as failed and throughput is goodput.")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Open-loop load (Poisson, or a trace's recorded times) against fresh local clusters or running endpoints;
@@ -289,7 +292,8 @@ def bench(
     opts = SweepOptions(load=load, out=out, dump_trace=dump_trace, trace_only=trace_only, saturation=saturation,
                         fidelity=fidelity, arrivals=arrivals, urls=tuple(url or ()),
                         allow_hosts=tuple(allow_host or ()), api=api, api_key=api_key,
-                        max_concurrency=max_concurrency, timeout_s=timeout, warmup_rate=warmup_rate)
+                        max_concurrency=max_concurrency, timeout_s=timeout, warmup_rate=warmup_rate,
+                        overload_control=overload_control)
     with _usage("bench"):
         run_sweep(cfg, opts)
 

@@ -113,7 +113,19 @@ def test_a_coalesced_unit_is_reused_not_computed_in_the_summary() -> None:
     assert s["coalesced_units"] == 1
     assert (s["reusable_unit_tokens"], s["reuse_efficiency"]) == (40, pytest.approx(1.0))
     row = table({"systems": {"tessera": {"runs": [s]}}}).splitlines()
-    assert "coalesced units" in row[0] and "| 0%/0%/50% | 1 | 100% |" in row[2]
+    assert "coalesced units" in row[0] and "| 0%/0%/50% | 1 | - | 100% |" in row[2]
+
+
+def test_the_table_shows_each_runs_share_of_the_peak_and_the_nodes_failed_writebacks() -> None:
+    """Goodput past the peak and lost writebacks are columns, not something to dig out of logs."""
+    def run(rate: float, throughput: float, failed: float) -> dict[str, object]:
+        s = summarize([_served(0, ("a", 40, "local"))], 0.0, rate)
+        return {**s, "throughput": throughput, "nodes": {"writebacks_failed": failed}}
+
+    rows = table({"systems": {"tessera": {"runs": [run(1, 1.0, 0), run(2, 2.0, 0), run(4, 1.5, 33)]}}}).splitlines()
+    assert "throughput (of peak)" in rows[0] and "failed writebacks" in rows[0]
+    assert "| 2.00 (100%) |" in rows[3] and "| 1.50 (75%) |" in rows[4]
+    assert rows[4].split("|")[-3].strip() == "33" and rows[2].split("|")[-3].strip() == "0"
 
 
 def test_sustained_rate_interpolates_the_crossing() -> None:

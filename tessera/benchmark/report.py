@@ -60,6 +60,8 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
         },
         # the prompt tokens an engine ran a forward pass over for these requests, each pass once
         "computed_share_of_prompt": (tiers["recomputed"] + tiers["computed"]) / max(tiers["prompt"], 1),
+        # the prompt tokens whose state a cache served (usage.prompt_tokens_details.cached_tokens)
+        "cached_share_of_prompt": (tiers["prefix"] + tiers["local"] + tiers["remote"]) / max(tiers["prompt"], 1),
         "coalesced_units": coalesced_units,
         # unit tokens served from a cache (or a joined prefill) over those whose unit an earlier
         # request already had
@@ -181,25 +183,37 @@ def compare(report: dict[str, Any], baseline: str = "prefix", system: str = "tes
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput | ok/sent "
-            "| unit tokens local/remote/computed | coalesced units | reuse efficiency |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per system and offered rate: TTFT, achieved throughput (and its share of the
+    system's peak, so goodput past the peak shows), the prompt share served from a cache, the
+    unit tokens' tiers, coalesced units, failed shared writebacks (the nodes' counters over
+    the whole run; ``-`` where the server keeps none) and reuse efficiency."""
+    rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput (of peak) | ok/sent "
+            "| cached share | unit tokens local/remote/computed | coalesced units | failed writebacks "
+            "| reuse efficiency |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    dashes = " - |" * 10
     for name, sysrep in report["systems"].items():
         unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
+        peak = max((r.get("throughput", 0.0) for r in sysrep["runs"]), default=0.0)
         for r in [*unloaded, *sysrep["runs"]]:
             if "skipped" in r:
-                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) | - | - | - | - | - | - | - | - |")
+                rows.append(f"| {name} | {r['rate']:g} | skipped ({r['skipped']}) |{dashes}")
                 continue
             if "mean" not in r:
-                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} | - | - | - |")
+                rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} |"
+                            + " - |" * 5)
                 continue
             h = r["hit_rate"]
-            rate = "unloaded" if unloaded and r is unloaded[0] else f"{r['rate']:g}"
+            is_unloaded = bool(unloaded) and r is unloaded[0]
+            rate = "unloaded" if is_unloaded else f"{r['rate']:g}"
+            of_peak = "" if is_unloaded or not peak else f" ({r['throughput'] / peak:.0%})"
+            failed = r.get("nodes", {}).get("writebacks_failed")
             rows.append(
                 f"| {name} | {rate} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | "
-                f"{r['throughput']:.2f} | {r['ok']}/{r['requests']} | "
+                f"{r['throughput']:.2f}{of_peak} | {r['ok']}/{r['requests']} | "
+                f"{_share(r.get('cached_share_of_prompt'))} | "
                 f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} | {r.get('coalesced_units', '-')} | "
-                f"{_share(r.get('reuse_efficiency'))} |")
+                f"{'-' if failed is None else f'{failed:g}'} | {_share(r.get('reuse_efficiency'))} |")
     return "\n".join(rows)
 
 

@@ -55,11 +55,13 @@ def split_system(system: str) -> tuple[str, str | None]:
     return name, engine if sep else None
 
 
-def system_config(base: ClusterConfig, system: str) -> ClusterConfig:
+def system_config(base: ClusterConfig, system: str, overload_control: bool = False) -> ClusterConfig:
     """The cluster config of one bench system: its control settings, on its engine.
 
     On ``@sglang`` the nodes compute in ``[sglang] dtype``, the unmodified baseline's dtype, so
-    Tessera on SGLang and SGLang itself are compared at one precision."""
+    Tessera on SGLang and SGLang itself are compared at one precision. ``overload_control``
+    keeps the config's ``max_queue_wait_s`` (goodput under the shipped defaults: refused
+    requests count as failed, the throughput is the accepted ones')."""
     name, engine = split_system(system)
     if engine is not None:
         dtype = base.sglang.dtype if engine == "sglang" else base.model.dtype
@@ -72,7 +74,8 @@ def system_config(base: ClusterConfig, system: str) -> ClusterConfig:
     # request queues longer than the default 60 s, and the deadline would end it with a 503
     # (and take its busy but healthy node out of routing) instead of measuring its wait
     control: ControlConfig = dataclasses.replace(
-        base.control, **SYSTEMS[name], max_queue_wait_s=0.0,
+        base.control, **SYSTEMS[name],
+        max_queue_wait_s=base.control.max_queue_wait_s if overload_control else 0.0,
         first_token_timeout_s=max(base.control.first_token_timeout_s, BENCH_CLIENT_TIMEOUT_S))
     return dataclasses.replace(base, control=control)
 
@@ -125,6 +128,7 @@ class BenchOptions:
     # system at these times instead of Poisson arrivals at each rate
     arrivals: list[float] | None = None
     max_concurrency: int = 0  # requests in flight at most (0: no bound)
+    overload_control: bool = False  # keep the config's max_queue_wait_s (see system_config)
     timeout_s: float = BENCH_CLIENT_TIMEOUT_S  # per request
 
     def rates_for(self, system: str) -> list[float]:
@@ -237,6 +241,7 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
         "warmup_frac": opts.warmup_frac,
         "warmup_rate": opts.warmup_rate or None,
         "max_tokens": opts.max_tokens,
+        "overload_control": opts.overload_control,
         "rates": opts.rates,
         "systems": {},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -246,7 +251,8 @@ async def run_bench(base: ClusterConfig, workload: Workload, opts: BenchOptions,
     if targets is None:
         embeddings = await asyncio.to_thread(embed_workload, workload) if opts.precompute_embeddings else None
         targets = {s: sglang_target(base, workload) if s == BASELINE_SYSTEM
-                   else _fresh(system_config(base, s), s, workload, embeddings) for s in opts.systems}
+                   else _fresh(system_config(base, s, opts.overload_control), s, workload, embeddings)
+                   for s in opts.systems}
     for system, target in targets.items():
         rates = opts.rates_for(system)
         sysrep: dict[str, Any] = {"config": target.description, "rates": rates, "runs": []}

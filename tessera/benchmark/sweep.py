@@ -45,6 +45,7 @@ class SweepOptions:
     max_concurrency: int = 0
     timeout_s: float = BENCH_CLIENT_TIMEOUT_S
     warmup_rate: float = 0.0  # the warm-up share's req/s (0: each run's rate)
+    overload_control: bool = False  # keep the config's max_queue_wait_s (429s count as failed)
 
 
 def _system_rates(specs: tuple[str, ...], systems: list[str]) -> dict[str, list[float]]:
@@ -132,7 +133,7 @@ def run_sweep(config: ClusterConfig, opts: SweepOptions) -> None:
                          out_dir=opts.out, dump_trace=opts.dump_trace, seed=load.seed, drain_warmup=load.drain_warmup,
                          saturation_factor=opts.saturation, system_rates=system_rates, arrivals=arrivals,
                          max_concurrency=opts.max_concurrency, timeout_s=opts.timeout_s,
-                         warmup_rate=opts.warmup_rate)
+                         warmup_rate=opts.warmup_rate, overload_control=opts.overload_control)
     report = asyncio.run(run_bench(config, wl, bench, targets))
     for line in format_report(report):
         say(line)
