@@ -1,7 +1,8 @@
 """What a run's generation nodes counted, read from their ``/metrics`` before the cluster stops.
 
 The bench report shows, per run, what the replies cannot: shared writebacks published,
-failed, skipped (and why), write grants renewed, prefills joined by another request. The
+failed, skipped (and why), write grants renewed, prefills joined by another request, the
+engine threads' CPU and wall seconds by engine call. The
 figures cover the whole run, warm-up included, summed over the nodes. A node that does not
 answer (a chaos run killed it) is left out and named.
 """
@@ -26,6 +27,9 @@ NODE_COUNTERS = {
     "tessera_node_write_grants_renewed": "write_grants_renewed",
     "tessera_node_coalesced_prefills": "coalesced_prefills",
     "tessera_node_unit_prefills": "unit_prefills",
+    # the engine thread's seconds by engine call: where a node's time went, per run
+    "tessera_node_engine_cpu_seconds": "engine_cpu_s",
+    "tessera_node_engine_wall_seconds": "engine_wall_s",
 }
 SCRAPE_TIMEOUT_S = 10.0
 
