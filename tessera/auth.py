@@ -313,6 +313,17 @@ def term_notice(secret: bytes, node: str, boot_id: str, term: int) -> str:
     return hmac.new(secret, f"tessera-term\n{node}\n{boot_id}\n{term}".encode(), hashlib.sha256).hexdigest()
 
 
+def plan_seal(secret: bytes, node: str, term: int, request_id: str) -> str:
+    """MAC of the leader of ``term`` on its plan for ``request_id`` on generation node ``node``.
+
+    A generation node runs a plan, and takes its term as the newest, only with this proof
+    (:mod:`tessera.generation.terms`): a control plane without the secret cannot raise a
+    node's term, and a plan sealed for one node or request is no good for another. It does
+    not cover the plan's units: their shared blocks carry capabilities of their own.
+    """
+    return hmac.new(secret, f"tessera-plan\n{node}\n{term}\n{request_id}".encode(), hashlib.sha256).hexdigest()
+
+
 def capability(secret: bytes, op: str, node: str, holder: str, slots: Iterable[int], epoch: int,
                expires: int) -> bytes:
     """Token that lets ``holder`` ``op`` ("read"/"write") exactly ``slots`` of ``node`` until ``expires``.

@@ -9,6 +9,7 @@ serves the same replies as before; a resumed leader's term is over everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -232,6 +233,12 @@ def test_a_leader_paused_past_its_lease_issues_nothing_after_it_resumes(
     status, body = call(f"http://{gen.host}:{gen.port}", "/v1/execute", raw=encode(execute), signed=cfg)
     assert status == 503 and "deposed" in str(body), (status, body)
     assert stale.term < _term_of_new_plan(cfg, new)
+    # a plan of a huge term without its leader's seal (a control plane without the secret) runs
+    # nothing and raises no term: the chat below is still served under the real leader's
+    forged = dataclasses.replace(stale, request_id="forged", term=1 << 40)
+    execute = ExecuteRequest(V, "forged", _empty_layout(), forged, SamplingParams(max_tokens=1))
+    status, body = call(f"http://{gen.host}:{gen.port}", "/v1/execute", raw=encode(execute), signed=cfg)
+    assert status == 503 and "seal" in str(body), (status, body)
     # chat through the resumed replica is served under the new term (through the new leader)
     wait_for(lambda: rag(url(cfg, old), "pause", QUESTIONS[0])[0] == 200, timeout=30, what="the resumed replica")
     assert replies(url(cfg, old), "pause") == before

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Container
 
+from tessera.auth import plan_seal
 from tessera.control.directory import Directory
 from tessera.control.local import AdmittedBlocks
 from tessera.control.requests import RequestTable
@@ -150,7 +151,7 @@ class Planner:
                 if grant is not None:
                     n_keep_shared += 1
                 units.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
-        plan = RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
+        plan = self._issue(request_id, node, units, evict)
         self.stats.add(len(units), n_local, n_remote, n_keep_local, n_keep_shared, len(evict))
         return plan
 
@@ -186,7 +187,14 @@ class Planner:
         self.stats.add(len(units), sum(p.preparation is LOCAL for p in units),
                        sum(p.preparation is REMOTE for p in units), sum(p.retention.local for p in units),
                        sum(p.retention.shared for p in units), len(evict))
-        return RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), self.directory.term)
+        return self._issue(request_id, node, units, evict)
+
+    def _issue(self, request_id: str, node: str, units: list[UnitPlan], evict: list[str]) -> RequestPlan:
+        """The plan under this plane's term, sealed with the cluster secret (the one place plans are signed)."""
+        directory = self.directory
+        term, issuer = directory.term, directory.capabilities
+        seal = "" if issuer is None else plan_seal(issuer.secret, node, term, request_id)
+        return RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), term, seal)
 
     def _usable(self, held: Collection[str]) -> Collection[str]:
         """The snapshot as a set, without revoked units (a node that missed the drop order may hold one)."""

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -36,12 +36,13 @@ from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig, 
 from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
-from tessera.errors import BadRequest, Overloaded, TesseraError, Unavailable
+from tessera.errors import BadRequest, Overloaded, TesseraError
 from tessera.generation.executor import Executor
 from tessera.generation.memory import IdleTrim
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler
+from tessera.generation.terms import PlanTerms
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.http import application, body, reply
 from tessera.messages.generation import (
@@ -58,11 +59,17 @@ from tessera.messages.generation import (
 from tessera.metrics import Metric, Metrics, counter, gauge
 from tessera.runtime import BackgroundTasks, serve
 from tessera.tenants import KeyRing, admin_middleware
-from tessera.transport.terms import TermFence
 from tessera.wire import WIRE_VERSION, encode
+
+if TYPE_CHECKING:
+    from tessera.ha.election import Leader
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
+# a term above the elected leader's that went silent for this many leases was no successor
+# (tessera.generation.terms): a successor shows in the election before it issues anything, so
+# this is far past a watch catching up on a takeover, and still a short outage
+TERM_RECOVERY_LEASES = 3
 
 
 class GenerationNode:
@@ -80,7 +87,9 @@ class GenerationNode:
         self.pin_timeout_s = control.connect_timeout_s + control.first_token_timeout_s
         self.background = BackgroundTasks(f"generation {name}")
         self.trim = IdleTrim()
-        self.terms = TermFence()  # the newest leader term of a plan this node executed
+        # the newest leader term of a plan this node ran, taken only with the leader's seal
+        self.terms = PlanTerms(name, ClusterAuth.from_config(config).secret,
+                               TERM_RECOVERY_LEASES * config.ha.lease_ttl_s)
         self.metrics = Metrics()
         self.m_requests = self.metrics.counter("tessera_node_requests_total", "Requests executed, by outcome",
                                                ["outcome"])
@@ -124,7 +133,7 @@ class GenerationNode:
         if self.config.ha.enabled:  # the control plane is wherever the election says
             from tessera.ha.discovery import follow_leader
 
-            self.background.spawn(follow_leader(self.config.ha, self.control.point_at), name="leader-watch")
+            self.background.spawn(follow_leader(self.config.ha, self._leader_changed), name="leader-watch")
         self.ready = True
         try:
             yield
@@ -136,6 +145,11 @@ class GenerationNode:
             if self.pool is not None:
                 await self.pool.close()
             await self.control.close()
+
+    def _leader_changed(self, leader: Leader | None) -> None:
+        """The election's leader changed: call it from now on, and know its term (:class:`PlanTerms`)."""
+        self.control.point_at(leader)
+        self.terms.elected(None if leader is None else leader.term)
 
     def _gate(self) -> Decision:
         """The fidelity gate for this node's engine (the retrieval role decides alike): what it serves."""
@@ -189,10 +203,8 @@ class GenerationNode:
         msg = await body(request, ExecuteRequest)
         if msg.plan.node != self.name:
             raise BadRequest(f"plan is for node {msg.plan.node!r}, this is {self.name!r}")
-        stale = self.terms.term_refusal(msg.plan.term)
-        if stale is not None:  # a deposed leader's plan: its grants and leases may be reused already
-            raise Unavailable(f"plan {msg.request_id} is of {stale}; ask the current leader")
-        self.terms.observe_term(msg.plan.term)
+        # an unsealed plan, or a deposed leader's (its grants and leases may be reused already)
+        self.terms.admit(msg.plan)
         self._admit(msg.request_id)
         timer = self._pin_timers.pop(msg.request_id, None)
         if timer is not None:
@@ -283,6 +295,10 @@ class GenerationNode:
             counter("tessera_node_writebacks_skipped_total", "Shared write grants not used, by reason",
                     {"over_budget": self.retainer.over_budget, "not_needed": self.retainer.not_needed},
                     label="reason"),
+            counter("tessera_node_plans_refused_total", "Plans refused before running, by reason",
+                    {"unsealed": self.terms.unsealed, "stale_term": self.terms.stale}, label="reason"),
+            counter("tessera_node_terms_recovered_total", "Times the elected leader's term replaced a newer, "
+                    "silent one", self.terms.recovered),
             counter("tessera_node_write_grants_renewed_total", "Write grants renewed or reissued before writing",
                     0 if self.pool is None else self.pool.renewed),
             # a copy: the engine thread adds to the dict while this reads it

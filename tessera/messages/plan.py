@@ -112,3 +112,6 @@ class RequestPlan:
     local_evict: tuple[str, ...] = ()
     # the leader term (incarnation) that issued the plan: a node that saw a newer one refuses it
     term: int = 0
+    # with a cluster secret: the leader's MAC over (node, term, request_id) (tessera.auth.plan_seal);
+    # a generation node runs no plan, and adopts no term, without it
+    seal: str = ""

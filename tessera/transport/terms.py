@@ -8,7 +8,8 @@ capability of term T, no capability of a term < T is served: a deposed leader th
 have handed to another unit, nor have a stale lease read.
 
 Generation nodes apply the same rule to plans (``RequestPlan.term``): a plan of an older term
-than one a node has executed is refused (HTTP 503), so a stale plan never runs.
+than one a node has executed is refused (HTTP 503), so a stale plan never runs; a plan's term
+counts only with its leader's seal (:mod:`tessera.generation.terms`).
 
 What this cannot cover: a node that has not yet seen the new term (the new leader has not
 talked to it). The control plane keeps its time fence for exactly those nodes.
