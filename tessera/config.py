@@ -365,14 +365,24 @@ class TransportConfig:
     mooncake_protocol: str = "tcp"
     # mooncake RDMA devices to use, comma-separated ("" = auto-discover)
     mooncake_device: str = ""
+    # a memory node's tcp data port: open connections, and per remote address; past either a
+    # new connection is closed as it is accepted (before TLS), unanswered
+    max_connections: int = 512
+    max_connections_per_peer: int = 64
+    # a data connection that has not completed the handshake (TLS and AUTH) within this is closed
+    handshake_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and bool(self.name), "transport.name", self.name,
                "expected a registered transport such as shm, tcp or mooncake")
         _check(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "transport.timeout_s",
                self.timeout_s, "expected a number of seconds > 0")
-        for key in ("max_inflight_bytes", "max_outstanding", "writeback_staging_bytes", "writeback_outstanding"):
+        for key in ("max_inflight_bytes", "max_outstanding", "writeback_staging_bytes", "writeback_outstanding",
+                    "max_connections", "max_connections_per_peer"):
             _positive(f"transport.{key}", getattr(self, key))
+        _check(isinstance(self.handshake_timeout_s, (int, float)) and not isinstance(self.handshake_timeout_s, bool)
+               and self.handshake_timeout_s > 0, "transport.handshake_timeout_s", self.handshake_timeout_s,
+               "expected a number of seconds > 0")
         _choice("transport.mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
         _check(isinstance(self.mooncake_device, str), "transport.mooncake_device", self.mooncake_device,
                'expected a comma-separated list of RDMA device names, or "" to auto-discover')
@@ -420,8 +430,16 @@ class ListenerConfig:
     # a kept-alive connection waiting this long for its next complete request head is closed;
     # above aiohttp clients' 15 s keep-alive, so no client reuses a connection as it closes
     idle_timeout_s: float = 30.0
-    # open connections per listener; past it a new connection is closed at once
+    # open connections per listener. From 90% of it on, a new connection closes the least
+    # recently active idle one (no request in flight); past it, with none idle, a new one is
+    # closed at once
     max_connections: int = 512
+    # open connections per remote address (loopback too). At it, the address's new connection
+    # closes that address's least recently active idle one, or is closed at once when none is
+    # idle. Above a generation node's max_inflight (the retrieval role streams that many chats
+    # to it from one address) and tessera bench's --max-concurrency (a load generator on one
+    # address). Raise it (up to max_connections) behind a proxy
+    max_connections_per_peer: int = 256
     # header fields per request (aiohttp caps each at 8190 B): bounds a head's memory
     max_headers: int = 64
     # on internal listeners, a signed body must arrive within this after its head
@@ -433,6 +451,7 @@ class ListenerConfig:
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                    f"listener.{key}", value, "expected a number of seconds > 0")
         _positive("listener.max_connections", self.max_connections)
+        _positive("listener.max_connections_per_peer", self.max_connections_per_peer)
         _positive("listener.max_headers", self.max_headers)
 
 

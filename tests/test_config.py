@@ -47,6 +47,12 @@ def test_dump_and_load_round_trip() -> None:
         ({"generation": [{"name": "g"}, {"name": "g", "port": 1}]}, "must be unique"),
         ({"generation": [{"name": "a"}, {"name": "b"}]}, "port already used"),
         ({"generation": [{"name": "g", "port": 70000}]}, "generation.g.port = 70000"),
+        ({"listener": {"max_connections_per_peer": 0}, "generation": [{"name": "g"}]},
+         "listener.max_connections_per_peer = 0"),
+        ({"transport": {"max_connections": -1}, "generation": [{"name": "g"}]}, "transport.max_connections = -1"),
+        ({"transport": {"max_connections_per_peer": 1.5}, "generation": [{"name": "g"}]},
+         "transport.max_connections_per_peer = 1.5"),
+        ({"transport": {"handshake_timeout_s": 0}, "generation": [{"name": "g"}]}, "transport.handshake_timeout_s = 0"),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_allowed(raw: dict, needle: str) -> None:

@@ -1,8 +1,10 @@
-"""The tcp data plane from the attacker's side: sniffing, replaying and skipping the handshake.
+"""The tcp data plane from the attacker's side: sniffing, replaying, skipping the handshake, exhaustion.
 
 Real sockets and a real :class:`BlockServer` under a cluster secret. A recording proxy sits
 between a generation node and the memory node, as a sniffer on the network would, and the
-tests then try to spend what it saw on connections of their own.
+tests then try to spend what it saw on connections of their own. The exhaustion tests open
+silent connections from other loopback addresses (127.0.0.2 ...: other peers on Linux) while
+a generation node's transport, from 127.0.0.1, moves blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tessera.transport.tcp_server import BlockServer
 SECRET = b"fedcba9876543210fedcba9876543210"
 SLOT, CAPACITY = 4096, 16
 VICTIM, OTHER = "gen-a", "gen-b"
+HANG_GUARD_S = 30.0  # only so that a failing test fails instead of hanging; never a time being measured
 
 
 @dataclass
@@ -114,10 +117,11 @@ def contexts(files: tuple[Path, Path]) -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 
 @contextlib.asynccontextmanager
-async def memory_node(server_ssl: ssl.SSLContext | None = None) -> AsyncIterator[Node]:
+async def memory_node(server_ssl: ssl.SSLContext | None = None,
+                      limits: TransportConfig | None = None) -> AsyncIterator[Node]:
     boot = uuid.uuid4().hex
     arena = Arena.create(segment_name("attack", boot), SLOT, CAPACITY, boot)
-    server = BlockServer(arena, boot, SECRET, "kv0", server_ssl)
+    server = BlockServer(arena, boot, SECRET, "kv0", server_ssl, limits=limits)
     await server.start("127.0.0.1", 0)
     try:
         yield Node(server, arena, NodeEndpoint(1, "kv0", boot, CAPACITY, SLOT, arena.name, "127.0.0.1", server.port),
@@ -339,3 +343,87 @@ async def test_a_memory_node_of_a_tls_cluster_serves_its_data_port_over_tls(
     finally:
         await node.stop()
         node.close_arena()
+
+
+async def silent(ep: NodeEndpoint, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection from ``source`` that will never send a byte."""
+    return await asyncio.open_connection(ep.data_host, ep.data_port, local_addr=(source, 0))
+
+
+async def hello_then_closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the node said hello on this connection; either way, wait until the node closes it."""
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            seen = await reader.read()
+    except ConnectionResetError:
+        seen = b""
+    return len(seen) == HELLO.size
+
+
+async def written_and_read(node: Node, t: TcpTransport, slot: int) -> bool:
+    """gen-a writes a block to ``slot`` and reads it back over ``t``: whether it came back intact."""
+    payload = secret_block()
+    await t.write(node.ep, [SlotIO(slot, memoryview(bytearray(payload)), node.cap("write", [slot], VICTIM))])
+    out = bytearray(SLOT)
+    await t.read(node.ep, [SlotIO(slot, memoryview(out), node.cap("read", [slot], VICTIM))])
+    return bytes(out) == payload
+
+
+async def test_silent_connections_past_the_caps_are_closed_at_accept_while_blocks_keep_moving() -> None:
+    """Regression: the data port took every connection it was offered (silent ones used the memory node's
+    every descriptor and its HTTP port went dark). Now past its address's cap or the port's, a connection
+    is closed as it is accepted, before the hello, and a generation node's transfers go on."""
+    limits = TransportConfig(name="tcp", max_connections=8, max_connections_per_peer=3, handshake_timeout_s=60.0)
+    async with memory_node(limits=limits) as node, transport(VICTIM) as t:
+        flood = [await silent(node.ep, "127.0.0.2") for _ in range(5)]
+        for reader, _ in flood[:3]:  # admitted: the node says hello and waits for the handshake
+            await reader.readexactly(HELLO.size)
+        for reader, _ in flood[3:]:  # past the address's cap: closed unanswered
+            assert not await hello_then_closed(reader)
+        assert await written_and_read(node, t, 1)  # another address (127.0.0.1): served
+        flood += [await silent(node.ep, f"127.0.0.{i}") for i in (3, 3, 3, 4, 4)]
+        for reader, _ in flood[5:9]:  # up to the port's cap of 8, with gen-a's connection
+            await reader.readexactly(HELLO.size)
+        assert not await hello_then_closed(flood[9][0])  # past the port's cap: closed unanswered
+        stats = node.server.stats()
+        assert (stats["connections"], stats["refused_peer_connections"], stats["refused_connections"]) == (8, 2, 1)
+        assert await written_and_read(node, t, 2)  # gen-a's authenticated connection carries on
+        for _, writer in flood:
+            writer.close()
+
+
+async def test_a_connection_that_does_not_authenticate_in_time_is_closed_and_blocks_keep_moving() -> None:
+    """Regression: a connection could stay unauthenticated for ever. Now one that has not completed the
+    handshake within transport.handshake_timeout_s is closed, silent or sending its AUTH frame slowly;
+    an authenticated connection has no such deadline."""
+    limits = TransportConfig(name="tcp", handshake_timeout_s=0.5)
+    async with memory_node(limits=limits) as node, transport(VICTIM) as t:
+        assert await written_and_read(node, t, 1)  # gen-a authenticated before any deadline ran out
+        quiet_reader, quiet = await silent(node.ep, "127.0.0.2")
+        slow_reader, slow = await silent(node.ep, "127.0.0.2")
+        _, boot, _, _, nonce = HELLO.unpack(await slow_reader.readexactly(HELLO.size))
+        slow.write(pack_auth(VICTIM, proof(SECRET, "kv0", boot.decode(), nonce, VICTIM))[:20])  # never the rest
+        assert await hello_then_closed(quiet_reader)
+        assert await slow_reader.read() == b""
+        assert node.server.stats()["late_handshakes"] == 2
+        assert await written_and_read(node, t, 2)  # on the same connection, long past the deadline
+        assert node.server.stats()["connections"] == 1
+        quiet.close()
+        slow.close()
+
+
+async def test_a_tls_data_port_caps_connections_before_the_tls_handshake(tls_files: tuple[Path, Path]) -> None:
+    """With TLS a connection is counted from its accept, not from the end of a TLS handshake that a silent
+    client never starts: past the cap it is closed at once, and within the cap the deadline closes it."""
+    server_ctx, client_ctx = contexts(tls_files)
+    limits = TransportConfig(name="tcp", max_connections_per_peer=2, handshake_timeout_s=1.0)
+    async with memory_node(server_ctx, limits) as node, transport(VICTIM, client_ctx) as t:
+        flood = [await silent(node.ep, "127.0.0.2") for _ in range(3)]
+        assert not await hello_then_closed(flood[2][0])  # closed at accept, before any ClientHello
+        assert node.server.stats()["refused_peer_connections"] == 1
+        assert await written_and_read(node, t, 1)  # gen-a's TLS connection is served meanwhile
+        for reader, _ in flood[:2]:
+            assert not await hello_then_closed(reader)  # no TLS, no hello: closed at the deadline
+        assert node.server.stats()["connections"] == 1
+        for _, writer in flood:
+            writer.close()

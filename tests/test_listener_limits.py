@@ -2,7 +2,9 @@
 
 The attacker can reach a listener's port and holds no cluster secret. Each test is one
 attack that once worked and must fail now: bodies buffered before the 401, connections held
-open without a request, and no bound on how many.
+open without a request, no bound on how many, and idle kept-alive connections filling the
+listener. Two peers are two source addresses: every 127.x.y.z is loopback on Linux, so a
+test binds its client sockets to 127.0.0.2, 127.0.0.3 ... to be another peer.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,11 +24,15 @@ from helpers.processes import MemoryNodeProcess
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig, ListenerConfig
 from tessera.config_file import load_config
+from tessera.connections import ConnectionTable, peer_of
 from tessera.errors import ConfigError
 from tessera.http import MAX_BODY
 
 HANG_GUARD_S = 30.0  # only so that a failing test fails instead of hanging; never a time being measured
 CAP = 8  # listener.max_connections of the node under test
+PER_PEER = 3  # listener.max_connections_per_peer of the `peered` node
+ATTACKER, VICTIM = "127.0.0.2", "127.0.0.3"
+BODY = b"0123456789"  # of the signed requests held in flight
 
 
 @dataclasses.dataclass
@@ -57,9 +62,17 @@ def capped(tmp_path_factory: pytest.TempPathFactory, pool_config: PoolConfig) ->
                        ListenerConfig(max_connections=CAP, header_timeout_s=120.0, idle_timeout_s=120.0))
 
 
-def connect(node: Node) -> socket.socket:
-    sock = socket.create_connection((node.host, node.port), timeout=HANG_GUARD_S)
-    return sock
+@pytest.fixture(scope="module")
+def peered(tmp_path_factory: pytest.TempPathFactory, pool_config: PoolConfig) -> Iterator[Node]:
+    """Memory node kv0: at most CAP connections, PER_PEER per address (deadlines far away)."""
+    yield from started(tmp_path_factory.mktemp("peered"), pool_config,
+                       ListenerConfig(max_connections=CAP, max_connections_per_peer=PER_PEER,
+                                      header_timeout_s=120.0, idle_timeout_s=120.0))
+
+
+def connect(node: Node, source: str = "127.0.0.1") -> socket.socket:
+    """A connection from ``source`` (another 127.x.y.z is another peer)."""
+    return socket.create_connection((node.host, node.port), timeout=HANG_GUARD_S, source_address=(source, 0))
 
 
 def read_until_closed(sock: socket.socket) -> bytes:
@@ -94,9 +107,34 @@ def read_response(sock: socket.socket) -> tuple[int, bytes]:
     return status_of(out), body
 
 
-def get_health(sock: socket.socket, host: str) -> int:
-    sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+def get_metrics(sock: socket.socket, host: str) -> int:
+    """GET /metrics (open on a loopback node without keys), which leaves the connection kept alive."""
+    sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
     return read_response(sock)[0]
+
+
+def kept_alive(count: int, node: Node, source: str, stack: ExitStack) -> list[socket.socket]:
+    """``count`` connections from ``source``, one after the other, each after one answered request, left idle."""
+    socks = []
+    for _ in range(count):
+        sock = stack.enter_context(connect(node, source))
+        assert get_metrics(sock, node.host) == 200
+        socks.append(sock)
+    return socks
+
+
+def in_flight(node: Node, stack: ExitStack) -> socket.socket:
+    """A connection whose signed request is in flight: its head is in, the node waits for its body.
+
+    ``Expect: 100-continue``: the node's "100 Continue" says its handler has the request.
+    Send :data:`BODY` to have it answered.
+    """
+    sock = stack.enter_context(connect(node))
+    signed = ClusterAuth.from_config(node.config).headers("GET", f"http://{node.host}:{node.port}/info", BODY)
+    sock.sendall(f"GET /info HTTP/1.1\r\nHost: {node.host}\r\nContent-Length: {len(BODY)}\r\n"
+                 f"Expect: 100-continue\r\nX-Tessera-Auth: {signed['X-Tessera-Auth']}\r\n\r\n".encode())
+    assert status_of(read_response_head(sock)) == 100
+    return sock
 
 
 def status_of(response: bytes) -> int:
@@ -148,37 +186,94 @@ def test_a_connection_that_never_completes_a_request_head_is_closed(node: Node) 
 def test_an_idle_kept_alive_connection_is_closed(node: Node) -> None:
     """After a complete request, a connection that sends nothing more is closed (listener.idle_timeout_s)."""
     with connect(node) as sock:
-        assert get_health(sock, node.host) == 200
+        assert get_metrics(sock, node.host) == 200
         assert read_until_closed(sock) == b""  # closed by the node, with no further answer
 
 
-def test_past_max_connections_new_connections_are_closed_and_open_ones_keep_working(capped: Node) -> None:
-    """Regression: a listener held every connection it was offered; now the (CAP+1)-th is closed at once."""
+def test_a_health_check_is_answered_with_connection_close(node: Node) -> None:
+    """A health check does not keep its connection: it would hold a slot idle until the next probe."""
+    for path in ("/health", "/health/live", "/health/ready"):
+        with connect(node) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {node.host}\r\n\r\n".encode())
+            answer = read_until_closed(sock)  # closed by the node right after the answer
+            assert b"Connection: close" in answer.partition(b"\r\n\r\n")[0], (path, answer[:300])
+
+
+def test_one_address_polling_health_on_kept_alive_connections_cannot_crowd_out_another(peered: Node) -> None:
+    """Regression: one attacker's kept-alive connections, each sending GET /health now and then, held every
+    slot of a generation node's listener, and no chat was served. Now none of them keeps its slot."""
     with ExitStack() as stack:
-        held = [stack.enter_context(connect(capped)) for _ in range(CAP)]
-        assert get_health(held[0], capped.host) == 200  # the node has accepted the first ...
-        assert get_health(held[-1], capped.host) == 200  # ... and the last of them
-        extra = stack.enter_context(connect(capped))
+        for _ in range(2 * CAP):
+            sock = stack.enter_context(connect(peered, ATTACKER))
+            with contextlib.suppress(OSError):  # the attacker does not care how each attempt ends
+                sock.sendall(f"GET /health HTTP/1.1\r\nHost: {peered.host}\r\n\r\n".encode())
+                read_response_head(sock)
+        with connect(peered, VICTIM) as victim:
+            assert get_metrics(victim, peered.host) == 200
+
+
+def test_one_address_holds_at_most_its_cap_and_makes_room_from_its_own_idle_connections(peered: Node) -> None:
+    """An address's new connection past max_connections_per_peer closes that address's least recently active
+    idle one: it is served, the address never holds more than its cap, and other addresses keep theirs."""
+    with ExitStack() as stack:
+        victim = kept_alive(1, peered, VICTIM, stack)[0]
+        attacker = kept_alive(2 * CAP, peered, ATTACKER, stack)  # every one of them was served
+        for sock in attacker[:-PER_PEER]:
+            assert read_until_closed(sock) == b""  # closed by the node to make room, unanswered
+        for sock in [*attacker[-PER_PEER:], victim]:
+            assert get_metrics(sock, peered.host) == 200
+
+
+def test_a_listener_full_of_idle_kept_alive_connections_still_takes_a_new_client(capped: Node) -> None:
+    """Regression: idle kept-alive connections held every slot and a new client was closed unanswered.
+    Now near the cap a new connection closes the least recently active idle one, and is served."""
+    with ExitStack() as stack:
+        held = kept_alive(CAP, capped, "127.0.0.1", stack)
+        newcomer = stack.enter_context(connect(capped, VICTIM))
+        assert get_metrics(newcomer, capped.host) == 200
+        assert read_until_closed(held[0]) == b""  # the least recently active one made room
+        for sock in held[1:]:
+            assert get_metrics(sock, capped.host) == 200
+
+
+def test_past_max_connections_with_every_request_in_flight_new_connections_are_closed(capped: Node) -> None:
+    """Regression: a listener held every connection it was offered. Once each of its CAP connections has a
+    request in flight, a new one is closed at once, unanswered, and no request in flight is cut for it."""
+    with ExitStack() as stack:
+        busy = [in_flight(capped, stack) for _ in range(CAP)]
+        extra = stack.enter_context(connect(capped, VICTIM))
         assert read_until_closed(extra) == b""  # closed at once, unanswered
-        for sock in held:
-            assert get_health(sock, capped.host) == 200  # every open one keeps working
-    answer = b""
-    for _ in range(50):  # the held ones are gone: the listener takes new connections again
-        with connect(capped) as again, contextlib.suppress(ConnectionError):
-            again.sendall(f"GET /health HTTP/1.1\r\nHost: {capped.host}\r\n\r\n".encode())
-            answer = read_response_head(again)
-        if answer:  # (nothing: the node had not yet seen all the held ones close)
-            break
-        time.sleep(0.1)
-    assert status_of(answer) == 200
+        for sock in busy:
+            sock.sendall(BODY)
+            assert read_response(sock)[0] == 200  # every request in flight is served
+        with connect(capped, VICTIM) as again:  # answered, they are idle now: room for a new one
+            assert get_metrics(again, capped.host) == 200
+
+
+def test_the_connection_to_close_is_the_least_recently_active_idle_one_and_never_a_busy_one() -> None:
+    """The table offers idle connections in order of last activity, overall or of one peer, never a busy one."""
+    table: ConnectionTable[str] = ConnectionTable()
+    for conn, peer in (("a1", "10.0.0.1"), ("b1", "10.0.0.2"), ("a2", "10.0.0.1")):
+        table.add(conn, peer)
+        table.idle(conn)
+    assert (table.least_active_idle(), table.least_active_idle("10.0.0.1")) == ("a1", "a1")
+    table.touch("a1")  # bytes arrived on a1: the least recently active ones are now b1, then a2
+    assert (table.least_active_idle(), table.least_active_idle("10.0.0.1")) == ("b1", "a2")
+    table.busy("b1")
+    table.busy("a2")
+    assert (table.least_active_idle(), table.least_active_idle("10.0.0.2")) == ("a1", None)
+    assert table.remove("a1") == "10.0.0.1" and table.remove("a1") is None
+    assert (len(table), table.count("10.0.0.1"), table.least_active_idle()) == (2, 1, None)
+    assert peer_of(("::ffff:127.0.0.2", 80, 0, 0)) == peer_of(("127.0.0.2", 80)) == "127.0.0.2"
 
 
 def test_listener_limits_are_read_from_the_config_file(tmp_path: Path) -> None:
     """[listener] in tessera.toml sets the limits; a bad value is refused naming the key."""
     path = tmp_path / "t.toml"
-    path.write_text('base = "default"\n[listener]\nmax_connections = 3\nheader_timeout_s = 2\n')
+    path.write_text('base = "default"\n[listener]\nmax_connections = 3\nheader_timeout_s = 2\n'
+                    'max_connections_per_peer = 2\n')
     limits = load_config(path).listener
-    assert (limits.max_connections, limits.header_timeout_s) == (3, 2)
+    assert (limits.max_connections, limits.header_timeout_s, limits.max_connections_per_peer) == (3, 2, 2)
     path.write_text('base = "default"\n[listener]\nmax_connections = 0\n')
     with pytest.raises(ConfigError, match=r"listener\.max_connections = 0"):
         load_config(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,19 +20,26 @@ from tessera.transport.tcp_server import BlockServer
 
 SLOT = 4096
 CAPACITY = 32
+HANG_GUARD_S = 30.0  # only so that a failing test fails instead of hanging; never a time being measured
+
+
+@contextlib.asynccontextmanager
+async def block_server(limits: TransportConfig | None = None) -> AsyncIterator[tuple[BlockServer, NodeEndpoint]]:
+    boot = uuid.uuid4().hex
+    arena = Arena.create(segment_name("tcptest", boot), SLOT, CAPACITY, boot)
+    server = BlockServer(arena, boot, limits=limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server, NodeEndpoint(1, "tcptest", boot, CAPACITY, SLOT, arena.name, "127.0.0.1", server.port)
+    finally:
+        await server.close()
+        arena.close()
 
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Arena, NodeEndpoint]]:
-    boot = uuid.uuid4().hex
-    arena = Arena.create(segment_name("tcptest", boot), SLOT, CAPACITY, boot)
-    server = BlockServer(arena, boot)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield arena, NodeEndpoint(1, "tcptest", boot, CAPACITY, SLOT, arena.name, "127.0.0.1", server.port)
-    finally:
-        await server.close()
-        arena.close()
+    async with block_server() as (server, ep):
+        yield server.arena, ep
 
 
 async def connect(ep: NodeEndpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -122,3 +130,36 @@ async def test_an_abandoned_read_never_writes_into_its_buffers_and_the_connectio
     assert bytes(out) == bytes([7]) * SLOT
     assert [bytes(b) for b in bufs] == snapshot
     await t.close()
+
+
+async def test_past_its_cap_a_peer_is_closed_before_the_hello_until_one_of_its_connections_ends() -> None:
+    """A closed connection gives its room back: the peer's next connection is served again."""
+    async with block_server(TransportConfig(max_connections_per_peer=1)) as (server, ep):
+        reader, writer = await connect(ep)
+        turned_away, other = await asyncio.open_connection(ep.data_host, ep.data_port)
+        assert await turned_away.read() == b""  # not even the hello
+        other.close()
+        writer.close()
+        async with asyncio.timeout(HANG_GUARD_S):
+            while server.stats()["connections"]:
+                await asyncio.sleep(0.01)
+        reader, writer = await connect(ep)  # hello and handshake again
+        writer.write(pack_request(Op.READ, 7, [(0, 1)]))
+        assert (await answer(reader))[:2] == (Status.OK, 7)
+        writer.close()
+        assert server.stats()["refused_peer_connections"] == 1
+
+
+async def test_closing_the_server_closes_connections_that_never_authenticated() -> None:
+    """close() leaves nothing behind, whether a connection is authenticated or still silent."""
+    async with block_server() as (server, ep):
+        _, authenticated = await connect(ep)
+        silent, silent_writer = await asyncio.open_connection(ep.data_host, ep.data_port)
+        await silent.readexactly(HELLO.size)
+        assert server.stats()["connections"] == 2
+        await server.close()
+        async with asyncio.timeout(HANG_GUARD_S):
+            assert await silent.read() == b""
+        assert server.stats()["connections"] == 0
+        authenticated.close()
+        silent_writer.close()

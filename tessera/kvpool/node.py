@@ -73,7 +73,8 @@ class MemoryNode:
                                   node.capacity_blocks, self.boot_id)
         self.auth = ClusterAuth.from_config(config)
         # the data port speaks TLS with the HTTP listeners' certificate when the cluster has one
-        self.server = BlockServer(self.arena, self.boot_id, self.auth.secret, node.name, self.auth.server_ssl())
+        self.server = BlockServer(self.arena, self.boot_id, self.auth.secret, node.name, self.auth.server_ssl(),
+                                  limits=config.transport)
         self.export: ArenaExport | None = None
         self.control = ControlClient(config.control_url, timeout_s=config.transport.timeout_s, auth=self.auth)
         self.tasks = BackgroundTasks(f"kvpool {node.name}")
@@ -227,6 +228,15 @@ class MemoryNode:
                     stats["bytes_read"]),
             counter("tessera_kvpool_data_written_bytes_total", "Bytes written into the arena over tcp (writebacks)",
                     stats["bytes_written"]),
+            counter("tessera_kvpool_data_refused_connections_total",
+                    "Data connections closed at accept: the port held transport.max_connections",
+                    stats["refused_connections"]),
+            counter("tessera_kvpool_data_refused_peer_connections_total",
+                    "Data connections closed at accept: their address held transport.max_connections_per_peer",
+                    stats["refused_peer_connections"]),
+            counter("tessera_kvpool_data_late_handshakes_total",
+                    "Data connections closed without a handshake within transport.handshake_timeout_s",
+                    stats["late_handshakes"]),
             counter("tessera_kvpool_hellos_acked_total", "Heartbeats the control plane acknowledged",
                     self.hellos_acked),
             counter("tessera_kvpool_adopted_units_total", "Units a restarted control plane took back from the arena",

@@ -14,11 +14,23 @@ capability (the grant's or lease's token, see :mod:`.frames`) was issued to that
 covers every slot they name; anything else is refused before a byte moves. A write grant
 is single-use: each of its slots is written once under it (:mod:`.writes`). With an
 ``ssl`` context (the cluster's TLS certificate) the port speaks only TLS.
+
+Connections are bounded before they cost anything (``[transport]`` ``max_connections``,
+``max_connections_per_peer``, ``handshake_timeout_s``): the server accepts them itself, so a
+connection past the port's cap or its peer's (remote address, :mod:`tessera.connections`)
+is closed as it is accepted, before a TLS handshake, a hello or any read. An admitted one
+must complete the handshake, TLS included, within ``handshake_timeout_s`` of its accept or it
+is closed. A flood of silent connections thus holds at most ``max_connections`` descriptors,
+each for at most the deadline, and the node's other ports keep theirs. Refusing rather than
+closing an older connection is safe here: the cluster's clients hold a few authenticated
+connections each for as long as they run, and nothing the deadline has not closed yet is
+older than it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
@@ -28,6 +40,9 @@ import time
 from typing import Any, cast
 
 from tessera.auth import capability
+from tessera.config import TransportConfig
+from tessera.connections import ConnectionTable, peer_of
+from tessera.ports import bind_listener
 from tessera.transport.arena import Arena
 from tessera.transport.frames import (
     BLOCK,
@@ -48,11 +63,15 @@ from tessera.transport.terms import TermFence, term_of
 from tessera.transport.writes import WriteLedger
 
 log = logging.getLogger(__name__)
+ACCEPT_BACKOFF_S = 0.1  # when accept fails (out of descriptors): try again after this, not in a busy loop
 
 
 class _Connection(asyncio.BufferedProtocol):
     def __init__(self, server: BlockServer) -> None:
         self.server = server
+        # from the accept on, TLS handshake included; cancelled once the AUTH frame verifies
+        self._deadline: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            server.limits.handshake_timeout_s, self._handshake_late)
         self.arena = server.arena
         self.transport: asyncio.Transport | None = None
         self._header = bytearray(REQUEST.size)
@@ -81,13 +100,25 @@ class _Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
         self.transport.write(HELLO.pack(HELLO_MAGIC, self.server.boot_id.encode()[:32].ljust(32, b"0"),
                                         self.arena.slot_bytes, self.arena.capacity, self._nonce))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
+        self.stop_deadline()
+        self.server.lost(self)
         self.writing_term = None  # no byte of its payload lands any more
+
+    def stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _handshake_late(self) -> None:
+        self._deadline = None
+        self.server.late_handshakes += 1
+        if self.transport is not None:  # (still in TLS: the loop's ssl_handshake_timeout, the same, closes it)
+            self._closing = True
+            self.transport.abort()
 
     def pause_writing(self) -> None:
         assert self.transport is not None
@@ -180,6 +211,7 @@ class _Connection(asyncio.BufferedProtocol):
                 return self._refuse(f"data handshake failed for {name!r}: the client does not hold the cluster "
                                     "secret, or answered another connection's challenge")
         self.peer = name
+        self.stop_deadline()
         assert self.transport is not None  # acknowledged as request 0 (not counted as a request)
         self.transport.write(RESPONSE.pack(Status.OK, 0, 0, 0, 0))
         self._expect(memoryview(self._header), "header")
@@ -262,38 +294,119 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class BlockServer:
-    """``start(host, port)`` / ``close()``; ``port`` is the bound port (0 picks a free one)."""
+    """``start(host, port)`` / ``close()``; ``port`` is the bound port (0 picks a free one).
+
+    ``limits``: the ``[transport]`` section, read for the connection caps and the handshake deadline.
+    """
 
     def __init__(self, arena: Arena, boot_id: str, secret: bytes | None = None, node: str = "",
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, limits: TransportConfig | None = None) -> None:
         self.arena = arena
         self.ssl = ssl_context  # TLS on the data port (the cluster's certificate), or None: plaintext
         self.boot_id = boot_id
         self.secret = secret  # None: no capabilities required (a cluster without a secret)
         self.node = node  # the name capabilities are bound to
+        self.limits = limits or TransportConfig()
         self.writes = WriteLedger()  # makes write grants single-use (with a secret)
         self.terms = TermFence()  # refuses capabilities of a deposed leader's term (with a secret)
-        self.connections: set[_Connection] = set()
+        self.connections: ConnectionTable[_Connection] = ConnectionTable()
         self.requests = 0
         self.bytes_read = 0
         self.bytes_written = 0
-        self._server: asyncio.base_events.Server | None = None
+        self.refused = 0  # connections closed at accept: the port held max_connections
+        self.refused_peer = 0  # ... their peer held max_connections_per_peer
+        self.late_handshakes = 0  # connections closed: no handshake within handshake_timeout_s
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
+        self._attaching: set[asyncio.Task[None]] = set()
+        self._warned: set[str] = set()  # what was logged in the current episode ("full", "accept", peers)
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                ssl=self.ssl)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self._listener = bind_listener(host, port, f"memory node {self.node} data")
+        self.port = int(self._listener.getsockname()[1])
+        self._acceptor = asyncio.create_task(self._accept(self._listener), name=f"data port {self.port}")
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for conn in list(self.connections):
-                if conn.transport is not None:
-                    conn.transport.abort()
-            await self._server.wait_closed()
-            self._server = None
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+            await asyncio.gather(self._acceptor, return_exceptions=True)
+            self._acceptor = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for task in list(self._attaching):
+            task.cancel()
+        await asyncio.gather(*self._attaching, return_exceptions=True)
+        for conn in self.connections:
+            conn.stop_deadline()
+            if conn.transport is not None:
+                conn.transport.abort()
+
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept, admit or close at once, hand admitted connections to the loop (TLS in a task of its own)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and the like: other descriptors are in use; keep the port alive
+                if "accept" not in self._warned:
+                    log.warning("tcp block server on port %d: accept failed, retrying: %s", self.port, exc)
+                    self._warned.add("accept")
+                await asyncio.sleep(ACCEPT_BACKOFF_S)
+                continue
+            self._warned.discard("accept")
+            peer = peer_of(address)
+            if not self._admits(peer):
+                sock.close()  # before a byte is read or written, TLS included
+                continue
+            conn = _Connection(self)
+            self.connections.add(conn, peer)
+            task = asyncio.create_task(self._attach(conn, sock, peer))
+            self._attaching.add(task)
+            task.add_done_callback(self._attaching.discard)
+
+    def _admits(self, peer: str) -> bool:
+        limits = self.limits
+        if len(self.connections) >= limits.max_connections:
+            self.refused += 1
+            self._warn_once("full", "%d connections open (transport.max_connections): closing new ones at accept",
+                            len(self.connections))
+            return False
+        self._warned.discard("full")
+        if self.connections.count(peer) >= limits.max_connections_per_peer:
+            self.refused_peer += 1
+            self._warn_once(peer, "%s holds %d connections (transport.max_connections_per_peer): closing its new ones "
+                            "at accept", peer, self.connections.count(peer))
+            return False
+        self._warned.discard(peer)
+        return True
+
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._warned:  # once per episode, not once per connection
+            self._warned.add(what)
+            log.warning("tcp block server on port %d: " + message, self.port, *args)
+
+    async def _attach(self, conn: _Connection, sock: socket.socket, peer: str) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(
+                lambda: conn, sock, ssl=self.ssl,
+                ssl_handshake_timeout=self.limits.handshake_timeout_s if self.ssl is not None else None)
+        except BaseException as exc:  # a failed or late TLS handshake; cancelled at close
+            conn.stop_deadline()
+            self.lost(conn)
+            with contextlib.suppress(OSError):
+                sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            log.debug("tcp block server: TLS handshake with %s failed: %s", peer, exc)
+
+    def lost(self, conn: _Connection) -> None:
+        """``conn`` is closed (or never got past TLS): its room is free."""
+        peer = self.connections.remove(conn)
+        if peer is not None and self.connections.count(peer) < self.limits.max_connections_per_peer:
+            self._warned.discard(peer)
 
     def settled_term(self) -> int:
         """The newest term seen here once no write of an older term is still arriving (else 0).
@@ -309,4 +422,6 @@ class BlockServer:
 
     def stats(self) -> dict[str, Any]:
         return {"connections": len(self.connections), "requests": self.requests,
-                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "refused_connections": self.refused, "refused_peer_connections": self.refused_peer,
+                "late_handshakes": self.late_handshakes}
