@@ -67,7 +67,7 @@ def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int, transport
                                       postgres_dsn=pg.dsn),
         kvpools=(dataclasses.replace(base.kvpools[0], port=free_port(), data_port=free_port()),),
         generation=(dataclasses.replace(base.generation[0], port=free_port()),),
-        ha=HAConfig(etcd=etcd.endpoint, election="/bench/leader", lease_ttl_s=ttl, renew_margin_s=0.5, replicas=2,
+        ha=HAConfig(**etcd.access(), election="/bench/leader", lease_ttl_s=ttl, renew_margin_s=0.5, replicas=2,
                     replica_port_stride=STRIDE))
 
 

@@ -18,11 +18,15 @@ This module knows nothing about files, processes, sockets or tensors.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tessera.errors import ConfigError
+
+# a password in a libpq DSN: the key/value form's or a URI query's password=, or a URI's user:password@
+_DSN_PASSWORD = re.compile(r"(?:^|\s|[?&])password\s*=|^postgres(?:ql)?://[^/@?]*:[^/@?]*@", re.IGNORECASE)
 
 
 class Role(StrEnum):
@@ -277,6 +281,10 @@ class RetrievalConfig:
         _choice("retrieval.store", self.store, STORES)
         _check(self.store != "postgres" or bool(self.postgres_dsn), "retrieval.postgres_dsn", self.postgres_dsn,
                'retrieval.store = "postgres" needs a DSN such as "host=127.0.0.1 port=5432 dbname=tessera"')
+        # the config is copied to every role's run folder and printed: a password in it leaks
+        _check(_DSN_PASSWORD.search(self.postgres_dsn) is None, "retrieval.postgres_dsn", "<hidden>",
+               "it holds a password: remove it, and put the password in a file of mode 0600 named by "
+               "retrieval.postgres_password_file (or in $TESSERA_PG_PASSWORD, or a libpq passfile=)")
         _choice("retrieval.access_log", self.access_log, ACCESS_LOG_LEVELS)
         _check(isinstance(self.data_dir, str), "retrieval.data_dir", self.data_dir, "expected a path or \"\"")
         _check(isinstance(self.index_save_s, (int, float)) and self.index_save_s > 0, "retrieval.index_save_s",
@@ -503,8 +511,27 @@ class HAConfig:
     replica_port_stride: int = 10
     # Retry-After (seconds) of the 503 a replica answers while no leader is known
     retry_after_s: int = 1
+    # TLS to etcd: the CA that signed etcd's server certificate ("" = plaintext), and this
+    # client's certificate and key for an etcd run with --client-cert-auth (both or neither)
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    # etcd user of an etcd with auth enabled ("" = none); its password is read from
+    # etcd_password_file (mode 0600) or, when that is "", from $TESSERA_ETCD_PASSWORD
+    etcd_user: str = ""
+    etcd_password_file: str = ""
 
     def __post_init__(self) -> None:
+        for key in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user", "etcd_password_file"):
+            _check(isinstance(getattr(self, key), str), f"ha.{key}", getattr(self, key),
+                   'expected a string ("" for none)')
+        _check(bool(self.etcd_cert_file) == bool(self.etcd_key_file), "ha.etcd_key_file", self.etcd_key_file,
+               "set both ha.etcd_cert_file and ha.etcd_key_file (this client's certificate and key), or neither")
+        _check(bool(self.etcd_ca_file) or not self.etcd_cert_file, "ha.etcd_ca_file", self.etcd_ca_file,
+               "a client certificate is sent over TLS only: set ha.etcd_ca_file to the CA that signed etcd's "
+               "server certificate")
+        _check(bool(self.etcd_user) or not self.etcd_password_file, "ha.etcd_user", self.etcd_user,
+               "ha.etcd_password_file is set: name the etcd user it is the password of")
         _positive("ha.lease_ttl_s", self.lease_ttl_s)
         _check(isinstance(self.renew_margin_s, (int, float)) and 0 < self.renew_margin_s < self.lease_ttl_s,
                "ha.renew_margin_s", self.renew_margin_s, "expected seconds > 0 and < ha.lease_ttl_s")
@@ -517,6 +544,10 @@ class HAConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.etcd)
+
+    @property
+    def etcd_tls(self) -> bool:
+        return bool(self.etcd_ca_file)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from tessera.ha.election import Election, Leader, connect
+from tessera.config import HAConfig
+from tessera.ha.election import Election, Leader
+from tessera.ha.etcd_client import connect
 from tessera.ha.servers import EtcdServer
 
 TTL = 2  # etcd with a 500 ms election timeout grants leases of at least ~1 s
@@ -17,7 +19,7 @@ TTL = 2  # etcd with a 500 ms election timeout grants leases of at least ~1 s
 @pytest.fixture
 async def clients(etcd: EtcdServer) -> AsyncIterator[list[aetcd.Client]]:
     """Three independent etcd clients, one per candidate process."""
-    made = [connect(etcd.endpoint) for _ in range(3)]
+    made = [connect(HAConfig(**etcd.access())) for _ in range(3)]
     yield made
     for c in made:
         await c.close()

@@ -5,7 +5,7 @@
 candidate resigns and campaigns again later), then waits until the leadership is lost (the
 lease could not be renewed in time, or etcd said it expired), calls ``left()`` and resigns. A
 failed campaign (etcd unreachable, the lease lost while waiting) is retried after
-``ha.lease_ttl_s / 5``.
+``ha.lease_ttl_s / 5`` (after an expired etcd auth token, with a client that authenticates again).
 
 This module knows nothing about the control plane.
 """
@@ -21,6 +21,7 @@ import aetcd.exceptions
 from tessera.config import HAConfig
 from tessera.ha.discovery import election_of
 from tessera.ha.election import Leadership, LeadershipLost
+from tessera.ha.etcd_client import expired_token
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ async def hold_office(ha: HAConfig, value: bytes, take_office: Callable[[Leaders
                 leadership = await election.campaign(value)
             except (LeadershipLost, aetcd.exceptions.ClientError, OSError) as exc:
                 log.warning("campaign for %s failed (%s); again in %.1fs", ha.election, exc, retry_s)
+                if expired_token(exc):
+                    await election.client.close()
                 await asyncio.sleep(retry_s)
                 continue
             try:

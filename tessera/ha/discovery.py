@@ -20,14 +20,15 @@ from collections.abc import Callable
 import aetcd.exceptions
 
 from tessera.config import HAConfig
-from tessera.ha.election import Election, Leader, connect
+from tessera.ha.election import Election, Leader
+from tessera.ha.etcd_client import connect, expired_token
 
 log = logging.getLogger(__name__)
 
 
 def election_of(ha: HAConfig) -> Election:
     """The cluster's election (one client per call: a role holds one for its life)."""
-    return Election(connect(ha.etcd), ha.election, ttl_s=ha.lease_ttl_s, margin_s=ha.renew_margin_s)
+    return Election(connect(ha), ha.election, ttl_s=ha.lease_ttl_s, margin_s=ha.renew_margin_s)
 
 
 async def follow_leader(ha: HAConfig, on_change: Callable[[Leader | None], None]) -> None:
@@ -42,6 +43,8 @@ async def follow_leader(ha: HAConfig, on_change: Callable[[Leader | None], None]
             except (aetcd.exceptions.ClientError, OSError) as exc:
                 log.warning("watching the election %s on %s failed (%s); watching again in %.1fs",
                             ha.election, ha.etcd, exc, retry_s)
+                if expired_token(exc):
+                    await election.client.close()
             await asyncio.sleep(retry_s)
     finally:
         await election.client.close()

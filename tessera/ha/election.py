@@ -18,7 +18,8 @@ was *sent* (etcd extends the lease when it receives the request, which is later)
 moment passes without a renewal the leadership is :attr:`~Leadership.lost` for good, even if a
 late renewal would still succeed: the process must stop issuing anything under its term.
 
-This module knows nothing about the control plane; the caller decides what "stop" means.
+This module knows nothing about the control plane, nor about credentials (the caller hands it a
+client: :func:`tessera.ha.etcd_client.connect`); the caller decides what "stop" means.
 """
 
 from __future__ import annotations
@@ -49,12 +50,6 @@ class Leader:
 
     value: bytes
     term: int
-
-
-def connect(endpoint: str, timeout_s: float = 5.0) -> aetcd.Client:
-    """A client for ``host:port`` (one endpoint; a replicated etcd sits behind one address or a list later)."""
-    host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=max(1, round(timeout_s)))
 
 
 def _prefix_end(prefix: bytes) -> bytes:

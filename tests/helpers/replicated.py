@@ -56,7 +56,7 @@ def replicated_config(model: str, etcd: EtcdServer, pg: PostgresServer, *, lease
         retrieval=dataclasses.replace(cfg.retrieval, port=port_pair(), internal_port=port_pair(),
                                       store="postgres", postgres_dsn=pg.dsn, max_unit_tokens=256),
         composition=dataclasses.replace(cfg.composition, recompute_tokens=4),
-        ha=HAConfig(etcd=etcd.endpoint, election="/test/leader", lease_ttl_s=lease_ttl_s, renew_margin_s=0.5,
+        ha=HAConfig(**etcd.access(), election="/test/leader", lease_ttl_s=lease_ttl_s, renew_margin_s=0.5,
                     replicas=2, replica_port_stride=STRIDE, retry_after_s=1))
 
 

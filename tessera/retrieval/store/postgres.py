@@ -28,6 +28,7 @@ from typing import Any
 
 from tessera.config import RetrievalConfig
 from tessera.errors import ConfigError
+from tessera.private_files import check_private
 from tessera.retrieval.store.records import NewRecord
 from tessera.retrieval.store.sql import INSERT_UNIT, SqlUnitRecords, schema, unit_row
 
@@ -53,6 +54,7 @@ def dsn_with_secret(config: RetrievalConfig) -> str:
     password = os.environ.get(PASSWORD_ENV, "")
     if config.postgres_password_file:
         path = Path(config.postgres_password_file).expanduser()
+        check_private(path, "retrieval.postgres_password_file")
         try:
             password = path.read_text().strip()
         except OSError as exc:
