@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,9 +44,15 @@ def unit_state(n: int = len(UNIT)) -> UnitState:
 class Reader:
     """A KV-pool client whose fetch fails, succeeds, or never returns."""
 
-    def __init__(self, outcome: str) -> None:
+    def __init__(self, outcome: str, published: bool = False) -> None:
         self.outcome = outcome
         self.fetching = asyncio.Event()
+        self.published = published  # the shared tier holds every unit READY by now
+        self.late_asked: list[str] = []
+
+    async def late_lease(self, unit_id: str) -> ReadLease | None:
+        self.late_asked.append(unit_id)
+        return dataclasses.replace(LEASE, lease_id="late-1") if self.published else None
 
     async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True,
                     received_at: float | None = None) -> UnitState:
@@ -150,6 +157,29 @@ async def test_cancelling_a_run_frees_its_slots_and_returns_its_lease(fake_engin
         assert [s.freed for s in fake_engine.allocated] == [True]
         assert n.released == ["lease-1"]
         assert n.cache.held("other", ["u1"]) == []  # nothing left pinned or inserted
+
+
+@pytest.mark.parametrize("published", [True, False])
+async def test_a_miss_planned_long_ago_is_fetched_if_another_node_published_it_since(
+        fake_engine: Any, published: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that waited in a busy node's queue said COMPUTE; the unit is READY in the pool by
+    now: it is fetched under a lease taken now (and that lease released), not prefilled again.
+    Not READY: computed as planned. A fresh plan does not ask."""
+    reader = Reader("ok", published=published)
+    async with node(fake_engine, reader) as n:
+        _, fresh = await n.run(Preparation.COMPUTE)
+        assert reader.late_asked == [] and fresh.stats.computed_units == 1
+        assert "u1" not in n.cache  # planned without retention: nothing local to find
+        monkeypatch.setattr("tessera.generation.executor.LATE_PLAN_S", 0.0)
+        fake_engine.batches.clear()
+        _, done = await n.run(Preparation.COMPUTE, layout=LAYOUT)
+    s = done.stats
+    if published:
+        assert reader.late_asked == ["u1"] and (s.remote_units, s.computed_units) == (1, 0)
+        assert s.unit_sources == {"u1": "remote"} and n.released == ["late-1"]
+        assert [len(UNIT)] not in fake_engine.batches  # no prefill of the unit
+    else:
+        assert reader.late_asked == ["u1"] and (s.remote_units, s.computed_units) == (0, 1)
 
 
 async def test_a_miss_that_the_cache_holds_by_now_is_reused_not_prefilled(fake_engine: Any) -> None:

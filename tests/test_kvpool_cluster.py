@@ -383,3 +383,24 @@ async def test_a_lapsed_grant_of_a_unit_someone_else_published_writes_nothing(
         assert same_state(await pool.fetch(hit.lease, 8), state)
     finally:
         await pool.close()
+
+
+async def test_a_unit_published_after_a_plan_said_compute_is_leased_late(
+    shared_cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The late lease a queued request asks for: a lease once the unit is READY, none before,
+    none for a node the plane does not know."""
+    c = shared_cluster
+    grant = await granted(http, c, "unit-late-lease", 6)
+    pool = KVPoolClient(c.config, c.layout(), reader="gen0")
+    try:
+        assert await pool.late_lease("unit-late-lease") is None  # PENDING is never a hit
+        state = fresh_state(c, 6, seed=10)
+        assert await pool.store(grant, state)
+        lease = await pool.late_lease("unit-late-lease")
+        assert lease is not None and lease.epoch == grant.epoch
+        assert same_state(await pool.fetch(lease, 6), state)
+        assert await pool.control.late_lease("unit-late-lease", "gen9") is None
+        assert (await stats(http, c))["late_leases"] == 1
+    finally:
+        await pool.close()

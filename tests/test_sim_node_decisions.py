@@ -103,6 +103,9 @@ class _Reader:
                     received_at: float | None = None) -> UnitState:
         return _state(n_tokens)
 
+    async def late_lease(self, unit_id: str) -> ReadLease | None:
+        return None  # nothing was published since the plan
+
 
 def _decided(stats: RequestStats, cache: LocalUnitCache, released: Sequence[str]) -> dict[str, Any]:
     return {**{f: getattr(stats, f) for f in DECIDED}, "cached after": sorted(u for u in UNITS if u in cache),

@@ -28,6 +28,8 @@ from tessera.messages.control import (
     CancelRequest,
     CompleteRequest,
     InvalidateRequest,
+    LateLeaseRequest,
+    LateLeaseResponse,
     LivenessReport,
     LivenessRequest,
     LoadReport,
@@ -44,7 +46,7 @@ from tessera.messages.control import (
     UnitsChanged,
 )
 from tessera.messages.kvpool import InventoryResult, MemoryNodeHello, MemoryNodeHelloAck, MemoryNodeInventory
-from tessera.messages.plan import RequestPlan, WriteGrant
+from tessera.messages.plan import ReadLease, RequestPlan, WriteGrant
 from tessera.wire import WIRE_VERSION, encode, from_wire
 
 if TYPE_CHECKING:
@@ -121,6 +123,13 @@ class ControlClient:
         if status != 200:
             raise ControlPlaneError(f"POST /control/renew: HTTP {status}: {self._reason(payload)}")
         return from_wire(RenewResponse, payload)
+
+    async def late_lease(self, unit_id: str, holder: str) -> ReadLease | None:
+        """A lease on ``unit_id`` if it is READY in the shared tier now, else None."""
+        status, payload = await self._call("POST", "/control/lease", LateLeaseRequest(WIRE_VERSION, unit_id, holder))
+        if status != 200:
+            raise ControlPlaneError(f"POST /control/lease: HTTP {status}: {self._reason(payload)}")
+        return from_wire(LateLeaseResponse, payload).lease
 
     async def release(self, lease_ids: tuple[str, ...]) -> None:
         await self._ack("/control/release", ReleaseRequest(WIRE_VERSION, lease_ids))

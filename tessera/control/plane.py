@@ -41,6 +41,8 @@ from tessera.messages.common import Ack
 from tessera.messages.control import (
     CancelRequest,
     InvalidateRequest,
+    LateLeaseRequest,
+    LateLeaseResponse,
     LoadReport,
     PublishRequest,
     ReleaseRequest,
@@ -106,6 +108,7 @@ class ControlPlane:
         self.invalidated = 0  # shared entries a reader found corrupt
         self.grants_renewed = 0  # write grants extended as their writer started (renew)
         self.grants_reissued = 0  # ... reserved anew: the first one had lapsed
+        self.late_leases = 0  # units planned as misses found READY when their node got to them
         self.requests = RequestTable(control.request_ttl_s)
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
         self.admitted = AdmittedBlocks()  # block counts of local admissions, for the views' reports
@@ -229,6 +232,14 @@ class ControlPlane:
                                  "or no room for it")
         self.grants_reissued += 1
         return RenewResponse(WIRE_VERSION, grant)
+
+    def late_lease(self, msg: LateLeaseRequest) -> LateLeaseResponse:
+        """A read lease on a unit now READY that a plan (made before it was) said to compute."""
+        if msg.holder not in self.nodes or msg.unit_id in self.revoked:
+            return LateLeaseResponse(WIRE_VERSION, None)
+        lease = self.directory.lease(msg.unit_id, msg.holder)
+        self.late_leases += lease is not None
+        return LateLeaseResponse(WIRE_VERSION, lease)
 
     def release(self, msg: ReleaseRequest) -> Ack:
         unknown = [lease for lease in msg.lease_ids if not self.directory.release(lease)]
@@ -410,6 +421,7 @@ class ControlPlane:
             "invalidated_entries": self.invalidated,
             "grants_renewed": self.grants_renewed,
             "grants_reissued": self.grants_reissued,
+            "late_leases": self.late_leases,
             "refused_overload": self.queue_bound.refused,
             "fences_lifted_by_term": self.fences_lifted,
             "nodes_suspected": self.suspected,

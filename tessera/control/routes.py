@@ -13,6 +13,7 @@ POST /control/units    another replica revoked / re-ingested units (``[ha]``)
 POST /control/publish  writer finished a shared entry (409 + reason when rejected)
 POST /control/cancel   writer gives up a reservation
 POST /control/renew    writer about to write: its grant extended, or a new one if it lapsed
+POST /control/lease    a node about to compute a unit planned long ago: a lease if it is READY now
 POST /control/release  reader releases read leases
 POST /control/residency  a generation node's local cache changed
 POST /control/load     a generation node's load figures (its heartbeat)
@@ -43,6 +44,7 @@ from tessera.messages.control import (
     CancelRequest,
     CompleteRequest,
     InvalidateRequest,
+    LateLeaseRequest,
     LivenessReport,
     LivenessRequest,
     LoadReport,
@@ -137,6 +139,7 @@ def _rpc(path: str, cls: type[Any], verb: str) -> None:
 _rpc("/control/publish", PublishRequest, "publish")
 _rpc("/control/cancel", CancelRequest, "cancel")
 _rpc("/control/renew", RenewRequest, "renew")
+_rpc("/control/lease", LateLeaseRequest, "late_lease")
 _rpc("/control/release", ReleaseRequest, "release")
 _rpc("/control/invalidate", InvalidateRequest, "invalidate")
 _rpc("/control/residency", ResidencyReport, "residency")

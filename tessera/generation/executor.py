@@ -37,7 +37,7 @@ from tessera.composition.layout import Placement, leading_text_tokens, placement
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import KVSlots, UnitFeed, UnitState
 from tessera.engines.sampling import Sampler
-from tessera.errors import Overloaded, TransferError
+from tessera.errors import ControlPlaneError, Overloaded, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler, StartDeadline, UnplacedUnits
@@ -50,11 +50,18 @@ from tessera.wire import WIRE_VERSION
 log = logging.getLogger(__name__)
 ALLOCATE_WAIT_S = 30.0  # a request waits this long for KV pages before it fails as Overloaded
 ALLOCATE_POLL_S = 0.005
+# a plan this old may have planned as a miss a unit another node published since: ask again
+LATE_PLAN_S = 1.0
 
 
 class SharedReader(Protocol):
     async def fetch(self, lease: ReadLease, n_tokens: int, *, release: bool = True,
                     received_at: float | None = None) -> UnitState: ...
+
+    async def late_lease(self, unit_id: str) -> ReadLease | None:
+        """A lease on the unit if the shared tier holds it READY now (else None; raises
+        ControlPlaneError when the plane cannot be asked)."""
+        ...
 
 
 @dataclass
@@ -309,6 +316,9 @@ class Executor:
             # planned as a miss, but another request on this node computed it after this plan
             # was made (the plane learns of local inserts only afterwards): reuse it
             return Reused(state, True, False)
+        state = await self._late_fetch(run, plan, n)
+        if state is not None:
+            return Reused(state, False, plan.retention.local)
         if fused is not None and fused.claim(plan, token_ids, spans, plan.retention.local):
             # computed and placed by the request's own extend, retained after it (_prefill)
             stats.computed_unit_tokens += n
@@ -337,6 +347,33 @@ class Executor:
         self.retainer.retain(plan.unit_id, state, plan.retention.local, plan.grant, run.req.plan.local_evict,
                              run.received_at)
         await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
+
+    async def _late_fetch(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
+        """A miss planned long ago may be READY in the shared tier by now (another node published
+        it while this request queued): fetch it under a lease taken now instead of computing it.
+
+        Only for a plan at least :data:`LATE_PLAN_S` old, with no write grant of its own (with
+        one, nobody else could have published the unit), when no prefill of the unit is in
+        flight here (joining that is cheaper), and on a node with a KV pool client.
+        """
+        if (self.reader is None or plan.preparation is not Preparation.COMPUTE or plan.grant is not None
+                or plan.unit_id in self.prefills or time.monotonic() - run.received_at < LATE_PLAN_S):
+            return None
+        try:
+            lease = await self.reader.late_lease(plan.unit_id)
+        except ControlPlaneError as exc:
+            log.info("no late lease for unit %s (%s); computing it", plan.unit_id, exc)
+            return None
+        if lease is None:
+            return None
+        try:
+            return await self.reader.fetch(lease, n, release=False, received_at=time.monotonic())
+        except TransferError as exc:
+            log.warning("late fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
+            run.stats.fallbacks += 1
+            return None
+        finally:
+            self.release_lease(lease.lease_id)
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """The unit's state from the local cache or the KV Pool, or None (compute it)."""

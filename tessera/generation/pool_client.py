@@ -127,6 +127,10 @@ class KVPoolClient:
             if release:
                 await self._release(lease)
 
+    async def late_lease(self, unit_id: str) -> ReadLease | None:
+        """A lease on ``unit_id`` for this node if the shared tier holds it READY now."""
+        return await self.control.late_lease(unit_id, self.reader)
+
     async def _release(self, lease: ReadLease) -> None:
         try:
             await self.control.release((lease.lease_id,))

@@ -36,6 +36,10 @@ class PrefillCoalescer:
     def __len__(self) -> int:
         return len(self._inflight)
 
+    def __contains__(self, unit_id: object) -> bool:
+        """A prefill of the unit is in flight here (a claim, or a job)."""
+        return unit_id in self._inflight
+
     def _forget(self, unit_id: str, task: asyncio.Future[UnitState]) -> None:
         if self._waiters.get(task, 0) == 0 and self._inflight.get(unit_id) is task:
             del self._inflight[unit_id]

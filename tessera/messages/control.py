@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.messages.common import BlockRef
-from tessera.messages.plan import WriteGrant
+from tessera.messages.plan import ReadLease, WriteGrant
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,22 @@ class RenewResponse:
     version: int
     grant: WriteGrant | None
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LateLeaseRequest:
+    """A node about to compute a unit its plan said to compute, long after the plan: is it
+    READY in the shared tier by now (another node published it meanwhile)?"""
+
+    version: int
+    unit_id: str
+    holder: str
+
+
+@dataclass(frozen=True, slots=True)
+class LateLeaseResponse:
+    version: int
+    lease: ReadLease | None  # None: not READY (absent, pending, revoked)
 
 
 @dataclass(frozen=True, slots=True)

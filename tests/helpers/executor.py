@@ -36,6 +36,9 @@ class DictReader:
                     received_at: float | None = None) -> UnitState:
         return self.states[lease.unit_id]
 
+    async def late_lease(self, unit_id: str) -> ReadLease | None:
+        return None  # nothing was published since the plan
+
 
 # the ``start_executor`` fixture: (engine, policy, cache, reader=None) -> a running executor
 StartExecutor = Callable[..., Executor]
