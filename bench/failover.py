@@ -56,19 +56,23 @@ QUESTIONS = ["Where is the largest reef?", "How is espresso brewed?", "Which mou
              "What does a transistor do?"]
 
 
-def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int, transport: str) -> ClusterConfig:
+def config(model: str, etcd: EtcdServer, pg: PostgresServer, ttl: int, transport: str,
+           shipped: bool = False) -> ClusterConfig:
+    """The bench cluster: short lease and heartbeat timeouts, or (``shipped``) the defaults."""
     base = load_config()
+    ha = HAConfig(**etcd.access(), election="/bench/leader", replicas=2, replica_port_stride=STRIDE)
+    if not shipped:
+        ha = dataclasses.replace(ha, lease_ttl_s=ttl, renew_margin_s=0.5)
     return dataclasses.replace(
         base,
         model=dataclasses.replace(base.model, source=model),
         transport=dataclasses.replace(base.transport, name=transport),
-        control=dataclasses.replace(base.control, heartbeat_timeout_s=3.0),
+        control=base.control if shipped else dataclasses.replace(base.control, heartbeat_timeout_s=3.0),
         retrieval=dataclasses.replace(base.retrieval, port=free_port(), internal_port=free_port(), store="postgres",
                                       postgres_dsn=pg.dsn),
         kvpools=(dataclasses.replace(base.kvpools[0], port=free_port(), data_port=free_port()),),
         generation=(dataclasses.replace(base.generation[0], port=free_port()),),
-        ha=HAConfig(**etcd.access(), election="/bench/leader", lease_ttl_s=ttl, renew_margin_s=0.5, replicas=2,
-                    replica_port_stride=STRIDE))
+        ha=ha)
 
 
 def post(url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[int, Any, Any]:
@@ -216,13 +220,15 @@ def main() -> None:
     ap.add_argument("--lease-ttl", type=int, default=2, help="ha.lease_ttl_s")
     ap.add_argument("--settle", type=float, default=4.0, help="seconds of load before the fault and after recovery")
     ap.add_argument("--pause", action="store_true", help="SIGSTOP the leader past its lease instead of kill -9")
+    ap.add_argument("--shipped-defaults", action="store_true",
+                    help="the shipped [ha] and [control] defaults instead of --lease-ttl and a 3 s heartbeat timeout")
     ap.add_argument("--transport", default="shm", choices=("shm", "tcp"),
                     help="transport.name; on tcp the shared tier's fence after the failover ends by term")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tessera-failover-"))
     etcd, pg = EtcdServer(root / "etcd").start(), PostgresServer().start()
     try:
-        cfg = config(args.model, etcd, pg, args.lease_ttl, args.transport)
+        cfg = config(args.model, etcd, pg, args.lease_ttl, args.transport, args.shipped_defaults)
         cluster = LocalCluster(cfg, log_dir=root / "logs", quiet=True)
         cluster.start(timeout=300)
         cfg = cluster.config
@@ -240,9 +246,10 @@ def main() -> None:
         etcd.stop()
         pg.remove()
     fault = "SIGSTOP past the lease" if args.pause else "kill -9"
+    timing = (f"ha.lease_ttl_s {cfg.ha.lease_ttl_s}, control.heartbeat_timeout_s {cfg.control.heartbeat_timeout_s:g}"
+              + (" (the shipped defaults)" if args.shipped_defaults else ""))
     print(f"failover ({fault} of the leader), model {args.model}, {args.rate} req/s Poisson to the other replica, "
-          f"max_tokens {args.max_tokens}, ha.lease_ttl_s {args.lease_ttl}, control.heartbeat_timeout_s 3, "
-          f"transport {args.transport}")
+          f"max_tokens {args.max_tokens}, {timing}, transport {args.transport}")
     for n, r in enumerate(rounds):
         cells = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
         print(f"  round {n}: " + ", ".join(cells))

@@ -2,9 +2,9 @@
 
 Two retrieval replicas campaign; the leader holds the control plane, the other serves the
 public API through the leader's RPCs. The leader is killed (SIGKILL) under light load, and
-later one is paused past its lease (SIGSTOP, SIGCONT): the survivor takes office, refuses
-cleanly (503 with Retry-After) while no leader is reachable, loses no unit or delete, and
-serves the same replies as before; a resumed leader's term is over everywhere.
+later one is paused past its lease (SIGSTOP, SIGCONT): the survivor takes office, serves
+chat without reuse while no leader is reachable, loses no unit or delete, and serves the
+same replies as before; a resumed leader's term is over everywhere.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def test_the_follower_serves_what_the_leader_ingested_and_forwards_chat(
 
 def test_killing_the_leader_hands_over_without_connection_errors_or_lost_units(
         replicated: tuple[ClusterConfig, LocalCluster]) -> None:
-    """kill -9 the leader under load: the survivor leads, answered 503 + Retry-After meanwhile (no internal
-    URL or exception text in it), lost nothing."""
+    """kill -9 the leader under load: the survivor leads, serves every request meanwhile (no 503, no
+    connection error), lost nothing."""
     cfg, cluster = replicated
     lead = leader_index(cfg)
     survivor = 1 - lead
@@ -181,7 +181,9 @@ def test_killing_the_leader_hands_over_without_connection_errors_or_lost_units(
 
     assert not load.errors, f"the survivor gave connection errors or hung: {load.errors[:3]}"
     after_kill = [(s, h) for t, s, h in load.outcomes if t > killed_at]
-    assert {s for s, _ in after_kill} <= {200, 503}, after_kill
+    # no leader for a while, yet every request through the survivor was served (without reuse
+    # until its own plane heard the generation node)
+    assert {s for s, _ in after_kill} == {200}, (after_kill, load.refusals[:3])
     assert all("Retry-After" in h for s, h in after_kill if s == 503), "a 503 without Retry-After"
     # regression: a 503 of the failover named the dead leader's internal URL and a raw exception
     leaked = [m for m in load.refusals if "http://" in m or "https://" in m or "Error" in m]
@@ -221,7 +223,7 @@ def test_a_leader_paused_past_its_lease_issues_nothing_after_it_resumes(
         wait_leader(cfg, new, timeout=30)
     finally:
         proc.send_signal(signal.SIGCONT)
-    # the new plane serves once the generation node reported in to it (a 503 until then)
+    # the new leader serves (without reuse until the generation node reported in to its plane)
     wait_for(lambda: rag(url(cfg, new), "pause", QUESTIONS[0])[0] == 200, timeout=30, what="the new leader")
     assert replies(url(cfg, new), "pause") == before
     # the resumed replica's plane issues nothing under its old term
@@ -256,8 +258,15 @@ def _empty_layout() -> PromptLayout:
 
 def _term_of_new_plan(cfg: ClusterConfig, index: int) -> int:
     internal = replica_config(cfg, index).control_url
-    route = from_wire(RouteResponse, call(internal, "/control/route", {"version": V, "request_id": "probe"},
-                                          signed=cfg)[1])
+    routed: list[Any] = []
+
+    def routable() -> bool:  # a new plane routes once a generation node reported in to it
+        status, body = call(internal, "/control/route", {"version": V, "request_id": "probe"}, signed=cfg)[:2]
+        routed.append(body)
+        return status == 200
+
+    wait_for(routable, timeout=30, what="the new plane to hear a generation node")
+    route = from_wire(RouteResponse, routed[-1])
     plan = from_wire(RequestPlan, call(internal, "/control/plan",
                                        {"version": V, "request_id": "probe", "node": route.node}, signed=cfg)[1])
     call(internal, "/control/complete", {"version": V, "request_id": "probe"}, signed=cfg)

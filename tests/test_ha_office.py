@@ -13,7 +13,7 @@ from tessera.errors import NotLeader
 from tessera.ha.election import Leader
 from tessera.messages.control import LoadReport
 from tessera.retrieval.leadership.office import Office
-from tessera.retrieval.leadership.path import LocalPath, RemotePath
+from tessera.retrieval.leadership.path import LeaderlessPath, LocalPath, RemotePath
 from tessera.wire import WIRE_VERSION
 
 
@@ -71,12 +71,15 @@ def test_a_leader_stops_issuing_the_moment_its_term_is_no_longer_valid() -> None
     term = FakeLeadership()
     office.leadership = term  # type: ignore[assignment]
     office._saw(Leader(office.url.encode(), term.term))
+    # before any generation node reported in to the new plane, chat goes on without reuse
+    assert isinstance(office.path(), LeaderlessPath) and office.path().term == term.term  # type: ignore[union-attr]
+    office.plane.load(LoadReport(WIRE_VERSION, "gen0", 0))
     assert office.held() is office.plane and isinstance(office.path(), LocalPath)
     term.end()
     with pytest.raises(NotLeader):
         office.held()
-    with pytest.raises(NotLeader):
-        office.path()
+    # chat goes on without reuse under the last term; nothing of this replica's plane is used
+    assert isinstance(office.path(), LeaderlessPath)
 
 
 def test_readiness_waits_for_a_generation_node_and_on_a_follower_for_a_leader() -> None:
@@ -94,4 +97,52 @@ def test_readiness_waits_for_a_generation_node_and_on_a_follower_for_a_leader() 
     follower._saw(Leader(b"http://127.0.0.1:9999", 5))
     assert follower.unready() is None
     follower._saw(Leader(follower.url.encode(), 6))  # the key names this replica, whose term is not valid
-    assert "failover" in (follower.unready() or "")
+    assert follower.unready() is None  # a failover: chat is served without reuse meanwhile
+    follower._saw(None)
+    assert follower.unready() is None and isinstance(follower.path(), LeaderlessPath)
+
+
+async def test_without_a_reachable_leader_chat_is_planned_compute_only_under_the_last_term() -> None:
+    """The leaderless plan touches no state a plane owns: every unit COMPUTE, nothing retained or
+    evicted, no lease or grant; sealed under the last leader's term, which the node checks."""
+    from tessera.auth import plan_seal
+    from tessera.messages.plan import Preparation, Retention
+
+    cfg = replicated()
+    office = Office(cfg, ControlPlane(cfg))
+    office.secret = b"s" * 32  # the cluster secret the replica read
+    office._saw(Leader(b"http://127.0.0.1:9999", 41))
+    office._saw(None)  # its key expired: no leader known
+    path = office.path()
+    assert isinstance(path, LeaderlessPath)
+    node, watch = await path.route("r1", [("u1", 20), ("u2", 7)], (), 40)
+    assert node == "gen0" and watch.alive()
+    plan = await path.finalize("r1", node, held={"u1"})
+    assert [(u.unit_id, u.n_tokens, u.preparation, u.retention, u.lease, u.grant) for u in plan.units] == [
+        ("u1", 20, Preparation.COMPUTE, Retention.NEITHER, None, None),
+        ("u2", 7, Preparation.COMPUTE, Retention.NEITHER, None, None)]
+    assert plan.local_evict == () and plan.term == 41 and plan.seal == plan_seal(office.secret, "gen0", 41, "r1")
+    with pytest.raises(NotLeader):
+        await path.route("r2", [("u1", 20)], {"gen0"}, 40)  # every node tried
+
+
+async def test_a_follower_whose_leader_cannot_be_reached_serves_leaderless_instead_of_a_503() -> None:
+    """The leader at a port nobody listens on: the route falls back to the leaderless plan."""
+    import socket
+
+    from tessera.messages.plan import Preparation
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # closed again before use: connection refused
+    office = Office(replicated(), ControlPlane(replicated()))
+    office._saw(Leader(f"http://127.0.0.1:{dead}".encode(), 9))
+    path = office.path()
+    assert isinstance(path, RemotePath)
+    try:
+        node, _ = await path.route("r1", [("u1", 5)], (), 10)
+        plan = await path.finalize("r1", node, held=())
+        assert plan.term == 9 and [u.preparation for u in plan.units] == [Preparation.COMPUTE]
+        path.complete("r1")
+    finally:
+        await office.remote.close()

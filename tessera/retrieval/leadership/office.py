@@ -11,8 +11,9 @@ URL of its internal plane as its value, and watches who leads (:mod:`tessera.ha.
   (:attr:`Leadership.valid`): ``held()`` checks at every call, so a leader paused past its
   lease issues nothing once it runs again, and steps down;
 * a **follower** sends chat through the leader's ``/control/*`` (:class:`RemotePath`);
-* while **no leader** is known, ``path()`` raises :class:`~tessera.errors.NotLeader` (503 with
-  ``Retry-After``).
+* while **no leader** is known or the known one cannot be reached, chat is served without
+  reuse under the last leader's term (:class:`LeaderlessPath`); before any leader was ever
+  seen, ``path()`` raises :class:`~tessera.errors.NotLeader` (503 with ``Retry-After``).
 
 A replica that lost its term starts a new campaign with a fresh plane next time: soft state
 is never carried from one term to the next.
@@ -30,7 +31,7 @@ from tessera.control.client import RequestControl
 from tessera.control.plane import ControlPlane
 from tessera.errors import NotLeader, TesseraError
 from tessera.retrieval.leadership.liveness import LeaderLiveness
-from tessera.retrieval.leadership.path import LocalPath, RemotePath, RequestPath
+from tessera.retrieval.leadership.path import LeaderlessPath, LocalPath, RemotePath, RequestPath
 from tessera.runtime import BackgroundTasks
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class Office:
         self.terms = 0  # terms this replica took office in
         self.tasks = BackgroundTasks("office")
         auth = ClusterAuth.from_config(config)
+        self.secret = auth.secret
+        self.last_term: int | None = None  # the term of the last leader seen: leaderless plans carry it
+        self._turn = [0]  # leaderless routing's turn over the generation nodes
         # request-path RPCs fail fast: a dead leader must cost a 503, not a hung request
         self.remote = RequestControl(config.control_url, timeout_s=config.control.connect_timeout_s, auth=auth)
         # a follower's waits on generation nodes judge by the leader's heartbeats (pace.RemoteWatch)
@@ -80,18 +84,36 @@ class Office:
         their heartbeats only through the leader, and only while a request waits).
         """
         if self.leads:
-            return None if self.plane.routable else "no generation node is alive (none is reporting in)"
-        if self.leader is None or self.leader.value.decode() == self.url:
+            if self.plane.routable or self.ha.enabled:  # with [ha], a new term serves without reuse
+                return None
+            return "no generation node is alive (none is reporting in)"
+        if (self.leader is None or self.leader.value.decode() == self.url) and self.last_term is None:
             return "no retrieval replica leads the control plane right now (a failover is under way)"
-        return None
+        return None  # during a failover chat is served without reuse (LeaderlessPath)
 
     def path(self) -> RequestPath:
         if self.leads:
+            if self.ha.enabled and not self.plane.routable and self.leadership is not None:
+                # a new term, before any generation node reported in to this plane: chat goes
+                # on without reuse, sealed under this term (which the nodes then take)
+                return self._leaderless(self.leadership.term) or LocalPath(self.held)
             return LocalPath(self.held)
+        leaderless = self._leaderless()
         if self.leader is None or self.leader.value.decode() == self.url:
+            if leaderless is not None:
+                return leaderless
             raise NotLeader("no retrieval replica leads the control plane right now (a failover is under way); "
                             "retry", self.ha.retry_after_s)
-        return RemotePath(self.remote, self.tasks, self.ha.retry_after_s, self.heard)
+        return RemotePath(self.remote, self.tasks, self.ha.retry_after_s, self.heard, leaderless)
+
+    def _leaderless(self, term: int | None = None) -> LeaderlessPath | None:
+        """Chat without reuse while no leader can be reached (under the last leader's term, or
+        ``term``); None until a leader's term is known."""
+        term = self.last_term if term is None else term
+        if term is None:
+            return None
+        return LeaderlessPath([g.name for g in self.config.generation], term, self.secret,
+                              self.config.control.first_token_timeout_s, self._turn)
 
     async def units_changed(self, revoked: list[str], reinstated: list[str]) -> None:
         """The store changed here: the leader's plane revokes / reinstates (this one's, if it leads)."""
@@ -130,6 +152,7 @@ class Office:
         self.leader = leader
         if leader is not None:
             self.remote.base_url = leader.value.decode()
+            self.last_term = leader.term if self.last_term is None else max(self.last_term, leader.term)
 
     async def _take(self, leadership: Leadership, take_office: TakeOffice) -> bool:
         plane = await take_office(leadership.term)

@@ -9,9 +9,10 @@ leader's ``/control/route|plan|complete`` (:class:`RemotePath`). Both take the s
 ``route`` (the node and the attempt's :class:`~tessera.control.pace.Watch`), ``finalize``,
 ``started``, ``suspect``, ``complete`` and ``give_back`` (an unused plan's leases and grants).
 
-A remote leader that cannot be reached (killed, paused, partitioned) is a
-:class:`~tessera.errors.NotLeader`: the client gets a 503 with ``Retry-After``, never a
-connection error. ``complete``, ``suspect`` and ``give_back`` are best effort on a remote
+A remote leader that cannot be reached (killed, paused, partitioned), or none elected, sends
+the request down :class:`LeaderlessPath`: served without reuse under the last leader's term
+(with no term known yet, a :class:`~tessera.errors.NotLeader`: 503 with ``Retry-After``,
+never a connection error). ``complete``, ``suspect`` and ``give_back`` are best effort on a remote
 leader (sent in the background; what is lost expires there on its own: request TTL, lease and
 write timeouts, the node's heartbeats). A retry's ``route`` waits for the completion of the
 attempt before it, since the leader refuses (409) to route a request id still outstanding.
@@ -28,12 +29,13 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
+from tessera.auth import plan_seal
 from tessera.control.client import RequestControl
 from tessera.control.pace import Heard, NodeWatch, RemoteWatch, Watch, first_token_deadline_s
 from tessera.control.plane import ControlPlane
 from tessera.errors import ControlPlaneError, NotLeader, TesseraError
 from tessera.messages.control import CancelRequest, ReleaseRequest
-from tessera.messages.plan import RequestPlan
+from tessera.messages.plan import Preparation, RequestPlan, Retention, UnitPlan
 from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION
 
@@ -111,12 +113,16 @@ class LocalPath:
 class RemotePath:
     """The leader's plane over its signed RPCs (``control.base_url`` follows the election)."""
 
-    def __init__(self, control: RequestControl, tasks: BackgroundTasks, retry_after_s: float, heard: Heard) -> None:
+    def __init__(self, control: RequestControl, tasks: BackgroundTasks, retry_after_s: float, heard: Heard,
+                 leaderless: LeaderlessPath | None = None) -> None:
         self.control = control
         self.tasks = tasks
         self.retry_after_s = retry_after_s
         self.heard = heard  # the leader's heartbeats, for the attempts' watches
         self._completing: asyncio.Task[None] | None = None  # the previous attempt's completion
+        # where the request goes once the leader cannot be reached (None: a 503 instead)
+        self.leaderless = leaderless
+        self._without_leader = False
 
     def _unreachable(self, exc: ControlPlaneError) -> NotLeader:
         return NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
@@ -126,13 +132,21 @@ class RemotePath:
                     prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
         if self._completing is not None:
             await asyncio.shield(self._completing)  # best effort, bounded by the client's timeout
+        if self._without_leader and self.leaderless is not None:
+            return await self.leaderless.route(request_id, units, exclude, prompt_tokens, waited_s)
         try:
             routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
         except ControlPlaneError as exc:
-            raise self._unreachable(exc) from None
+            if self.leaderless is None:
+                raise self._unreachable(exc) from None
+            log.info("request %s: the leader cannot be reached (%s); served without reuse", request_id, exc)
+            self._without_leader = True
+            return await self.leaderless.route(request_id, units, exclude, prompt_tokens, waited_s)
         return routed.node, RemoteWatch(routed.node, routed.first_token_s, self.heard)
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        if self._without_leader and self.leaderless is not None:
+            return await self.leaderless.finalize(request_id, node, held)
         try:
             return await self.control.finalize(request_id, node, held)
         except ControlPlaneError as exc:
@@ -142,14 +156,21 @@ class RemotePath:
         pass  # queueing is measured where the heartbeats arrive, on the leader
 
     def suspect(self, node: str) -> None:
+        if self._without_leader:
+            return
         self.tasks.spawn(self._best_effort(self.control.suspect(node), f"suspect {node}"), name=f"suspect-{node}")
 
     def complete(self, request_id: str) -> None:
+        if self._without_leader and self.leaderless is not None:
+            self.leaderless.complete(request_id)
+            return
         self._completing = self.tasks.spawn(
             self._best_effort(self.control.complete(request_id), f"complete {request_id}"),
             name=f"complete-{request_id[-8:]}")
 
     def give_back(self, plan: RequestPlan) -> None:
+        if self._without_leader:
+            return  # its plans lease and grant nothing
         leases, cancels = _grants(plan)
         if leases:
             self.tasks.spawn(self._best_effort(self.control.release(leases), f"release {len(leases)} leases"),
@@ -164,3 +185,77 @@ class RemotePath:
             await call
         except TesseraError as exc:
             log.info("%s on the leader failed (it expires there on its own): %s", what, exc)
+
+
+class LeaderlessPath:
+    """While no leader can be reached: every unit computed, under the last leader's term.
+
+    A failover leaves the cluster without a plane for up to ``ha.lease_ttl_s`` and one
+    heartbeat; the generation nodes still run, so a replica keeps chat available by serving
+    without reuse: a plan with every unit COMPUTE and nothing retained (no lease, grant,
+    local insert or eviction), sealed with the cluster secret under the term of the leader
+    it last knew. Such a plan touches no state a plane owns: it cannot corrupt the shared
+    tier, fill a local cache behind the next leader's back, or serve a deleted unit from a
+    cache. Nodes are taken in turn (a failed one is left for the next, as the chat driver
+    retries); a late node counts as slow, since no heartbeats are heard here. Once the next
+    leader's plans reach a node its term is newer, so this term's plans are refused there
+    and chat goes through the new leader.
+    """
+
+    def __init__(self, nodes: Sequence[str], term: int, secret: bytes | None, first_token_s: float,
+                 cursor: list[int]) -> None:
+        self.nodes = list(nodes)
+        self.term = term
+        self.secret = secret
+        self.first_token_s = first_token_s
+        self._cursor = cursor  # shared by the replica's requests: turns go round the nodes
+        self._units: dict[str, tuple[tuple[str, int], ...]] = {}
+
+    async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
+                    prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
+        candidates = [n for n in self.nodes if n not in exclude]
+        if not candidates:
+            raise NotLeader(f"no generation node could serve the request (tried {', '.join(sorted(exclude))}); "
+                            "retry", 1.0)
+        self._cursor[0] = (self._cursor[0] + 1) % len(candidates)
+        node = candidates[self._cursor[0]]
+        self._units[request_id] = tuple(units)
+        return node, UnwatchedNode(node, self.first_token_s)
+
+    async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
+        units = tuple(UnitPlan(u, n, Preparation.COMPUTE, Retention.NEITHER)
+                      for u, n in self._units.get(request_id, ()))
+        seal = "" if self.secret is None else plan_seal(self.secret, node, self.term, request_id)
+        return RequestPlan(WIRE_VERSION, request_id, node, units, (), self.term, seal)
+
+    def started(self, request_id: str) -> None:
+        pass
+
+    def suspect(self, node: str) -> None:
+        pass  # routing here takes no liveness view; a failed node is excluded by the retry
+
+    def complete(self, request_id: str) -> None:
+        self._units.pop(request_id, None)
+
+    def give_back(self, plan: RequestPlan) -> None:
+        pass  # nothing leased or granted
+
+
+class UnwatchedNode:
+    """A node no heartbeats are heard of here: alive until a call to it fails, late means slow."""
+
+    def __init__(self, name: str, first_token_s: float) -> None:
+        self.name = name
+        self.first_token_s = first_token_s
+
+    async def look(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def mark(self) -> None:
+        pass
+
+    def heard_since_mark(self) -> bool:
+        return True
