@@ -182,6 +182,42 @@ async def test_a_miss_planned_long_ago_is_fetched_if_another_node_published_it_s
         assert reader.late_asked == ["u1"] and (s.remote_units, s.computed_units) == (0, 1)
 
 
+async def test_two_late_requests_missing_the_same_units_never_wait_on_each_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a late plan's lease question was asked unit by unit inside the preparations,
+    so request a claimed u1 (to prefill in its own forward), waited, then joined b's claim of
+    u2, while b had claimed u2 and joined a's u1: neither forward ever ran. Now every late
+    question is asked before any claim, and both requests finish."""
+    u2 = (13, 14, 15)
+
+    def two_units(first: str, second: str) -> PromptLayout:
+        units = {"u1": UNIT, "u2": u2}
+        return PromptLayout((Segment(SegmentKind.TEXT, (1, 2)), Segment(SegmentKind.UNIT, units[first], first),
+                             Segment(SegmentKind.UNIT, units[second], second), Segment(SegmentKind.TEXT, (7, 8))))
+
+    def late_request(rid: str, first: str, second: str) -> ExecuteRequest:
+        units = tuple(UnitPlan(u, len(t), Preparation.COMPUTE, Retention.NEITHER) for u, t in
+                      ((first, UNIT if first == "u1" else u2), (second, UNIT if second == "u1" else u2)))
+        plan = RequestPlan(WIRE_VERSION, rid, "gen0", units)
+        return ExecuteRequest(WIRE_VERSION, rid, two_units(first, second), plan, SamplingParams(max_tokens=1))
+
+    class SlowAnswer(Reader):
+        """Asked a:u1, a:u2, b:u2, b:u1 in that order: a hears of u1 and b of u2 first."""
+
+        async def late_lease(self, unit_id: str) -> ReadLease | None:
+            self.late_asked.append(unit_id)
+            await asyncio.sleep(0.01 if len(self.late_asked) % 2 else 0.05)
+            return None
+
+    monkeypatch.setattr("tessera.generation.executor.LATE_PLAN_S", 0.0)
+    async with node(FusingFakeEngine(), SlowAnswer("ok")) as n:
+        runs = [asyncio.ensure_future(_events(n.executor.run(late_request("a", "u1", "u2")))),
+                asyncio.ensure_future(_events(n.executor.run(late_request("b", "u2", "u1"))))]
+        done = await asyncio.wait_for(asyncio.gather(*runs), 30)
+    stats = [events[-1].stats for events in done]
+    assert sum(s.computed_units for s in stats) == 2 and sum(s.coalesced_units for s in stats) == 2
+
+
 async def test_a_miss_that_the_cache_holds_by_now_is_reused_not_prefilled(fake_engine: Any) -> None:
     """A unit planned COMPUTE that another request retained since the plan was made is a local hit."""
     async with node(fake_engine) as n:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -241,10 +241,16 @@ class Executor:
         plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
         fused = FusedUnits(self.prefills) if self.scheduler.fuses_unit_prefills else None
+        # before any preparation: a request holds no claim while it waits for these, so its
+        # claims and joins of in-flight prefills are still made in one turn (a request that
+        # claimed a unit, then waited and joined another request's claim, could wait on a
+        # request that joined its own: neither extend would ever run)
+        late = await self._late_fetches(run, [plans[uid] for uid in spans], tokens)
         try:
             # the three preparation paths overlap; units the policy recomputes entirely need no
             # state at all. A reused state is placed by the extend itself, right before its forward.
-            ready = await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans, fused)
+            ready = await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans, fused,
+                                                         late.get(uid))
                                            for uid, unit_spans in spans.items()))
             reused = {uid: r for uid, r in zip(spans, ready, strict=True) if r is not None}
             token_ids, positions = tokens_to_compute(layout, ranges, matched)
@@ -301,7 +307,7 @@ class Executor:
                              run.received_at)
 
     async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement],
-                       fused: FusedUnits | None) -> Reused | None:
+                       fused: FusedUnits | None, late: UnitState | None = None) -> Reused | None:
         """A reused state for the extend to place, or None: the unit is computed here (and
         placed) or by the extend's own forward."""
         stats = run.stats
@@ -316,9 +322,8 @@ class Executor:
             # planned as a miss, but another request on this node computed it after this plan
             # was made (the plane learns of local inserts only afterwards): reuse it
             return Reused(state, True, False)
-        state = await self._late_fetch(run, plan, n)
-        if state is not None:
-            return Reused(state, False, plan.retention.local)
+        if late is not None:  # published since the plan, fetched before any preparation began
+            return Reused(late, False, plan.retention.local)
         if fused is not None and fused.claim(plan, token_ids, spans, plan.retention.local):
             # computed and placed by the request's own extend, retained after it (_prefill)
             stats.computed_unit_tokens += n
@@ -347,6 +352,15 @@ class Executor:
         self.retainer.retain(plan.unit_id, state, plan.retention.local, plan.grant, run.req.plan.local_evict,
                              run.received_at)
         await self.scheduler.place(run.slots, spans, {plan.unit_id: state})
+
+    async def _late_fetches(self, run: Run, plans: Sequence[UnitPlan],
+                            tokens: Mapping[str, Sequence[int]]) -> dict[str, UnitState]:
+        """:meth:`_late_fetch` of every unit of the request at once."""
+        if self.reader is None or time.monotonic() - run.received_at < LATE_PLAN_S:
+            return {}
+        asked = [p for p in plans if p.preparation is Preparation.COMPUTE and p.grant is None]
+        states = await asyncio.gather(*(self._late_fetch(run, p, len(tokens[p.unit_id])) for p in asked))
+        return {p.unit_id: s for p, s in zip(asked, states, strict=True) if s is not None}
 
     async def _late_fetch(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """A miss planned long ago may be READY in the shared tier by now (another node published
