@@ -7,16 +7,21 @@ few units, then sends Poisson chat requests with retrieval (``--rate`` per secon
 ``--pause``, SIGSTOP past its lease then SIGCONT), waits for the first 200 served after the
 fault, keeps the load on for ``--settle`` more seconds, then starts the killed replica again.
 
-Prints, per round and as medians: seconds from the fault to the first 200 through the new
-leader, from the fault to the memory node's restart fence ended by term on the new leader
-(``--transport tcp`` only; -1 when it did not end within the round), the share of requests
-sent in that window that were refused (503 + Retry-After),
-the share refused over the whole round, connection errors or hangs from the survivor (must be
-0), 503s without Retry-After (must be 0) and replies that differ from the pre-fault reply to
-the same question (must be 0).
+With ``--killed-rate`` the killed replica gets clients of its own too, each request retried
+once on the other replica after a connection error (as the docs tell clients to).
+
+Prints, per round and as medians: seconds from the fault to the first 200 answered through
+the survivor (while no leader can be reached it serves without reuse), from the fault to
+the memory node's restart fence ended by term on the new leader (``--transport tcp`` only;
+-1 when it did not end within the round), the share of requests sent in that window that
+were refused (503 + Retry-After), the share refused over the whole round, connection errors
+or hangs from the survivor (must be 0), 503s without Retry-After (must be 0) and replies
+that differ from the pre-fault reply to the same question (must be 0); for the killed
+replica's clients, how many were retried and served with the right reply, the seconds from
+the fault to the first of them answered, and how many were not served.
 
     PYTHONPATH=. flock /tmp/tessera-cpu.lock python bench/failover.py [--rounds 3] [--rate 2] [--pause]
-        [--transport tcp]
+        [--transport tcp] [--shipped-defaults] [--killed-rate 1]
 
 Prints numbers; asserts nothing.
 """
@@ -129,21 +134,29 @@ class Outcome:
     retry_after: bool
     text: str
     question: str
+    done: float = 0.0  # when the answer (or the error) came
+    retried: bool = False  # its first replica refused the connection; retried on the other
 
 
-def load(base: str, rate: float, stop: threading.Event, max_tokens: int, seed: int) -> list[Outcome]:
+def load(bases: list[str], rate: float, stop: threading.Event, max_tokens: int, seed: int) -> list[Outcome]:
+    """Poisson chat to ``bases[0]``; a connection error is retried once on ``bases[1]`` (if
+    given), as the docs tell clients of a replica to do."""
     rng = random.Random(seed)
     out: list[Outcome] = []
     lock = threading.Lock()
 
     def one(q: str) -> None:
         sent = time.monotonic()
-        try:
-            status, headers, body = chat(base, q, max_tokens)
+        got = Outcome(sent, 0, False, "", q)
+        for i, base in enumerate(bases[:2]):
+            try:
+                status, headers, body = chat(base, q, max_tokens)
+            except Exception:
+                continue  # the replica is gone: the next one, as a client's retry would
             text = body["choices"][0]["message"]["content"] if status == 200 else ""
-            got = Outcome(sent, status, "Retry-After" in headers, text, q)
-        except Exception:
-            got = Outcome(sent, 0, False, "", q)
+            got = Outcome(sent, status, "Retry-After" in headers, text, q, retried=i > 0)
+            break
+        got.done = time.monotonic()
         with lock:
             out.append(got)
 
@@ -165,20 +178,25 @@ def round_(cfg: ClusterConfig, cluster: LocalCluster, args: argparse.Namespace, 
     base = replica_config(cfg, survivor).retrieval_url
     stop = threading.Event()
     results: list[Outcome] = []
-    runner = threading.Thread(target=lambda: results.extend(load(base, args.rate, stop, args.max_tokens, n)))
-    runner.start()
+    killed: list[Outcome] = []  # the killed replica's own clients, retrying on the survivor
+    runners = [threading.Thread(target=lambda: results.extend(load([base], args.rate, stop, args.max_tokens, n)))]
+    if args.killed_rate > 0:
+        bases = [replica_config(cfg, lead).retrieval_url, base]
+        runners.append(threading.Thread(
+            target=lambda: killed.extend(load(bases, args.killed_rate, stop, args.max_tokens, 1000 + n))))
+    for r in runners:
+        r.start()
     time.sleep(args.settle)
     proc = child(cluster, lead).proc
     fault = time.monotonic()
     proc.send_signal(signal.SIGSTOP if args.pause else signal.SIGKILL)
     first_ok = lifted = None
     while first_ok is None and time.monotonic() - fault < 120:
-        if leads(cfg, survivor):
-            if lifted is None and fence_ended(cfg, survivor):
-                lifted = time.monotonic()
-            status, _, _ = chat(base, QUESTIONS[0], args.max_tokens)
-            if status == 200:
-                first_ok = time.monotonic()
+        if lifted is None and fence_ended(cfg, survivor):
+            lifted = time.monotonic()
+        status, _, _ = chat(base, QUESTIONS[0], args.max_tokens)
+        if status == 200:
+            first_ok = time.monotonic()  # its answer came: the first 200 as a client sees it
         time.sleep(0.05)
     if args.pause:
         proc.send_signal(signal.SIGCONT)
@@ -188,12 +206,15 @@ def round_(cfg: ClusterConfig, cluster: LocalCluster, args: argparse.Namespace, 
             lifted = time.monotonic()
         time.sleep(0.1)
     stop.set()
-    runner.join()
+    for r in runners:
+        r.join()
     if not args.pause:
         cluster.restart_child(child(cluster, lead), wait_timeout=180)
-    # the load's own first 200 after the fault may come earlier than the probe's
-    oks = [r.sent for r in results if r.sent > fault and r.status == 200]
+    # the load's own first 200 after the fault may come earlier than the probe's (when its
+    # answer came, not when it was sent)
+    oks = [r.done for r in results if r.sent > fault and r.status == 200]
     recovered = min([*oks, first_ok or float("inf")])
+    retried = [r for r in killed if r.sent >= fault and r.retried]
     window = [r for r in results if fault <= r.sent <= recovered]
     after = [r for r in results if r.sent >= fault]
     return {
@@ -208,6 +229,11 @@ def round_(cfg: ClusterConfig, cluster: LocalCluster, args: argparse.Namespace, 
         "other_status": sum(r.status not in (0, 200, 503) for r in results),
         "503_without_retry_after": sum(r.status == 503 and not r.retry_after for r in results),
         "wrong_replies": sum(r.status == 200 and r.text != expected[r.question] for r in results),
+        # the killed replica's clients: requests whose connection failed, retried on the survivor
+        "killed_clients_retried": len(retried),
+        "killed_clients_served": sum(r.status == 200 and r.text == expected[r.question] for r in retried),
+        "killed_clients_fault_to_200_s": min((r.done for r in retried if r.status == 200), default=fault) - fault,
+        "killed_clients_unserved": sum(r.status != 200 for r in killed if r.sent >= fault),
     }
 
 
@@ -216,6 +242,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", type=float, default=2.0, help="chat requests per second to the surviving replica")
+    ap.add_argument("--killed-rate", type=float, default=0.0,
+                    help="chat requests per second to the replica that is killed, each retried once on the other "
+                         "replica after a connection error (as the docs tell clients)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--lease-ttl", type=int, default=2, help="ha.lease_ttl_s")
     ap.add_argument("--settle", type=float, default=4.0, help="seconds of load before the fault and after recovery")
@@ -253,9 +282,11 @@ def main() -> None:
     for n, r in enumerate(rounds):
         cells = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
         print(f"  round {n}: " + ", ".join(cells))
-    for key in ("fault_to_first_200_s", "fault_to_fence_end_s", "refused_in_window", "refused_after_fault"):
+    for key in ("fault_to_first_200_s", "fault_to_fence_end_s", "refused_in_window", "refused_after_fault",
+                "killed_clients_fault_to_200_s"):
         print(f"  median {key}: {statistics.median(r[key] for r in rounds):.2f}")
-    for key in ("connection_errors", "other_status", "503_without_retry_after", "wrong_replies"):
+    for key in ("connection_errors", "other_status", "503_without_retry_after", "wrong_replies",
+                "killed_clients_retried", "killed_clients_served", "killed_clients_unserved"):
         print(f"  total {key}: {sum(int(r[key]) for r in rounds)}")
 
 
