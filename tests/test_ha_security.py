@@ -81,6 +81,17 @@ async def holder(up: ClusterConfig) -> AsyncIterator[Election]:
     await election.client.close()
 
 
+# the end of every attack script: try to read the credential files, then print the outcomes
+_READ_SECRETS = r"""
+for path in a["secrets"]:
+    try:
+        open(path, "rb").read()
+        out[f"read {path}"] = "done"
+    except OSError as exc:
+        out[f"read {path}"] = f"refused: {type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
 _ETCD_ATTACK = r"""
 import asyncio, json, sys
 import aetcd
@@ -107,16 +118,9 @@ async def main():
         await attempt(f"{kind} put", make(), lambda c: c.put(a["fake_key"].encode(), b"http://127.0.0.1:1"))
         await attempt(f"{kind} delete", make(), lambda c: c.delete_prefix(a["prefix"].encode()))
         await attempt(f"{kind} revoke", make(), lambda c: c.revoke_lease(a["lease"]))
-    for path in a["secrets"]:
-        try:
-            open(path, "rb").read()
-            out[f"read {path}"] = "done"
-        except OSError as exc:
-            out[f"read {path}"] = f"refused: {type(exc).__name__}: {exc}"
 
 asyncio.run(main())
-print(json.dumps(out))
-"""
+""" + _READ_SECRETS
 
 
 @needs_root
@@ -155,14 +159,7 @@ for name, dsn in a["dsns"].items():
         out[name] = "done"
     except Exception as exc:
         out[name] = f"refused: {type(exc).__name__}: {exc}"[:300]
-for path in a["secrets"]:
-    try:
-        open(path, "rb").read()
-        out[f"read {path}"] = "done"
-    except OSError as exc:
-        out[f"read {path}"] = f"refused: {type(exc).__name__}: {exc}"
-print(json.dumps(out))
-"""
+""" + _READ_SECRETS
 
 
 @needs_root
