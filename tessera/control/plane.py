@@ -54,6 +54,7 @@ from tessera.messages.kvpool import InventoryResult, MemoryNodeHello, MemoryNode
 from tessera.messages.plan import RequestPlan
 from tessera.metrics import Metric, gauge
 from tessera.transport.terms import TERM_SHIFT
+from tessera.units import blocks_for
 from tessera.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class ControlPlane:
         again as if planned now, so a unit computed late on a busy node is still kept; a unit
         with another entry (written or being written by someone else) or revoked gets none.
         """
-        if msg.n_blocks != -(-msg.n_tokens // self.block_tokens) or msg.n_tokens <= 0:
+        if msg.n_tokens <= 0 or msg.n_blocks != blocks_for(msg.n_tokens, self.block_tokens):
             return RenewResponse(WIRE_VERSION, None, f"unit {msg.unit_id}: {msg.n_blocks} blocks do not hold "
                                  f"{msg.n_tokens} tokens of {self.block_tokens}")
         grant = self.directory.renew(msg.unit_id, msg.epoch, msg.writer)

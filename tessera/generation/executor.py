@@ -355,33 +355,33 @@ class Executor:
 
     async def _late_fetches(self, run: Run, plans: Sequence[UnitPlan],
                             tokens: Mapping[str, Sequence[int]]) -> dict[str, UnitState]:
-        """:meth:`_late_fetch` of every unit of the request at once."""
-        if self.reader is None or time.monotonic() - run.received_at < LATE_PLAN_S:
+        """Misses planned long ago may be READY in the shared tier by now (another node published
+        them while this request queued): each is fetched under a lease taken now instead of
+        computed (:meth:`_late_fetch`).
+
+        Only on a node with a KV pool client, for a plan at least :data:`LATE_PLAN_S` old, and
+        for units with no write grant of their own (with one, nobody else could have published
+        the unit) and no prefill in flight here (joining that is cheaper).
+        """
+        reader = self.reader
+        if reader is None or time.monotonic() - run.received_at < LATE_PLAN_S:
             return {}
-        asked = [p for p in plans if p.preparation is Preparation.COMPUTE and p.grant is None]
-        states = await asyncio.gather(*(self._late_fetch(run, p, len(tokens[p.unit_id])) for p in asked))
+        asked = [p for p in plans if p.preparation is Preparation.COMPUTE and p.grant is None
+                 and p.unit_id not in self.prefills]
+        states = await asyncio.gather(*(self._late_fetch(reader, run, p, len(tokens[p.unit_id])) for p in asked))
         return {p.unit_id: s for p, s in zip(asked, states, strict=True) if s is not None}
 
-    async def _late_fetch(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
-        """A miss planned long ago may be READY in the shared tier by now (another node published
-        it while this request queued): fetch it under a lease taken now instead of computing it.
-
-        Only for a plan at least :data:`LATE_PLAN_S` old, with no write grant of its own (with
-        one, nobody else could have published the unit), when no prefill of the unit is in
-        flight here (joining that is cheaper), and on a node with a KV pool client.
-        """
-        if (self.reader is None or plan.preparation is not Preparation.COMPUTE or plan.grant is not None
-                or plan.unit_id in self.prefills or time.monotonic() - run.received_at < LATE_PLAN_S):
-            return None
+    async def _late_fetch(self, reader: SharedReader, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
+        """The unit under a late lease, or None (not READY, or the plane or the pool failed)."""
         try:
-            lease = await self.reader.late_lease(plan.unit_id)
+            lease = await reader.late_lease(plan.unit_id)
         except ControlPlaneError as exc:
             log.info("no late lease for unit %s (%s); computing it", plan.unit_id, exc)
             return None
         if lease is None:
             return None
         try:
-            return await self.reader.fetch(lease, n, release=False, received_at=time.monotonic())
+            return await reader.fetch(lease, n, release=False, received_at=time.monotonic())
         except TransferError as exc:
             log.warning("late fetch of unit %s failed (%s); computing it instead", plan.unit_id, exc)
             run.stats.fallbacks += 1

@@ -122,7 +122,7 @@ class RemotePath:
         self._completing: asyncio.Task[None] | None = None  # the previous attempt's completion
         # where the request goes once the leader cannot be reached (None: a 503 instead)
         self.leaderless = leaderless
-        self._without_leader = False
+        self._diverted: LeaderlessPath | None = None  # the leaderless path, once this request took it
 
     def _unreachable(self, exc: ControlPlaneError) -> NotLeader:
         return NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
@@ -132,21 +132,21 @@ class RemotePath:
                     prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
         if self._completing is not None:
             await asyncio.shield(self._completing)  # best effort, bounded by the client's timeout
-        if self._without_leader and self.leaderless is not None:
-            return await self.leaderless.route(request_id, units, exclude, prompt_tokens, waited_s)
+        if self._diverted is not None:
+            return await self._diverted.route(request_id, units, exclude, prompt_tokens, waited_s)
         try:
             routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
         except ControlPlaneError as exc:
             if self.leaderless is None:
                 raise self._unreachable(exc) from None
             log.info("request %s: the leader cannot be reached (%s); served without reuse", request_id, exc)
-            self._without_leader = True
-            return await self.leaderless.route(request_id, units, exclude, prompt_tokens, waited_s)
+            self._diverted = self.leaderless
+            return await self._diverted.route(request_id, units, exclude, prompt_tokens, waited_s)
         return routed.node, RemoteWatch(routed.node, routed.first_token_s, self.heard)
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
-        if self._without_leader and self.leaderless is not None:
-            return await self.leaderless.finalize(request_id, node, held)
+        if self._diverted is not None:
+            return await self._diverted.finalize(request_id, node, held)
         try:
             return await self.control.finalize(request_id, node, held)
         except ControlPlaneError as exc:
@@ -156,20 +156,20 @@ class RemotePath:
         pass  # queueing is measured where the heartbeats arrive, on the leader
 
     def suspect(self, node: str) -> None:
-        if self._without_leader:
+        if self._diverted is not None:
             return
         self.tasks.spawn(self._best_effort(self.control.suspect(node), f"suspect {node}"), name=f"suspect-{node}")
 
     def complete(self, request_id: str) -> None:
-        if self._without_leader and self.leaderless is not None:
-            self.leaderless.complete(request_id)
+        if self._diverted is not None:
+            self._diverted.complete(request_id)
             return
         self._completing = self.tasks.spawn(
             self._best_effort(self.control.complete(request_id), f"complete {request_id}"),
             name=f"complete-{request_id[-8:]}")
 
     def give_back(self, plan: RequestPlan) -> None:
-        if self._without_leader:
+        if self._diverted is not None:
             return  # its plans lease and grant nothing
         leases, cancels = _grants(plan)
         if leases:
