@@ -118,7 +118,8 @@ async def call(p: Plane, method: str, path: str, body: Any = None, *, key: str |
 
 
 @pytest.mark.parametrize("path", ["/control/route", "/control/plan", "/control/kvpool/hello", "/control/publish",
-                                  "/control/invalidate", "/control/suspect", "/control/liveness"])
+                                  "/control/invalidate", "/control/suspect", "/control/liveness",
+                                  "/control/renew", "/control/lease"])
 async def test_control_rpcs_do_not_exist_on_the_public_port(plane: Plane, path: str) -> None:
     """Regression: /control/route + /control/plan on the public port handed out write grants."""
     status, _ = await call(plane, "POST", path, {"version": V}, key="key-admin", base=plane.url)
@@ -130,6 +131,7 @@ async def test_control_rpcs_do_not_exist_on_the_public_port(plane: Plane, path: 
     ("POST", "/control/kvpool/hello"), ("POST", "/control/load"), ("POST", "/control/release"),
     ("POST", "/control/residency"), ("POST", "/control/cancel"), ("POST", "/control/invalidate"),
     ("POST", "/control/complete"), ("POST", "/control/suspect"), ("POST", "/control/liveness"),
+    ("POST", "/control/renew"), ("POST", "/control/lease"),
     ("GET", "/control/kvpool"), ("GET", "/control/stats"), ("GET", "/control/state")])
 async def test_the_internal_plane_refuses_requests_without_the_secret(plane: Plane, method: str, path: str) -> None:
     """Every internal RPC is a 401 without a valid signature (stats, kvpool list, load, release... alike)."""
@@ -139,6 +141,24 @@ async def test_the_internal_plane_refuses_requests_without_the_secret(plane: Pla
                                      orjson.dumps({"version": V}) if method == "POST" else b"")}
     status, body = await call(plane, method, path, {"version": V} if method == "POST" else None, headers=forged)
     assert status == 401 and "bad signature" in body["error"]
+
+
+async def test_a_signed_renewal_or_late_lease_that_does_not_add_up_gets_nothing(plane: Plane) -> None:
+    """Even with the secret: a renewal whose blocks do not hold its tokens, or for a node that is
+    not in the cluster, grants nothing; a late lease for an unknown node or unit leases nothing;
+    a body of the wrong shape is a 400 naming the field."""
+    renew = {"version": V, "unit_id": "u-x", "epoch": 1, "writer": "gen0", "n_tokens": 1, "n_blocks": 2}
+    status, body = await call(plane, "POST", "/control/renew", renew, signed=True)
+    assert status == 200 and body["grant"] is None and "blocks do not hold" in body["reason"]
+    status, body = await call(plane, "POST", "/control/renew", {**renew, "n_blocks": 1, "writer": "gen9"},
+                              signed=True)
+    assert status == 200 and body["grant"] is None and "not a generation node" in body["reason"]
+    for holder, unit in (("gen9", "u-x"), ("gen0", "never-ingested")):
+        status, body = await call(plane, "POST", "/control/lease",
+                                  {"version": V, "unit_id": unit, "holder": holder}, signed=True)
+        assert status == 200 and body["lease"] is None
+    status, body = await call(plane, "POST", "/control/renew", {**renew, "n_tokens": "many"}, signed=True)
+    assert status == 400 and "n_tokens" in body["error"]
 
 
 async def test_a_captured_signed_request_cannot_be_replayed_or_altered(plane: Plane) -> None:
