@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from tessera.errors import BadRequest, Overloaded, PublishRejected, Unavailable
+from tessera.errors import BadRequest, NotLeader, Overloaded, PublishRejected, Unavailable
 from tessera.messages.common import Ack, check_version
 from tessera.wire import WIRE_VERSION, encode, from_wire, loads
 
@@ -34,8 +34,11 @@ def reply(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=encode(obj), status=status, content_type="application/json")
 
 
-def error(status: int, message: str) -> web.Response:
-    return web.Response(body=orjson.dumps({"error": message}), status=status, content_type="application/json")
+def error(status: int, message: str, *, not_leader: bool = False) -> web.Response:
+    payload: dict[str, Any] = {"error": message}
+    if not_leader:
+        payload["not_leader"] = True
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
 
 
 @web.middleware
@@ -48,7 +51,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except PublishRejected as exc:
         return reply(Ack(WIRE_VERSION, False, str(exc)), status=409)
     except (Overloaded, Unavailable) as exc:
-        refused = error(exc.status, str(exc))
+        # a peer replica tells "this one does not lead" from "nothing can serve"
+        refused = error(exc.status, str(exc), not_leader=isinstance(exc, NotLeader))
         if exc.retry_after_s is not None:
             refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
         return refused

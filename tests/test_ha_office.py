@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from helpers.cluster import cluster_config
@@ -146,3 +147,77 @@ async def test_a_follower_whose_leader_cannot_be_reached_serves_leaderless_inste
         path.complete("r1")
     finally:
         await office.remote.close()
+
+
+
+async def _peer(handlers: dict[str, Any]) -> tuple[Any, int]:
+    """Another replica's internal listener, answering ``/control/<path>`` with ``handlers``."""
+    from aiohttp import web
+
+    from tessera.http import errors
+
+    app = web.Application(middlewares=[errors])
+    for path, handler in handlers.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+def _refuse(exc: Exception) -> Any:
+    async def handler(request: Any) -> Any:
+        raise exc
+    return handler
+
+
+NOT_LEADING = "this retrieval replica does not lead the control plane (another replica leads); retry"
+
+
+@pytest.mark.parametrize("route_ok", [False, True], ids=["at-route", "between-route-and-plan"])
+async def test_a_follower_whose_leader_stopped_leading_serves_leaderless_instead_of_a_503(route_ok: bool) -> None:
+    """The URL the election named answers "not the leader" (it has just lost office, or won it
+    and is still taking it): the request is served without reuse, on the node it was routed to."""
+    from tessera.http import reply
+    from tessera.messages.control import RouteResponse
+    from tessera.messages.plan import Preparation, Retention
+
+    async def route(request: Any) -> Any:
+        return reply(RouteResponse(WIRE_VERSION, "r1", "gen1", 5.0))
+
+    runner, port = await _peer({"/control/route": route if route_ok else _refuse(NotLeader(NOT_LEADING)),
+                                "/control/plan": _refuse(NotLeader(NOT_LEADING))})
+    office = Office(replicated(), ControlPlane(replicated()))
+    office._saw(Leader(f"http://127.0.0.1:{port}".encode(), 12))
+    path = office.path()
+    assert isinstance(path, RemotePath)
+    try:
+        node, _ = await path.route("r1", [("u1", 5), ("u2", 3)], (), 10)
+        if route_ok:
+            assert node == "gen1"  # the remote plane's choice stands
+        plan = await path.finalize("r1", node, held=("u1",))
+        assert plan.term == 12 and plan.node == node
+        assert [(u.unit_id, u.preparation, u.retention) for u in plan.units] == [
+            ("u1", Preparation.COMPUTE, Retention.NEITHER), ("u2", Preparation.COMPUTE, Retention.NEITHER)]
+        path.complete("r1")
+    finally:
+        await office.remote.close()
+        await runner.cleanup()
+
+
+async def test_a_peer_refusing_for_want_of_nodes_is_not_taken_for_a_lost_leader() -> None:
+    """Only NotLeader diverts: a leader with no node to serve still answers 503 through the follower."""
+    from tessera.errors import Unavailable
+
+    runner, port = await _peer({"/control/route": _refuse(Unavailable("no generation node is alive"))})
+    office = Office(replicated(), ControlPlane(replicated()))
+    office._saw(Leader(f"http://127.0.0.1:{port}".encode(), 12))
+    path = office.path()
+    try:
+        with pytest.raises(Unavailable) as refused:
+            await path.route("r1", [("u1", 5)], (), 10)
+        assert not isinstance(refused.value, NotLeader)
+    finally:
+        await office.remote.close()
+        await runner.cleanup()

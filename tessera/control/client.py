@@ -21,7 +21,15 @@ import aiohttp
 import orjson
 
 from tessera.auth import ClusterAuth
-from tessera.errors import BadRequest, ControlPlaneError, DecodeError, Overloaded, PublishRejected, Unavailable
+from tessera.errors import (
+    BadRequest,
+    ControlPlaneError,
+    DecodeError,
+    NotLeader,
+    Overloaded,
+    PublishRejected,
+    Unavailable,
+)
 from tessera.http import LazySession
 from tessera.messages.common import Ack
 from tessera.messages.control import (
@@ -289,6 +297,8 @@ class RequestControl(ControlClient):
         if status == Overloaded.status:
             raise Overloaded(reason)
         if status == Unavailable.status:
+            if isinstance(payload, dict) and payload.get("not_leader") is True:
+                raise NotLeader(reason)  # that replica does not lead (any more, or not yet)
             raise Unavailable(reason)
         if status in (400, 404, 409):
             raise BadRequest(reason, status)

@@ -123,8 +123,9 @@ class RemotePath:
         # where the request goes once the leader cannot be reached (None: a 503 instead)
         self.leaderless = leaderless
         self._diverted: LeaderlessPath | None = None  # the leaderless path, once this request took it
+        self._units: tuple[tuple[str, int], ...] = ()  # what the last route asked for
 
-    def _unreachable(self, exc: ControlPlaneError) -> NotLeader:
+    def _unreachable(self, exc: ControlPlaneError | NotLeader) -> NotLeader:
         return NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
                          "a new leader takes over within ha.lease_ttl_s: retry", self.retry_after_s)
 
@@ -136,12 +137,14 @@ class RemotePath:
             return await self._diverted.route(request_id, units, exclude, prompt_tokens, waited_s)
         try:
             routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
-        except ControlPlaneError as exc:
+        except (ControlPlaneError, NotLeader) as exc:
+            # unreachable, or no longer (or not yet) leading: a failover is under way
             if self.leaderless is None:
                 raise self._unreachable(exc) from None
-            log.info("request %s: the leader cannot be reached (%s); served without reuse", request_id, exc)
+            log.info("request %s: no leader can be reached (%s); served without reuse", request_id, exc)
             self._diverted = self.leaderless
             return await self._diverted.route(request_id, units, exclude, prompt_tokens, waited_s)
+        self._units = tuple(units)
         return routed.node, RemoteWatch(routed.node, routed.first_token_s, self.heard)
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
@@ -149,8 +152,14 @@ class RemotePath:
             return await self._diverted.finalize(request_id, node, held)
         try:
             return await self.control.finalize(request_id, node, held)
-        except ControlPlaneError as exc:
-            raise self._unreachable(exc) from None
+        except (ControlPlaneError, NotLeader) as exc:
+            if self.leaderless is None:
+                raise self._unreachable(exc) from None
+            # the leader went between route and plan: the routed node serves without reuse
+            log.info("request %s: no leader can be reached (%s); served without reuse", request_id, exc)
+            self._diverted = self.leaderless
+            self._diverted.adopt(request_id, self._units)
+            return await self._diverted.finalize(request_id, node, held)
 
     def started(self, request_id: str) -> None:
         pass  # queueing is measured where the heartbeats arrive, on the leader
@@ -219,8 +228,12 @@ class LeaderlessPath:
                             "retry", 1.0)
         self._cursor[0] = (self._cursor[0] + 1) % len(candidates)
         node = candidates[self._cursor[0]]
-        self._units[request_id] = tuple(units)
+        self.adopt(request_id, units)
         return node, UnwatchedNode(node, self.first_token_s)
+
+    def adopt(self, request_id: str, units: Sequence[tuple[str, int]]) -> None:
+        """Plan ``request_id`` here, on whichever node it was routed to."""
+        self._units[request_id] = tuple(units)
 
     async def finalize(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
         units = tuple(UnitPlan(u, n, Preparation.COMPUTE, Retention.NEITHER)
