@@ -387,18 +387,24 @@ def verify(
                                                  "requests (API format, with context_units) or a traffic trace "
                                                  "(with units, docs/bench/traces.md).")] = None,
     samples: Annotated[int, typer.Option(help="Prompts to score (0: all).")] = 40,
-    policies: Annotated[str, typer.Option(help="Comma-separated composition policies.")] = "naive,epic,full",
+    policies: Annotated[str, typer.Option(help="Comma-separated composition policies (full is the reference "
+                                          "itself: add it to check that it scores exactly).")] = "naive,epic",
     ks: Annotated[str, typer.Option(help="epic: comma-separated k (recompute_tokens).")] = "4,16",
     fractions: Annotated[str, typer.Option(help="epic: comma-separated recompute_fraction values.")] = "1.0",
     inline_shares: Annotated[str, typer.Option(help="epic: comma-separated inline_share values (default: the "
                                                "config's).")] = "",
-    leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>).")] = "none,lead",
+    leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>); default: "
+                                       "the configured one (composition.unit_lead).")] = "",
+    threads: Annotated[int, typer.Option(help="Torch threads of the scoring engine (0: every core this process "
+                                         "may use).")] = 0,
     answer_tokens: Annotated[int, typer.Option(help="N: greedy answer tokens of full prefill to compare.")] = 16,
     kl_positions: Annotated[int, typer.Option(help="Answer positions the mean KL is taken over.")] = 8,
     max_kl: Annotated[float | None, typer.Option(
-        help="Fail (exit 1) if the configured setting's mean KL is above.")] = None,
+        help="Fail (exit 1) if the configured setting's mean KL is above (with --calibrate, default: "
+             "composition.max_kl, the fidelity gate's).")] = None,
     min_agreement: Annotated[float | None, typer.Option(help="Fail (exit 1) if the configured setting's greedy "
-                                                        "prefix agreement is below.")] = None,
+                                                        "prefix agreement is below (with --calibrate, default: "
+                                                        "composition.min_agreement).")] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Write a calibration record per scored setting "
                                             "(composition.calibration_dir; the fidelity gate reads them), and pick "
                                             "the cheapest setting (fewest recomputed unit tokens) meeting "
@@ -427,7 +433,8 @@ def verify(
 
     cfg = _load(config)
     opts = VerifyOptions(workload=workload, prompts=prompts, samples=samples, policies=policies, ks=ks,
-                         fractions=fractions, inline_shares=inline_shares, leads=leads, answer_tokens=answer_tokens,
+                         fractions=fractions, inline_shares=inline_shares, leads=leads, threads=threads,
+                         answer_tokens=answer_tokens,
                          kl_positions=kl_positions,
                          max_kl=max_kl, min_agreement=min_agreement, calibrate=calibrate, target_kl=target_kl,
                          target_agreement=target_agreement, overlay=overlay, out=out, top_k=top_k,

@@ -55,7 +55,8 @@ COVERED: dict[str, str | tuple[str, ...]] = {
     "tessera report": "tests/test_bench_merge.py::"
                       "test_tessera_report_merges_runs_writes_the_merged_report_and_refuses_bad_input",
     "tessera eval": SMOKE + "test_tessera_eval_scores_each_policy_against_gold_answers_and_full",
-    "tessera verify": "tests/test_verify.py::test_a_missed_threshold_exits_non_zero",
+    "tessera verify": ("tests/test_verify.py::test_a_missed_threshold_exits_non_zero",
+                       "tests/test_verify.py::test_the_first_hour_path_calibrates_from_a_trace_of_requests"),
     "tessera chaos": (SHORT_CHAOS, "tests/test_chaos.py::test_a_replicated_chaos_run_survives_leader_kills_and_pauses"),
     "pytest tests/test_chaos.py": SHORT_CHAOS,
     "python bench/cpu_profile.py": SMOKE + "test_bench_profile_stages_each_roles_cpu_for_prefix_caching_and_tessera",

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from tessera.benchmark.verify import Setting, bootstrap, prompts_from_file, prompts_from_workload, verify
+from tessera.benchmark.verify import Layouts, Setting, bootstrap, prompts_from_file, prompts_from_workload, verify
 from tessera.benchmark.workloads import synthetic_workload
 from tessera.cli import app
 from tessera.config_file import load_config
@@ -116,7 +117,9 @@ def test_bench_fidelity_scores_the_configured_setting_on_measured_requests(tiny_
 def test_calibration_without_targets_matches_the_configured_setting(tiny_config_file: Path, tmp_path: Path) -> None:
     """No target given: the chosen setting is no worse than the configured one on KL and agreement."""
     overlay = tmp_path / "cal.toml"
-    code, report, output = _run(tiny_config_file, tmp_path, "--ks", "4,16", "--calibrate", "--overlay", str(overlay))
+    # thresholds the configured setting meets on random weights: the target is then its own score
+    code, report, output = _run(tiny_config_file, tmp_path, "--ks", "4,16", "--calibrate", "--overlay", str(overlay),
+                                "--max-kl", "1000", "--min-agreement", "0")
     assert code == 0, output
     rows = {r["setting"]: r for r in report["rows"]}  # type: ignore[union-attr]
     mine, chosen = rows[report["configured"]], report["calibrated"]
@@ -185,3 +188,79 @@ def test_a_prompt_whose_units_verify_cannot_find_is_refused_naming_it(tmp_path: 
     with pytest.raises(ConfigError) as info:
         prompts_from_file(path, load_config(None))
     assert needle in str(info.value)
+
+
+def test_calibrate_judges_the_configured_setting_by_the_gates_thresholds(tiny_config_file: Path,
+                                                                        tmp_path: Path) -> None:
+    """``--calibrate`` prints one PASS / FAIL line against composition.max_kl / min_agreement; when the
+    configured setting fails, the overlay is the cheapest setting that passes (exit 0), or none does (exit 1)."""
+    lenient = tmp_path / "lenient.toml"
+    lenient.write_text(f'base = "{tiny_config_file}"\n[composition]\nmax_kl = 1000.0\nmin_agreement = 0.0\n')
+    code, report, output = _run(lenient, tmp_path, "--calibrate", "--overlay", str(tmp_path / "a.toml"))
+    assert code == 0 and report["passed"] is True, output
+    assert "PASS: epic k=16 f=0.25 inline=0.75 lead=none on 4 prompts" in output and "fidelity gate's" in output
+
+    strict = tmp_path / "strict.toml"
+    strict.write_text(f'base = "{tiny_config_file}"\n[composition]\nmax_kl = 0.0\nmin_agreement = 1.0\n')
+    overlay = tmp_path / "b.toml"
+    code, report, output = _run(strict, tmp_path, "--calibrate", "--policies", "naive,epic,full",
+                                "--overlay", str(overlay))
+    assert "FAIL: epic k=16 f=0.25 inline=0.75 lead=none on 4 prompts" in output
+    assert "PASS: full lead=none (the overlay)" in output and code == 0 and report["passed"] is True, output
+    assert load_config(overlay).composition.policy == "full"
+    code, report, output = _run(strict, tmp_path, "--calibrate", "--overlay", str(tmp_path / "c.toml"))
+    assert code == 1 and report["passed"] is False and "no setting meets" in output, output
+
+
+def test_by_default_only_the_configured_unit_lead_is_scored(tiny_config_file: Path, tmp_path: Path) -> None:
+    """The default grid is the configured lead's (none here), without ``full`` (the reference itself)."""
+    code, report, output = _run(tiny_config_file, tmp_path)
+    assert code == 0, output
+    labels = [r["setting"] for r in report["rows"]]  # type: ignore[union-attr]
+    assert labels == ["epic k=16 f=0.25 inline=0.75 lead=none", "naive lead=none",
+                      "epic k=4 f=1 inline=0.75 lead=none", "epic k=16 f=1 inline=0.75 lead=none"]
+    assert report["passed"] is None and "PASS" not in output and "FAIL" not in output
+
+
+def test_an_answer_scored_in_one_forward_matches_scoring_it_a_decode_step_a_token(tiny_config_file: Path) -> None:
+    """The reference engine scores a forced answer inside the prompt's forward (``Extend.tail_logits``):
+    the logits before each answer token are those a decode step per token gives."""
+    from tessera.composition.policies import get_policy
+    from tessera.engines.offline import compose, prefill_units
+
+    cfg = load_config(tiny_config_file)
+    engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
+    prompt = prompts_from_workload(cfg, synthetic_workload(1, n_units=4, unit_words=12, units_per_request=2),
+                                   engine.tokenizer)[0]
+    policy = get_policy("epic", recompute_tokens=2)
+    built = Layouts(engine, engine.tokenizer, cfg).build(prompt, "", policy, 5)
+    states = prefill_units(engine, built.rendered)
+    answer = [5, 9, 2, 7, 3]
+    one = compose(engine, built.served, policy, states, forced=answer, use_prefix_cache=False)
+    engine.scores_tail = False  # the decode-step path every engine has
+    try:
+        stepped = compose(engine, built.served, policy, states, forced=answer, use_prefix_cache=False)
+    finally:
+        del engine.scores_tail
+    assert len(one.forced_logits) == len(stepped.forced_logits) == len(answer) and one.computed == stepped.computed
+    for a, b in zip(one.forced_logits, stepped.forced_logits, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), float((a - b).abs().max())
+
+
+def test_the_first_hour_path_calibrates_from_a_trace_of_requests(tiny_config_file: Path, tmp_path: Path) -> None:
+    """The documented first-hour path: a trace of requests (here ``tessera trace from-workload``), then
+    ``tessera verify --prompts FILE --calibrate``: a PASS / FAIL line, a record per setting, an overlay."""
+    trace = tmp_path / "my_requests.jsonl"
+    made = CliRunner().invoke(app, ["trace", "from-workload", "--workload", "synthetic", "--requests", "3",
+                                    "--unit-words", "12", "--out", str(trace), "--config", str(tiny_config_file)])
+    assert made.exit_code == 0 and len(trace.read_text().splitlines()) == 3, made.output
+    lenient = tmp_path / "lenient.toml"
+    lenient.write_text(f'base = "{tiny_config_file}"\n[composition]\nmax_kl = 1000.0\nmin_agreement = 0.0\n')
+    overlay = tmp_path / "calibrated.toml"
+    code, report, output = _run(lenient, tmp_path, "--prompts", str(trace), "--samples", "0", "--calibrate",
+                                "--overlay", str(overlay))
+    assert code == 0, output
+    assert "PASS: epic k=16 f=0.25 inline=0.75 lead=none on 3 prompts" in output and report["prompts"] == 3
+    assert len(list((tiny_config_file.parent / "records").glob("*.json"))) >= len(report["rows"])  # type: ignore[arg-type]
+    assert Setting.of(load_config(overlay).composition).label == report["calibrated"]["setting"]  # type: ignore[index]
+    assert float(str(report["seconds"])) > 0

@@ -121,6 +121,10 @@ class Extend:
     ``units`` (only for an engine whose :attr:`~EngineAdapter.fuses_unit_prefills` is true):
     units prefilled in the same forward and placed into these slots before the extend's
     tokens attend to them.
+
+    ``tail_logits`` (only for an engine whose :attr:`~EngineAdapter.scores_tail` is true): after
+    the step, ``tail`` holds the logits of the extend's last ``tail_logits`` tokens,
+    ``[tail_logits, vocab]`` float32 in token order (a fixed answer scored in one forward).
     """
 
     slots: KVSlots
@@ -129,6 +133,8 @@ class Extend:
     logits: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     units: Sequence[UnitFeed] = ()
+    tail_logits: int = 0
+    tail: torch.Tensor | None = None
 
     @property
     def n_computed(self) -> int:
@@ -148,6 +154,8 @@ class EngineAdapter(ABC):
     # True: step() honours Extend.units (a missing unit is prefilled in its request's own
     # forward); False: the node prefills it as a separate UnitPrefill and places it first
     fuses_unit_prefills: bool = False
+    # True: step() honours Extend.tail_logits; False: a fixed answer is scored a decode step a token
+    scores_tail: bool = False
 
     @abstractmethod
     def allocate(self, n_slots: int) -> KVSlots:

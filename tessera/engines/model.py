@@ -55,6 +55,7 @@ class Item:
     capture: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, T, H_kv, D] pre-RoPE K and V
     capture_from: int = 0  # rows before this are not captured (e.g. a BOS sink)
     logits: bool = False  # return logits of the token at the highest position
+    tail: int = 0  # also return logits of the item's last ``tail`` rows (slotted items)
     feeds: Sequence[Feed] = ()  # capture items only: rows placed into other items' slots per layer
 
 
@@ -109,6 +110,8 @@ class Model:
             positions.extend(pos)
             if it.logits:
                 logit_rows.append(row + pos.index(top))
+            assert 0 <= it.tail <= n, (it.tail, n)
+            logit_rows.extend(range(row + n - it.tail, row + n))
             plan = _Plan(row, row + n, it.kv, slice(0, n), n, True, None)
             if it.kv is not None:
                 assert top < it.kv[0].shape[1], f"position {top} is beyond the {it.kv[0].shape[1]} slots"
@@ -126,7 +129,8 @@ class Model:
 
     @torch.no_grad()
     def forward(self, items: Sequence[Item]) -> torch.Tensor:
-        """Run one batched forward; returns float32 logits ``[n_logit_items, vocab]`` in item order."""
+        """Run one batched forward; returns float32 logits ``[rows, vocab]`` in item order: per item,
+        its highest position's row (``logits``), then its last ``tail`` rows."""
         plans, positions, logit_rows = self._plan(items)
         self.rope.ensure(max([*positions, *(f.position + f.end - f.start for it in items for f in it.feeds)]) + 1)
         pos = torch.tensor(positions, device=self.device)

@@ -103,15 +103,22 @@ def compose(engine: EngineAdapter, layout: PromptLayout, policy: CompositionPoli
         check_ranges(layout, ranges)
         n_placed = place_units(engine, slots, placements(layout, ranges, prefix_len), states)
         ids, positions = tokens_to_compute(layout, ranges, prefix_len)
-        final = Extend(slots, ids, positions)
+        one_pass = bool(forced) and engine.scores_tail
+        if one_pass:  # the answer rides in the prompt's own forward: one pass scores it all
+            ids, positions = [*ids, *forced[:-1]], [*positions, *range(n, n + len(forced) - 1)]
+        final = Extend(slots, ids, positions, tail_logits=len(forced) if one_pass else 0)
         engine.step([final])
         assert final.logits is not None
         if insert_prefix:
             engine.insert_prefix(slots, leading_text_tokens(layout))
+        computed = computed_ranges(layout, ranges, prefix_len)
+        if one_pass:
+            assert final.tail is not None
+            scored = list(final.tail)
+            return Composition(scored[0], [], prefix_len, computed, n_placed, scored)
         generated = greedy_continue(engine, slots, final.logits, n, max_new_tokens, stop_ids)
         scored = teacher_force(engine, slots, final.logits, n, forced) if forced else []
-        return Composition(final.logits, generated, prefix_len, computed_ranges(layout, ranges, prefix_len),
-                           n_placed, scored)
+        return Composition(final.logits, generated, prefix_len, computed, n_placed, scored)
     finally:
         engine.free(slots)
 

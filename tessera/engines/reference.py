@@ -53,6 +53,7 @@ class TorchSlots(KVSlots):
 @ENGINES.register("reference")
 class ReferenceEngine(Tokenized, EngineAdapter):
     fuses_unit_prefills = True  # Extend.units: see tessera.engines.model (Feed)
+    scores_tail = True  # Extend.tail_logits: the model returns an item's last rows' logits
 
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False,
@@ -124,13 +125,20 @@ class ReferenceEngine(Tokenized, EngineAdapter):
                     u.state, item = self._unit_item(u.token_ids, self._feeds(u, s))
                     if item is not None:
                         items.append(item)
-                items.append(Item(w.token_ids, w.positions, kv=(s.keys, s.values), logits=True))
+                if not 0 <= w.tail_logits <= len(w.token_ids):
+                    raise ValueError(f"tail_logits {w.tail_logits} of an extend of {len(w.token_ids)} tokens")
+                items.append(Item(w.token_ids, w.positions, kv=(s.keys, s.values), logits=True, tail=w.tail_logits))
                 extends.append(w)
         if not items:
             return
         logits = self.model.forward(items)
-        for ext, row in zip(extends, logits, strict=True):
-            ext.logits = row
+        row = 0
+        for ext in extends:
+            ext.logits = logits[row]
+            if ext.tail_logits:
+                ext.tail = logits[row + 1:row + 1 + ext.tail_logits]
+            row += 1 + ext.tail_logits
+        assert row == logits.shape[0], (row, logits.shape)
 
     def _unit_item(self, token_ids: Sequence[int], feeds: Sequence[Feed] = ()) -> tuple[UnitState, Item | None]:
         """An empty state of the unit's shape, and the fresh item that captures into it (None: no tokens)."""
