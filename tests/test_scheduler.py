@@ -341,3 +341,20 @@ async def test_begin_takes_slots_and_matches_the_prefix_in_one_engine_call() -> 
         assert matched == 0 and engine.allocated == [slots]
         _, none = await s.begin(8, [], "t")  # nothing to match: no match call
     assert none == 0 and {"allocate", "match_prefix"} <= set(s.worker.cpu_s)
+
+
+async def test_the_engine_sets_up_the_engine_thread_before_its_first_call(fake_engine: Any) -> None:
+    """An engine whose kernels keep per-thread state (SGLang binds an OpenMP team to cores) is
+    told which thread runs its forwards: ``on_engine_thread`` runs there, once, before any call."""
+    import threading
+
+    seen: list[str] = []
+    fake_engine.on_engine_thread = lambda: seen.append(threading.current_thread().name)
+    step = fake_engine.step
+    fake_engine.step = lambda work: (seen.append(threading.current_thread().name), step(work))[1]
+    async with scheduler(fake_engine, max_batch_tokens=8) as s:
+        task = _extend(s, await _slots(s), 4)
+        s.start()
+        await task
+        await _extend(s, await _slots(s), 4)
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0].startswith("engine"), seen

@@ -169,6 +169,45 @@ def test_a_unit_fed_into_its_requests_forward_equals_a_separate_prefill_and_plac
         engine.free(fused_slots)
 
 
+def test_units_fed_into_two_requests_of_one_forward_equal_separate_prefills_and_placements(engine: Any) -> None:
+    """Every feed of a forward is placed together at each layer: two units, one of them fed in two
+    spans, into two requests, give the slots and logits that separate prefills and placements give."""
+    a, b, q = engine.encode(UNIT_A), engine.encode(UNIT_B), engine.encode(QUESTION)
+    n = len(a) + len(b) + len(q)
+    states = {}
+    for name, ids in (("a", a), ("b", b)):
+        prefill = UnitPrefill(ids)
+        engine.step([prefill])
+        states[name] = prefill.state
+    # request 1: A then B, the first 3 tokens of each recomputed; request 2: B alone, its head recomputed
+    ids1, pos1 = [*a[:3], *b[:3], *q], [*range(3), *range(len(a), len(a) + 3), *range(len(a) + len(b), n)]
+    ids2, pos2 = [*b[:2], *q], [*range(2), *range(len(b), len(b) + len(q))]
+    placed1, placed2 = engine.allocate(n + 1), engine.allocate(len(b) + len(q) + 1)
+    engine.place(placed1, 3, UnitState(states["a"].keys[:, 3:], states["a"].values[:, 3:]))
+    engine.place(placed1, len(a) + 3, UnitState(states["b"].keys[:, 3:], states["b"].values[:, 3:]))
+    engine.place(placed2, 2, UnitState(states["b"].keys[:, 2:], states["b"].values[:, 2:]))
+    ext1, ext2 = Extend(placed1, ids1, pos1), Extend(placed2, ids2, pos2)
+    engine.step([ext1, ext2])
+    fused1, fused2 = engine.allocate(n + 1), engine.allocate(len(b) + len(q) + 1)
+    feed_a = UnitFeed(a, [(3, len(a), 3)])
+    feed_b1 = UnitFeed(b, [(3, 5, len(a) + 3), (5, len(b), len(a) + 5)])  # one unit, two spans
+    feed_b2 = UnitFeed(b, [(2, len(b), 2)])
+    f1 = Extend(fused1, ids1, pos1, units=[feed_a, feed_b1])
+    f2 = Extend(fused2, ids2, pos2, units=[feed_b2])
+    engine.step([f1, f2])
+    try:
+        for feed, name in ((feed_a, "a"), (feed_b1, "b"), (feed_b2, "b")):
+            assert feed.state is not None and torch.equal(feed.state.keys, states[name].keys)
+        assert torch.equal(engine.read_slots(fused1, 0, n)[0], engine.read_slots(placed1, 0, n)[0])
+        m = len(b) + len(q)
+        assert torch.equal(engine.read_slots(fused2, 0, m)[1], engine.read_slots(placed2, 0, m)[1])
+        assert f1.logits is not None and ext1.logits is not None and torch.equal(f1.logits, ext1.logits)
+        assert f2.logits is not None and ext2.logits is not None and torch.equal(f2.logits, ext2.logits)
+    finally:
+        for slots in (placed1, placed2, fused1, fused2):
+            engine.free(slots)
+
+
 def test_exact_prefix_cache_is_per_tenant_and_serves_the_same_logits(engine: Any) -> None:
     tokens = engine.encode(UNIT_A + UNIT_B)
     first, full = _prefill(engine, tokens)

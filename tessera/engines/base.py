@@ -182,6 +182,13 @@ class EngineAdapter(ABC):
     def insert_prefix(self, slots: KVSlots, token_ids: Sequence[int], namespace: str = "") -> None:
         """Offer slots ``0 .. len(token_ids)`` (computed exactly) to the prefix cache of ``namespace``."""
 
+    def on_engine_thread(self) -> None:
+        """Called once on the thread that will make every later call, before the first.
+
+        Loading may happen on another thread; an engine whose kernels keep per-thread state
+        (an OpenMP team bound to cores) sets it up for this thread here. By default nothing."""
+        return None
+
     def decode(self, work: Sequence[Extend]) -> None:
         """One decode step (one token per request); backends may override with a faster path."""
         self.step(work)

@@ -74,12 +74,18 @@ class EngineWorker:
 
     def __init__(self, engine: EngineAdapter) -> None:
         self.engine = engine
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine", initializer=_name_os_thread)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine", initializer=self._first)
         # the engine thread's CPU and wall seconds by call (step, place_units, match_prefix, ...):
         # what a node's engine time goes to, and how much of it waits (for a core, for the GIL),
         # for /metrics; written on the engine thread only
         self.cpu_s: dict[str, float] = {}
         self.wall_s: dict[str, float] = {}
+
+    def _first(self) -> None:
+        """On the engine thread, before its first call: its OS name, then the engine's own set-up
+        of the thread that runs its forwards (:meth:`EngineAdapter.on_engine_thread`)."""
+        _name_os_thread()
+        self.engine.on_engine_thread()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.submit(fn, *args)

@@ -79,6 +79,11 @@ class Batch:
     write_rows: torch.Tensor | None = None  # rows whose K/V go to the pool (None: every row)
     write_locs: torch.Tensor | None = None
     kernel_meta: dict[str, Any] = field(default_factory=dict)
+    # every feed of the forward, placed together at each layer: (unit, state rows start..end),
+    # and the positions and KV locations they go to, in that order
+    feed_spans: list[tuple[Seq, int, int]] = field(default_factory=list)
+    feed_positions: torch.Tensor | None = None
+    feed_locs: torch.Tensor | None = None
 
     @property
     def n_rows(self) -> int:
@@ -98,6 +103,17 @@ def runs(positions: Sequence[int]) -> list[tuple[int, int]]:
 def prepare(batch: Batch, kernels: bool) -> None:
     """Fill the batch's row indices and kernel metadata (once per forward, not per layer)."""
     dev = batch.device
+    positions: list[int] = []
+    locs: list[torch.Tensor] = []
+    for s in batch.seqs:
+        for start, end, position in s.feeds:
+            assert s.feed_locs is not None, "a fed unit needs its request's KV locations"
+            batch.feed_spans.append((s, start, end))
+            positions.extend(range(position, position + end - start))
+            locs.append(s.feed_locs[position:position + end - start])
+    if locs:
+        batch.feed_positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        batch.feed_locs = torch.cat(locs)
     writers = [s for s in batch.seqs if s.kind == "tail"]
     if writers:
         rows = [r for s in writers for r in range(s.start, s.end)]
@@ -162,8 +178,8 @@ class ComposeAttention:
         for s in batch.seqs:
             if s.capture is not None:
                 s.capture[1][lid].copy_(v[s.start + s.capture_from:s.end])
-                if s.feeds:
-                    self._feed(s, layer, lid)
+        if batch.feed_spans:
+            self._feed(batch, layer, lid)
         o = torch.empty_like(q.view(-1, hq, d))
         if batch.decode and self.kernels:
             self._decode(q.view(-1, hq, d), k, v, o, layer, batch)
@@ -182,15 +198,19 @@ class ComposeAttention:
                 o[s.start:s.end] = self._torch_seq(qh, k, v, k_buf, v_buf, s, float(layer.scaling))
         return o.view(-1, hq * d)
 
-    def _feed(self, s: Seq, layer: Any, lid: int) -> None:
-        """Place this layer of a unit's captured state into the request it is fed to."""
-        assert s.capture is not None and s.feed_locs is not None
-        keys, values = s.capture[0][lid:lid + 1], s.capture[1][lid]
-        for start, end, position in s.feeds:
-            positions = torch.arange(position, position + end - start, device=keys.device)
-            locs = s.feed_locs[position:position + end - start]
-            rotated = self.rotate(keys[:, start:end], positions)[0]
-            self.token_to_kv_pool.set_kv_buffer(layer, locs, rotated, values[start:end].to(rotated.dtype))
+    def _feed(self, batch: Batch, layer: Any, lid: int) -> None:
+        """Place this layer of every fed unit's captured state into the requests they are fed to:
+        one rotation and one pool write for all of them (per feed, the calls cost more than the
+        arithmetic)."""
+        assert batch.feed_positions is not None and batch.feed_locs is not None
+        keys, values = [], []
+        for s, start, end in batch.feed_spans:
+            assert s.capture is not None
+            keys.append(s.capture[0][lid:lid + 1, start:end])
+            values.append(s.capture[1][lid, start:end])
+        rotated = self.rotate(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], batch.feed_positions)[0]
+        flat = torch.cat(values) if len(values) > 1 else values[0]
+        self.token_to_kv_pool.set_kv_buffer(layer, batch.feed_locs, rotated, flat.to(rotated.dtype))
 
     # --- SGLang's kernels -----------------------------------------------------------------
 

@@ -97,6 +97,17 @@ class SGLangEngine(Tokenized, EngineAdapter):
         self.attention = ComposeAttention(self.pool, self.req_to_token, kernels=kernels, rotate=self.rotate)
         self.rope = self._wrap_rope()
 
+    def on_engine_thread(self) -> None:
+        """Bind this thread's OpenMP team to the runner's cores, as SGLang binds its own scheduler's.
+
+        SGLang binds the team of the thread that built the runner; OpenMP gives every other
+        thread a team of its own, unbound, whose threads migrate between cores: the node's
+        engine thread would run every forward far slower than SGLang's server does."""
+        cores = getattr(self.runner, "local_omp_cpuid", None)
+        bind = getattr(getattr(torch.ops, "sgl_kernel", None), "init_cpu_threads_env", None)
+        if self.device.type == "cpu" and cores and bind is not None:
+            bind(str(cores))
+
     @classmethod
     def from_config(cls, cfg: ClusterConfig,
                     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> SGLangEngine:
