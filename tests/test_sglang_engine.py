@@ -318,17 +318,36 @@ def test_openai_client_against_sglang_nodes_composes_like_the_offline_engine(sgl
     assert first.model_dump()["usage"]["tessera"]["computed_units"] == 2
 
 
-def test_bench_sglang_agreement_compares_three_engines_greedy_tokens() -> None:
-    """`python bench/sglang_agreement.py`: one table row per pair of engines, counts out of the prompts."""
+def _fresh_child(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """``args`` in a child started as this process was, before it built an SGLang runner: its
+    environment and its cores (SGLang set both for itself)."""
     env = child_env()
     for key in set(os.environ) - set(STARTING_ENV):
         env.pop(key, None)
     env.update({k: v for k, v in STARTING_ENV.items() if os.environ.get(k) != v})
-    done = subprocess.run([sys.executable, "bench/sglang_agreement.py", "--prompts", "2", "--answer-tokens", "3"],
-                          cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, STARTING_CORES),
-                          capture_output=True, text=True, timeout=900, check=False)
+    return subprocess.run(args, cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, STARTING_CORES),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_bench_sglang_agreement_compares_three_engines_greedy_tokens() -> None:
+    """`python bench/sglang_agreement.py`: one table row per pair of engines, counts out of the prompts."""
+    done = _fresh_child([sys.executable, "bench/sglang_agreement.py", "--prompts", "2", "--answer-tokens", "3"])
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(r"^\| (.+?) \| (\d+)/2 \| (\d\.\d{3}) \|$", done.stdout, re.M)
     pairs = [tuple(side.split(" (")[0] for side in r[0].split(" vs ")) for r in rows]
     assert pairs == [("Tessera on SGLang", "unmodified SGLang"), ("Tessera on SGLang", "reference engine"),
                      ("unmodified SGLang", "reference engine")], rows
+
+
+def test_a_short_chaos_run_on_sglang_nodes_keeps_every_invariant() -> None:
+    """`tessera chaos --config bench/sglang_chaos.toml`: every fault kind under load on two SGLang
+    nodes; every 200 is the offline composition's tokens on the same engine, or parts from them only
+    at a near-tie of its bfloat16 kernels; no violation, and the cluster serves normally afterwards."""
+    done = _fresh_child([sys.executable, "-m", "tessera", "chaos", "--config", "bench/sglang_chaos.toml",
+                         "--duration", "45", "--rate", "1", "--fault-every", "6", "--seed", "1"])
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert "violations: 0" in done.stdout and "served normally afterwards: yes" in done.stdout, done.stdout
+    injected = re.search(r"^faults injected: (.*)$", done.stdout, re.M)
+    assert injected is not None and {f.split()[0] for f in injected.group(1).split(", ")} == {
+        "corrupt_block", "kill_generation", "kill_memory", "restart_retrieval", "stop_generation"}, done.stdout
+    assert re.search(r"^outcomes: .*200 verified [1-9]", done.stdout, re.M), done.stdout

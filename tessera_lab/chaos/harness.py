@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
 import signal
@@ -58,6 +59,9 @@ class ChaosOptions:
     progress: bool = True  # a line on stderr per phase and per fault
 
 
+VERIFIED = ("200 verified", "200 within the tie")  # what a correct 200 is
+
+
 @dataclass
 class Reply:
     status: int  # HTTP status; 0 = the connection was lost
@@ -77,6 +81,7 @@ class ChaosReport:
     ttft_ms: list[float] = field(default_factory=list)
     rss_warm_mb: float = 0.0
     rss_after_mb: float = 0.0
+    largest_tie: float = 0.0  # the largest shortfall of a reply served within the tie
     recovered: bool = False
 
     @property
@@ -97,21 +102,39 @@ class ChaosReport:
             f"TTFT of verified replies (server): p50 {self.percentile(50):.0f} ms, p99 {self.percentile(99):.0f} ms",
             f"RSS of all roles: {self.rss_warm_mb:.0f} MB after warm-up, {self.rss_after_mb:.0f} MB after the run",
             f"served normally afterwards: {'yes' if self.recovered else 'NO'}",
+            *([f"half-precision near-ties: {self.outcomes['200 within the tie']} replies part from the offline "
+               f"tokens, each served token within {self.largest_tie:.2f} of the offline argmax logit"]
+              if self.outcomes["200 within the tie"] else []),
             f"violations: {len(self.violations)}",
         ]
         lines += [f"  - {v}" for v in self.violations[:20]]
         return "\n".join(lines)
 
 
+# How far below the offline argmax (in logits) a served token of a half-precision engine may be:
+# its kernels are not batch-invariant (a row's sums depend on the batch's shape), so a near-tie
+# can go either way between a node's batch and the oracle's; a wrong unit state or a corrupt
+# block does not stay within this of the argmax at every position
+HALF_PRECISION_TIE = 0.5
+
+
 class Oracle:
-    """Offline greedy composition with the served engine and config (loaded once, in this process)."""
+    """Offline greedy composition with the served engine and config (loaded once, in this process).
+
+    A float32 engine serves exactly the offline tokens. A half-precision one (SGLang's bfloat16
+    kernels) may part from them at a near-tie: a reply whose tokens differ is then teacher-forced
+    through the offline composition, and every served token must be within ``tie`` of that
+    position's argmax logit (:meth:`shortfall`).
+    """
 
     def __init__(self, config: ClusterConfig) -> None:
         from tessera.composition.policies import policy_from_config
-        from tessera.engines.reference import ReferenceEngine
+        from tessera.engines.base import load_engine
 
-        self.engine = ReferenceEngine.from_config(config)
+        # the nodes' engine (model.engine): a reply is checked against what that engine composes
+        self.engine = load_engine(config, 0)
         self.policy = policy_from_config(config.composition)
+        self.tie = 0.0 if config.model.dtype == "float32" else HALF_PRECISION_TIE
 
     def tokens(self, trace: dict[str, Any], n: int) -> list[int]:
         from tessera.engines.offline import compose, prefill_units
@@ -120,6 +143,16 @@ class Oracle:
         states = prefill_units(self.engine, layout)
         comp = compose(self.engine, layout, self.policy, states, max_new_tokens=n, stop_ids=self.engine.eos_token_ids)
         return list(comp.generated)
+
+    def shortfall(self, trace: dict[str, Any], served: list[int]) -> float:
+        """The largest gap between the offline argmax logit and the served token's logit, over
+        the served tokens teacher-forced through the offline composition (0: each was the argmax)."""
+        from tessera.engines.offline import compose, prefill_units
+
+        layout = layout_from_trace(trace)
+        states = prefill_units(self.engine, layout)
+        forced = compose(self.engine, layout, self.policy, states, forced=served).forced_logits
+        return max(float(row.max() - row[token]) for row, token in zip(forced, served, strict=True))
 
 
 def rss_mb(pid: int) -> float:
@@ -327,7 +360,7 @@ class ChaosRun:
         for reply in replies:
             kind = self._check(reply, oracle)
             r.outcomes[kind] += 1
-        r.recovered = all(self._check(reply, oracle) == "200 verified" for reply in final)
+        r.recovered = all(self._check(reply, oracle) in VERIFIED for reply in final)
         if not r.recovered:
             r.violations.append("after the run: " + ", ".join(str(f.status) for f in final))
         growth_ok = r.rss_after_mb <= r.rss_warm_mb * self.options.rss_growth + self.options.rss_slack_mb
@@ -344,13 +377,19 @@ class ChaosRun:
                 violations.append(f"200 without tokens or layout at t={reply.sent_at:.1f}s: {exc!r}")
                 return "200 malformed"
             ended_at_once = not served and (not expected or expected[0] in oracle.engine.eos_token_ids)
+            outcome = "200 verified"
             if served != expected[: len(served)] or (not served and not ended_at_once):
-                violations.append(f"wrong tokens at t={reply.sent_at:.1f}s: served {served}, offline {expected}")
-                return "200 wrong tokens"
+                gap = oracle.shortfall(reply.body["tessera_layout"], served) if served and oracle.tie else math.inf
+                if gap > oracle.tie:
+                    violations.append(f"wrong tokens at t={reply.sent_at:.1f}s: served {served}, offline {expected}"
+                                      + (f" (a served token {gap:.2f} below the argmax)" if gap < math.inf else ""))
+                    return "200 wrong tokens"
+                outcome = "200 within the tie"  # a near-tie of a half-precision engine went the other way
+                self.report.largest_tie = max(self.report.largest_tie, gap)
             ttft = reply.body.get("usage", {}).get("tessera", {}).get("ttft_ms")
             if ttft is not None:
                 self.report.ttft_ms.append(float(ttft))
-            return "200 verified"
+            return outcome
         if reply.status in (429, 503) and isinstance(reply.body.get("error"), dict):
             return f"{reply.status} refused"
         if reply.status == 0 and self._during_retrieval_restart(reply):
