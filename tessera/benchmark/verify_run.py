@@ -183,12 +183,12 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
         directory = _records(config, engine.fingerprint.model, rows, source, len(chosen_prompts))
         report["records"] = str(directory)
         say(f"calibration records of {len(rows)} settings written to {directory}")
-        failing = judged is not None and passed is False
-        best = _calibrate(rows, mine, opts, report, judged[0] if failing and judged is not None else None)
+        failing = judged if passed is False else None  # then the overlay must pass instead
+        best = _calibrate(rows, mine, opts, report, failing[0] if failing is not None else None)
         if best is None:
             code = 1
-        elif failing and judged is not None:  # the overlay serves what passes instead
-            passed = _verdict(best, *judged, len(chosen_prompts), " (the overlay)")
+        elif failing is not None:
+            passed = _verdict(best, *failing, len(chosen_prompts), " (the overlay)")
             code = 0 if passed else 1
     report["passed"] = passed
     if opts.frontier:
