@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -41,6 +41,9 @@ from tessera.composition.layout import layout_from_trace
 from tessera.config import ClusterConfig
 from tessera.launcher import Child, LocalCluster
 from tessera.ports import on_free_ports
+
+if TYPE_CHECKING:
+    from tessera.engines.offline import Composition
 
 FAULTS = ("kill_generation", "kill_memory", "stop_generation", "corrupt_block", "restart_retrieval")
 TOPICS = ("harbour", "orchard", "lighthouse", "ferry", "library", "market", "observatory", "mill")
@@ -137,22 +140,21 @@ class Oracle:
         self.tie = 0.0 if config.model.dtype == "float32" else HALF_PRECISION_TIE
 
     def tokens(self, trace: dict[str, Any], n: int) -> list[int]:
-        from tessera.engines.offline import compose, prefill_units
-
-        layout = layout_from_trace(trace)
-        states = prefill_units(self.engine, layout)
-        comp = compose(self.engine, layout, self.policy, states, max_new_tokens=n, stop_ids=self.engine.eos_token_ids)
+        comp = self._compose(trace, max_new_tokens=n, stop_ids=self.engine.eos_token_ids)
         return list(comp.generated)
 
     def shortfall(self, trace: dict[str, Any], served: list[int]) -> float:
         """The largest gap between the offline argmax logit and the served token's logit, over
         the served tokens teacher-forced through the offline composition (0: each was the argmax)."""
+        forced = self._compose(trace, forced=served).forced_logits
+        return max(float(row.max() - row[token]) for row, token in zip(forced, served, strict=True))
+
+    def _compose(self, trace: dict[str, Any], **how: Any) -> Composition:
+        """The offline composition of a reply's layout, its units prefilled independently."""
         from tessera.engines.offline import compose, prefill_units
 
         layout = layout_from_trace(trace)
-        states = prefill_units(self.engine, layout)
-        forced = compose(self.engine, layout, self.policy, states, forced=served).forced_logits
-        return max(float(row.max() - row[token]) for row, token in zip(forced, served, strict=True))
+        return compose(self.engine, layout, self.policy, prefill_units(self.engine, layout), **how)
 
 
 def rss_mb(pid: int) -> float:

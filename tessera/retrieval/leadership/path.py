@@ -125,9 +125,15 @@ class RemotePath:
         self._diverted: LeaderlessPath | None = None  # the leaderless path, once this request took it
         self._units: tuple[tuple[str, int], ...] = ()  # what the last route asked for
 
-    def _unreachable(self, exc: ControlPlaneError | NotLeader) -> NotLeader:
-        return NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
-                         "a new leader takes over within ha.lease_ttl_s: retry", self.retry_after_s)
+    def _divert(self, request_id: str, exc: ControlPlaneError | NotLeader) -> LeaderlessPath:
+        """The leader is unreachable, or no longer (or not yet) leads: a failover is under way, and
+        the request goes on without reuse (a 503 where no leader's term is known yet)."""
+        if self.leaderless is None:
+            raise NotLeader(f"the leader's control plane at {self.control.base_url} cannot be reached ({exc}); "
+                            "a new leader takes over within ha.lease_ttl_s: retry", self.retry_after_s) from None
+        log.info("request %s: no leader can be reached (%s); served without reuse", request_id, exc)
+        self._diverted = self.leaderless
+        return self._diverted
 
     async def route(self, request_id: str, units: Sequence[tuple[str, int]], exclude: Collection[str],
                     prompt_tokens: int, waited_s: float = 0.0) -> tuple[str, Watch]:
@@ -138,12 +144,7 @@ class RemotePath:
         try:
             routed = await self.control.route_request(request_id, units, exclude, prompt_tokens, waited_s)
         except (ControlPlaneError, NotLeader) as exc:
-            # unreachable, or no longer (or not yet) leading: a failover is under way
-            if self.leaderless is None:
-                raise self._unreachable(exc) from None
-            log.info("request %s: no leader can be reached (%s); served without reuse", request_id, exc)
-            self._diverted = self.leaderless
-            return await self._diverted.route(request_id, units, exclude, prompt_tokens, waited_s)
+            return await self._divert(request_id, exc).route(request_id, units, exclude, prompt_tokens, waited_s)
         self._units = tuple(units)
         return routed.node, RemoteWatch(routed.node, routed.first_token_s, self.heard)
 
@@ -153,13 +154,10 @@ class RemotePath:
         try:
             return await self.control.finalize(request_id, node, held)
         except (ControlPlaneError, NotLeader) as exc:
-            if self.leaderless is None:
-                raise self._unreachable(exc) from None
             # the leader went between route and plan: the routed node serves without reuse
-            log.info("request %s: no leader can be reached (%s); served without reuse", request_id, exc)
-            self._diverted = self.leaderless
-            self._diverted.adopt(request_id, self._units)
-            return await self._diverted.finalize(request_id, node, held)
+            diverted = self._divert(request_id, exc)
+            diverted.adopt(request_id, self._units)
+            return await diverted.finalize(request_id, node, held)
 
     def started(self, request_id: str) -> None:
         pass  # queueing is measured where the heartbeats arrive, on the leader
