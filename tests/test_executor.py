@@ -432,3 +432,38 @@ async def test_a_reused_unit_costs_no_engine_call_of_its_own(preparation: Prepar
     assert calls == ["_begin", "_run_batch", "insert_prefix", "free"]
     assert engine.placed == [(PLACED_OFFSET, PLACED_TOKENS)]
     assert done.stats.unit_sources == {"u1": preparation.value}
+
+
+async def test_a_miss_is_decided_when_its_turn_comes_not_when_its_plan_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (goodput past saturation): a request planned to compute u1 decided how to get
+    it as its plan arrived, then queued behind the node's work; meanwhile another node published
+    u1, and both nodes computed it. Now a request with a miss waits in line (the waiting room)
+    until its work would go into the next batch, and only then asks the shared tier: the unit
+    published while it waited is fetched, not prefilled."""
+    monkeypatch.setattr("tessera.generation.executor.LATE_PLAN_S", 0.0)
+    engine = HeldStepsFakeEngine(held=(1,))
+    reader = Reader("ok", published=False)
+    n = Node(engine, reader)
+    n.scheduler.max_batch_prompts = 1
+    text = PromptLayout((Segment(SegmentKind.TEXT, (1, 2, 3, 4, 5, 6)),))
+    n.scheduler.start()
+    try:
+        # all three take their slots before the first batch holds the engine thread
+        busy, queued, missing = (asyncio.ensure_future(_events(n.executor.run(r))) for r in (
+            request(Preparation.COMPUTE, 1, text, request_id="a"),
+            request(Preparation.COMPUTE, 1, text, request_id="b"),
+            request(Preparation.COMPUTE, 1, request_id="c")))
+        # a's batch holds the engine, b's job fills the next batch, c waits for its turn
+        await asyncio.wait_for(_until(lambda: engine.events == ["step 1"] and n.scheduler.room.waiting == 1), 30)
+        assert reader.late_asked == [], "the miss was decided before the request's turn"
+        assert n.scheduler.queued_tokens > 6  # its work counts as queued on the node (load reports)
+        reader.published = True  # another node computed and published u1 meanwhile
+        engine.release[1].set()
+        done = (await asyncio.wait_for(missing, 30))[-1]
+        await asyncio.wait_for(asyncio.gather(busy, queued), 30)
+    finally:
+        await n.retainer.drain(timeout=1.0)
+        await n.scheduler.stop()
+    s = done.stats
+    assert reader.late_asked == ["u1"] and (s.remote_units, s.computed_units) == (1, 0)
+    assert [len(UNIT)] not in engine.batches  # nobody prefilled the unit here

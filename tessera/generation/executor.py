@@ -2,7 +2,9 @@
 
     fix the layout; take the request's KV slots and match the exact prefix (the leading
         text, e.g. the system prompt) in one engine call
-    prepare every needed unit concurrently: local copy | remote fetch | prefill (coalesced)
+    take every held or leased unit: local copy | remote fetch
+    a request with units to compute waits for its turn (the node's waiting room), then looks
+        for them again: local cache | late lease on the shared tier | prefill (coalesced)
     final extend: the policy's recomputed tokens + the remaining text, in one batch item;
         the reused states ride on it and are placed at their offsets (RoPE at their real
         positions) right before its forward, then retained in the background
@@ -241,23 +243,34 @@ class Executor:
         plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
         fused = FusedUnits(self.prefills) if self.scheduler.fuses_unit_prefills else None
-        # before any preparation: a request holds no claim while it waits for these, so its
-        # claims and joins of in-flight prefills are still made in one turn (a request that
-        # claimed a unit, then waited and joined another request's claim, could wait on a
-        # request that joined its own: neither extend would ever run)
-        late = await self._late_fetches(run, [plans[uid] for uid in spans], tokens)
+        token_ids, positions = tokens_to_compute(layout, ranges, matched)
+        # held and leased states first: they are the plan's to use whenever the work runs
+        fetched = await asyncio.gather(*(self._reuse(run, plans[uid], len(tokens[uid])) for uid in spans))
+        states = dict(zip(spans, fetched, strict=True))
+        missing = [uid for uid, state in states.items() if state is None]
+        # a unit to compute is looked for again when the request's work is next in line, not
+        # when its plan came (the waiting room): meanwhile another request here may have
+        # computed it, or another node published it
+        ticket = (await self.scheduler.turn(len(token_ids) + sum(len(tokens[uid]) for uid in missing),
+                                            run.deadline) if missing else None)
         try:
-            # the three preparation paths overlap; units the policy recomputes entirely need no
-            # state at all. A reused state is placed by the extend itself, right before its forward.
+            # before any claim: a request holds no claim while it waits for these, so its
+            # claims and joins of in-flight prefills are still made in one turn (a request that
+            # claimed a unit, then waited and joined another request's claim, could wait on a
+            # request that joined its own: neither extend would ever run)
+            late = await self._late_fetches(run, [plans[uid] for uid in missing], tokens)
+            # the preparation paths overlap; units the policy recomputes entirely need no state
+            # at all. A reused state is placed by the extend itself, right before its forward.
             ready = await asyncio.gather(*(self._prepare(run, plans[uid], tokens[uid], unit_spans, fused,
-                                                         late.get(uid))
+                                                         states[uid], late.get(uid))
                                            for uid, unit_spans in spans.items()))
             reused = {uid: r for uid, r in zip(spans, ready, strict=True) if r is not None}
-            token_ids, positions = tokens_to_compute(layout, ranges, matched)
             stats.recomputed_tokens = len(token_ids)
             placing = {uid: (spans[uid], r.state) for uid, r in reused.items()}
             while True:
                 try:
+                    if ticket is not None:
+                        ticket.release()  # its job is queued next, with no await between
                     logits = await self.scheduler.extend(
                         slots, token_ids, positions, run.deadline, fused.feeds if fused is not None else (),
                         insert_prefix=(lead, run.req.tenant) if lead and matched < len(lead) else None,
@@ -277,6 +290,9 @@ class Executor:
             if fused is not None:
                 fused.abandon()  # whoever joined its claims computes those units instead
             raise
+        finally:
+            if ticket is not None:
+                ticket.release()
         for uid, r in reused.items():
             self._reused(run, plans[uid], r)
         for plan, feed, claim, local in fused.claims if fused is not None else ():
@@ -307,12 +323,12 @@ class Executor:
                              run.received_at)
 
     async def _prepare(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: list[Placement],
-                       fused: FusedUnits | None, late: UnitState | None = None) -> Reused | None:
+                       fused: FusedUnits | None, state: UnitState | None,
+                       late: UnitState | None = None) -> Reused | None:
         """A reused state for the extend to place, or None: the unit is computed here (and
-        placed) or by the extend's own forward."""
+        placed) or by the extend's own forward. ``state``: what :meth:`_reuse` got for it."""
         stats = run.stats
         n = len(token_ids)
-        state = await self._reuse(run, plan, n)
         if state is not None:
             # a local hit is in the local cache already; a fetched one goes there if planned
             local = plan.preparation is Preparation.LOCAL

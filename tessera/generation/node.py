@@ -283,6 +283,8 @@ class GenerationNode:
         return [
             gauge("tessera_node_inflight", "Requests admitted and not finished", len(self.inflight)),
             gauge("tessera_node_queued_tokens", "Tokens waiting for the engine", self.scheduler.queued_tokens),
+            counter("tessera_node_waiting_room_waits_total", "Requests with units to compute that waited for "
+                    "their turn before deciding how to get them", self.scheduler.room.waited),
             gauge("tessera_node_local_cache_blocks", "Blocks used in the local unit cache", self.cache.used_blocks),
             gauge("tessera_node_local_cache_bytes", "Host memory held by the local unit cache's states",
                   self.cache.used_bytes),

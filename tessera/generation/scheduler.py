@@ -21,6 +21,10 @@ deadline passes and the engine has meanwhile formed a batch without it, it is re
 check holds the bound where the estimate was wrong. A request whose work has begun is never
 refused for time.
 
+The waiting room (:mod:`tessera.generation.waiting`): a request with units to compute waits
+in arrival order until its work would go into the next batch, and only then decides how to
+get them; its waiting work counts in ``queued_tokens``, so load reports and routing see it.
+
 The scheduler is the executor's only way to the engine; every call runs on the engine thread.
 
 Hops: every awaited engine call queues behind the running forward, so each call a request
@@ -50,6 +54,7 @@ from tessera.engines.base import EngineAdapter, Extend, KVSlots, UnitFeed, UnitP
 from tessera.engines.offline import place_units
 from tessera.errors import Overloaded, PlacementError
 from tessera.generation.batching import take_batch
+from tessera.generation.waiting import Ticket, WaitingRoom
 from tessera.generation.work import FirstTokenWork
 
 log = logging.getLogger(__name__)
@@ -180,6 +185,8 @@ class Scheduler:
         self.work = FirstTokenWork()  # the executor reports each request's work to its first token
         self.batches = 0  # batches formed (late starts: was a job passed over?)
         self.late_refused = 0  # requests' jobs refused because their work could not start in time
+        # requests with units to compute wait here for the next batch (tessera.generation.waiting)
+        self.room = WaitingRoom(self._next_batch_full, lambda: self.batches)
 
     # --- submission ----------------------------------------------------------------------
 
@@ -205,6 +212,25 @@ class Scheduler:
         queue.append(_Job(item, future, decode, deadline, self.batches, insert_prefix, place))
         self._wake.set()
         return future
+
+    async def turn(self, tokens: int, deadline: StartDeadline | None = None) -> Ticket:
+        """Wait until work of ``tokens`` tokens would go into the next batch (the waiting room);
+        release the ticket once the request's job is queued, or when it fails. Raises
+        ``Overloaded`` for a late start (above)."""
+        try:
+            return await self.room.enter(tokens, float("inf") if deadline is None else deadline.at)
+        except Overloaded:
+            self.late_refused += 1
+            raise
+
+    def _next_batch_full(self, prompts: int, tokens: int) -> bool:
+        """Whether the queued prompt work, plus ``prompts`` items of ``tokens`` tokens about to
+        be queued, fills the next batch (:func:`take_batch`'s budget)."""
+        queued = len(self._extends) + len(self._prefills) + prompts
+        if self.max_batch_prompts and queued >= self.max_batch_prompts:
+            return True
+        return (sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + tokens
+                >= self.max_batch_tokens)
 
     async def prefill_unit(self, token_ids: Sequence[int], deadline: StartDeadline | None = None) -> UnitState:
         """Independent prefill of one unit from position 0 (an internal request); ``deadline``:
@@ -297,7 +323,9 @@ class Scheduler:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + len(self._decodes)
+        """Prompt tokens queued for the engine or waiting for their turn, plus pending decodes."""
+        return (sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + len(self._decodes)
+                + self.room.tokens)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -327,6 +355,7 @@ class Scheduler:
         for job in (*self._extends, *self._prefills, *self._decodes):
             if not job.future.done():
                 job.future.set_exception(RuntimeError("generation node is shutting down"))
+        self.room.close(RuntimeError("generation node is shutting down"))
         self._extends.clear()
         self._prefills.clear()
         self._decodes.clear()
@@ -345,6 +374,7 @@ class Scheduler:
                 d = job.deadline
                 if d is not None and not d.started:
                     d.started_at = now
+        self.room.wake()  # the queue is shorter: the next requests in line prepare now
         return batch
 
     def _late(self, job: _Job, now: float) -> bool:
