@@ -204,7 +204,8 @@ async def test_the_access_log_has_one_line_per_request_with_status_ttft_and_tier
     from tessera.retrieval.access_log import access_middleware, note_outcome
 
     async def chat(request: web.Request) -> web.Response:
-        note_outcome(RequestStats(prompt_tokens=40, local_tokens=24, computed_unit_tokens=8), time.perf_counter())
+        note_outcome(RequestStats(prompt_tokens=40, local_tokens=24, computed_unit_tokens=8, node_queued_s=0.5,
+                                  node_first_token_s=0.75), time.perf_counter(), "gen1")
         return web.json_response({})
 
     async def missing(request: web.Request) -> web.Response:
@@ -221,6 +222,7 @@ async def test_the_access_log_has_one_line_per_request_with_status_ttft_and_tier
     assert len(lines) == 2, lines
     assert lines[0].startswith("POST /v1/chat/completions 200 ") and " ttft " in lines[0]
     assert "prompt 40 tok: prefix 0 local 24 remote 0 computed 8" in lines[0], lines[0]
+    assert lines[0].endswith("; node queued 0.500s, first token 0.750s on gen1"), lines[0]  # which node served it
     assert lines[1].startswith("GET /v1/units/x 404 "), lines[1]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers.plane import Cluster, plane_config
+from helpers.plane import B, Cluster, plane_config
 
 from tessera.control.overload import QueueBound
 from tessera.control.plane import ControlPlane
@@ -85,3 +85,28 @@ def test_the_plane_routes_every_request_as_the_exhaustive_rule_would(routing: st
     assert outcomes["routed"] > 900 and outcomes["refused"] > 10, outcomes
     assert outcomes["some nodes over the bound"] > 500, outcomes
     assert outcomes["weighed"] > 300, outcomes
+
+
+def test_a_request_that_computes_its_units_goes_where_less_prefill_is_queued() -> None:
+    """Regression (goodput past saturation): two nodes with as many requests waiting, but
+    gen0's compute every unit they name and gen1's copy theirs from the shared tier. Counting
+    requests made the nodes equal, so requests that compute their units went to both alike,
+    and at the end of a burst gen1 idled while gen0 drained its prefill backlog. The queued
+    blocks are now priced at the node's prefill rate: new cold requests go to gen1."""
+    c = Cluster(local_blocks=64, shared_blocks=64)
+    plane = c.plane
+    c.heartbeat(prefill_tokens_per_s=400.0)
+    shared = [(f"hot{i}", 4 * B) for i in range(3)]
+    for unit in shared:
+        c.serve([unit])  # written back: ready in the shared tier, a copy away from either node
+    assert all(plane.directory.ready(u) is not None for u, _ in shared)
+    for i in range(3):
+        plane.route(c.rid(), [(f"cold{i}", 8 * B)], exclude={"gen1"})  # gen0 computes 8 blocks each
+        plane.route(c.rid(), [shared[i]], exclude={"gen0"})  # gen1 computes none
+    gen0, gen1 = plane.nodes["gen0"], plane.nodes["gen1"]
+    assert (gen0.inflight, gen1.inflight, gen0.pending_blocks, gen1.pending_blocks) == (3, 3, 24, 0)
+    assert gen0.expected_wait_s() == pytest.approx(24 * B / 400.0) and gen1.expected_wait_s() == 0.0
+    assert [plane.route(c.rid(), [(f"new{i}", 8 * B)]) for i in range(2)] == ["gen1", "gen1"]
+    # a start takes its blocks out of the queue and into the node's sampled mean
+    plane.started(next(iter(gen0.waiting)))
+    assert (gen0.pending_blocks, list(gen0.sampled_blocks)) == (16, [8])

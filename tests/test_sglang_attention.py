@@ -42,7 +42,9 @@ def test_masked_attention_shows_each_query_only_the_keys_at_or_before_its_positi
     # a key past every query's position changes nothing; one before the first query changes all
     later = keys.clone()
     later[35:] += 5.0
-    assert torch.equal(masked_attention(q[:3], later, values, positions[:3], 0.25), out[:3])
+    # (same shapes on both sides: a kernel may block a different number of queries differently)
+    first = masked_attention(q[:3], keys, values, positions[:3], 0.25)
+    assert torch.equal(masked_attention(q[:3], later, values, positions[:3], 0.25), first)
     earlier = keys.clone()
     earlier[0] += 5.0
     assert not torch.allclose(masked_attention(q, earlier, values, positions, 0.25), out)

@@ -43,23 +43,48 @@ class GenerationMember:
     service_s: float = 0.0  # mean of the last SERVICE_WINDOW samples; 0 until a first request started
     last_start: float = float("-inf")
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
+    block_tokens: int = 0  # the plane's block size: prices the blocks queued here (0: count only)
+    pending: dict[str, int] = field(default_factory=dict)  # waiting requests -> blocks they compute here
+    pending_blocks: int = 0  # their sum
+    # blocks of the requests behind the last SERVICE_WINDOW samples, and their sum
+    sampled_blocks: deque[int] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
+    sampled_sum: int = 0
 
-    def routed(self, request_id: str, now: float) -> None:
-        """A request was routed here: in flight, and queued until its first event."""
+    def routed(self, request_id: str, now: float, blocks: int = 0) -> None:
+        """A request was routed here: in flight, and queued until its first event; ``blocks``:
+        the blocks of its units it computes here (neither held here nor ready in the shared tier)."""
         self.inflight += 1
         self.waiting[request_id] = now
+        if blocks:
+            self.pending[request_id] = blocks
+            self.pending_blocks += blocks
         self.fleet.update(self, self.inflight - 1)
 
     def left(self, request_id: str) -> None:
         """A request routed here completed or expired."""
         self.inflight -= 1
         self.waiting.pop(request_id, None)
+        self.pending_blocks -= self.pending.pop(request_id, 0)
         self.fleet.update(self, self.inflight + 1)
 
     def expected_wait_s(self) -> float:
         """Queueing a new request would see here: the requests ahead of it times the measured
-        time each takes to reach its first token (0 while nothing was measured yet)."""
-        return len(self.waiting) * self.service_s
+        time each takes to reach its first token (0 while nothing was measured yet), corrected
+        by the prefill they need beyond what the measured ones needed.
+
+        Requests differ: one whose units are all cached is a step from its first token, one
+        that computes its units costs many. A node's queue of the latter is longer than its
+        count says, and the node's recent starts (mostly the cheap ones, which go first) do
+        not show it; counting only requests leaves such a node draining its backlog while the
+        others idle. So the blocks the waiting requests compute, less the mean of the sampled
+        ones, are priced at the node's reported prefill rate.
+        """
+        wait = len(self.waiting) * self.service_s
+        if self.block_tokens and self.prefill_tokens_per_s > 0:
+            sampled = self.sampled_blocks
+            mean = self.sampled_sum / len(sampled) if sampled else 0.0
+            wait += (self.pending_blocks - len(self.waiting) * mean) * self.block_tokens / self.prefill_tokens_per_s
+        return max(0.0, wait)
 
     def started(self, request_id: str, now: float) -> None:
         """A request routed here sent its first event: one service-time sample.
@@ -73,10 +98,23 @@ class GenerationMember:
         routed = self.waiting.pop(request_id, None)
         if routed is None:
             return
+        blocks = self.pending.pop(request_id, 0)
+        self.pending_blocks -= blocks
         sample = max(0.0, now - max(routed, self.last_start))
         self.last_start = now
         self.samples.append(sample)
         self.service_s = sum(self.samples) / len(self.samples)
+        sampled = self.sampled_blocks
+        if len(sampled) == sampled.maxlen:
+            self.sampled_sum -= sampled[0]
+        sampled.append(blocks)
+        self.sampled_sum += blocks
+        self.fleet.update(self, self.inflight)
+
+    def reported(self, queued_tokens: int, prefill_tokens_per_s: float) -> None:
+        """The node's own load figures (a heartbeat): its measured rate prices queued blocks."""
+        self.queued_tokens = queued_tokens
+        self.prefill_tokens_per_s = prefill_tokens_per_s
         self.fleet.update(self, self.inflight)
 
 

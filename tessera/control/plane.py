@@ -97,7 +97,8 @@ class ControlPlane:
         self.nodes: dict[str, GenerationMember] = {
             g.name: GenerationMember(g.name, i, LocalTier(g.name, g.local_capacity_blocks,
                                                         make_admission(admission, control),
-                                                        bit=1 << i, locality=self.locality), self.fleet)
+                                                        bit=1 << i, locality=self.locality), self.fleet,
+                                     block_tokens=self.block_tokens)
             for i, g in enumerate(config.generation)
         }
         self._members = list(self.nodes.values())  # by index
@@ -154,10 +155,21 @@ class ControlPlane:
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         router = self.router
-        node = self._members[router.pick(fleet, eligible, self._holders(pairs) if router.uses_locality else {},
-                                         self.rates.block_s)]
-        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock()))
+        holders = self._holders(pairs) if router.uses_locality else {}
+        index = router.pick(fleet, eligible, holders, self.rates.block_s)
+        node = self._members[index]
+        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock(),
+                                                    self._blocks_to_compute(pairs, holders, index)))
         return node.name
+
+    def _blocks_to_compute(self, pairs: tuple[tuple[str, int], ...], holders: dict[int, int], index: int) -> int:
+        """Blocks of the request's units that node ``index`` computes: neither ready in the shared
+        tier nor in its local view (``holders``, as :meth:`_holders` counted them; an estimate
+        for routers that count no locality or count shared units too)."""
+        ready = self.directory.ready
+        bit = 1 << index
+        local = sum(b for mask, b in holders.items() if mask & bit)
+        return max(0, sum(b for u, b in pairs if ready(u) is None) - local)
 
     def _holders(self, pairs: tuple[tuple[str, int], ...]) -> dict[int, int]:
         """Holder masks -> blocks of the request's units that the shared tier does not hold ready
@@ -273,9 +285,8 @@ class ControlPlane:
         node = self.generation_node(msg.node)
         resync, node.resync = node.resync, False
         self.liveness.heard(node, self.clock())
-        node.queued_tokens = msg.queued_tokens
         self.rates.report(node.prefill_tokens_per_s, msg.prefill_tokens_per_s)
-        node.prefill_tokens_per_s = msg.prefill_tokens_per_s
+        node.reported(msg.queued_tokens, msg.prefill_tokens_per_s)
         # a view cleared or never filled would re-learn from snapshots only the units asked again
         return Ack(WIRE_VERSION, True, "resync" if resync else "")
 

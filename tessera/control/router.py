@@ -17,6 +17,9 @@ agree with ``choose``.
 
 Shared-tier residency is left out of the counts: every node can copy a shared hit, so it
 cannot make one node better than another, and counting it queues requests behind a holder.
+A node's expected queueing counts the prefill its waiting requests need, not only how many
+wait (:meth:`~tessera.control.membership.GenerationMember.expected_wait_s`), so a node
+whose queue is cheap hits takes the requests that compute their units.
 Locality is worth a wait only up to the prefill it saves: a node whose queue is longer than
 the time its cached blocks save loses to an idle node that computes them (the request's
 other work costs the same everywhere, so it does not enter the comparison).

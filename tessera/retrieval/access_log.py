@@ -1,10 +1,10 @@
 """The access log of the public API: one line per request, like uvicorn's and vLLM's.
 
 ``POST /v1/chat/completions 200 1.204s ttft 0.412s prompt 812 tok: prefix 34 local 600 remote 0
-computed 150 recomputed 28; completion 6 tok; node queued 0.012s, first token 0.350s`` --
+computed 150 recomputed 28; completion 6 tok; node queued 0.012s, first token 0.350s on gen0`` --
 status and duration for every request; for a chat request that reached a generation node
-also the server-side TTFT, where its prompt tokens' states came from, and on the node how
-long it queued before its first engine step and took to its first token (the rest of the
+also the server-side TTFT, where its prompt tokens' states came from, and on the node (named
+last) how long it queued before its first engine step and took to its first token (the rest of the
 TTFT is the retrieval side: parsing, tokenizing, retrieval, routing, the snapshot). The
 level is ``retrieval.access_log`` (``off`` for none); the health checks are logged at
 DEBUG (the launcher and load balancers poll them).
@@ -36,17 +36,18 @@ class AccessRecord:
     started: float = field(default_factory=time.perf_counter)
     stats: RequestStats | None = None
     first_token_at: float | None = None  # perf_counter, like ``started``
+    node: str = ""  # the generation node that served it
 
 
 # the record of the request being handled; a task the handler spawns shares the same object
 _CURRENT: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("tessera_access", default=None)
 
 
-def note_outcome(stats: RequestStats, first_token_at: float | None) -> None:
+def note_outcome(stats: RequestStats, first_token_at: float | None, node: str = "") -> None:
     """The chat path's figures for the access line of the request in progress (if any)."""
     record = _CURRENT.get()
     if record is not None:
-        record.stats, record.first_token_at = stats, first_token_at
+        record.stats, record.first_token_at, record.node = stats, first_token_at, node
 
 
 def access_line(method: str, path: str, status: int, record: AccessRecord, now: float) -> str:
@@ -59,6 +60,8 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, now: 
         line += f" prompt {s.prompt_tokens} tok: {tiers}; completion {s.completion_tokens} tok"
         if s.node_first_token_s:
             line += f"; node queued {s.node_queued_s:.3f}s, first token {s.node_first_token_s:.3f}s"
+            if record.node:
+                line += f" on {record.node}"
     return line
 
 

@@ -122,7 +122,7 @@ class Reply:
                     self.sent = True
                     await send(delta)
         self.metrics.finished(self.outcome.stats, self.receipt())
-        note_outcome(self.outcome.stats, self.outcome.first_token_at)
+        note_outcome(self.outcome.stats, self.outcome.first_token_at, self.driver.target)
         if self.cut is not None and send is not None:
             await send(self.cut)
         return self.outcome
