@@ -100,13 +100,22 @@ def test_a_request_that_computes_its_units_goes_where_less_prefill_is_queued() -
     for unit in shared:
         c.serve([unit])  # written back: ready in the shared tier, a copy away from either node
     assert all(plane.directory.ready(u) is not None for u, _ in shared)
+
+    def planned(units: list[tuple[str, int]], exclude: set[str] = set()) -> str:  # noqa: B006 (never mutated)
+        rid = c.rid()
+        node = plane.route(rid, units, exclude)
+        plane.finalize(rid, node, c.snapshot(node, units))  # its plan says what it computes
+        return node
+
     for i in range(3):
-        plane.route(c.rid(), [(f"cold{i}", 8 * B)], exclude={"gen1"})  # gen0 computes 8 blocks each
-        plane.route(c.rid(), [shared[i]], exclude={"gen0"})  # gen1 computes none
+        planned([(f"cold{i}", 8 * B)], exclude={"gen1"})  # gen0 computes 8 blocks each
+        planned([shared[i]], exclude={"gen0"})  # gen1 fetches: computes none
     gen0, gen1 = plane.nodes["gen0"], plane.nodes["gen1"]
     assert (gen0.inflight, gen1.inflight, gen0.pending_blocks, gen1.pending_blocks) == (3, 3, 24, 0)
     assert gen0.expected_wait_s() == pytest.approx(24 * B / 400.0) and gen1.expected_wait_s() == 0.0
-    assert [plane.route(c.rid(), [(f"new{i}", 8 * B)]) for i in range(2)] == ["gen1", "gen1"]
+    assert [planned([(f"new{i}", 8 * B)]) for i in range(2)] == ["gen1", "gen1"]
     # a start takes its blocks out of the queue and into the node's sampled mean
     plane.started(next(iter(gen0.waiting)))
     assert (gen0.pending_blocks, list(gen0.sampled_blocks)) == (16, [8])
+    plane.complete(next(iter(gen0.waiting)))  # one that never started leaves the queue too
+    assert gen0.pending_blocks == 8

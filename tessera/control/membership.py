@@ -50,15 +50,18 @@ class GenerationMember:
     sampled_blocks: deque[int] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
     sampled_sum: int = 0
 
-    def routed(self, request_id: str, now: float, blocks: int = 0) -> None:
-        """A request was routed here: in flight, and queued until its first event; ``blocks``:
-        the blocks of its units it computes here (neither held here nor ready in the shared tier)."""
+    def routed(self, request_id: str, now: float) -> None:
+        """A request was routed here: in flight, and queued until its first event."""
         self.inflight += 1
         self.waiting[request_id] = now
-        if blocks:
+        self.fleet.update(self, self.inflight - 1)
+
+    def computes(self, request_id: str, blocks: int) -> None:
+        """Its plan: the request computes ``blocks`` blocks of its units here (queued prefill)."""
+        if blocks and request_id in self.waiting and request_id not in self.pending:
             self.pending[request_id] = blocks
             self.pending_blocks += blocks
-        self.fleet.update(self, self.inflight - 1)
+            self.fleet.update(self, self.inflight)
 
     def left(self, request_id: str) -> None:
         """A request routed here completed or expired."""

@@ -155,21 +155,10 @@ class ControlPlane:
         b = self.block_tokens
         pairs = tuple([(u, -(-n // b)) for u, n in tokens.items()])
         router = self.router
-        holders = self._holders(pairs) if router.uses_locality else {}
-        index = router.pick(fleet, eligible, holders, self.rates.block_s)
-        node = self._members[index]
-        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock(),
-                                                    self._blocks_to_compute(pairs, holders, index)))
+        node = self._members[router.pick(fleet, eligible, self._holders(pairs) if router.uses_locality else {},
+                                         self.rates.block_s)]
+        self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock()))
         return node.name
-
-    def _blocks_to_compute(self, pairs: tuple[tuple[str, int], ...], holders: dict[int, int], index: int) -> int:
-        """Blocks of the request's units that node ``index`` computes: neither ready in the shared
-        tier nor in its local view (``holders``, as :meth:`_holders` counted them; an estimate
-        for routers that count no locality or count shared units too)."""
-        ready = self.directory.ready
-        bit = 1 << index
-        local = sum(b for mask, b in holders.items() if mask & bit)
-        return max(0, sum(b for u, b in pairs if ready(u) is None) - local)
 
     def _holders(self, pairs: tuple[tuple[str, int], ...]) -> dict[int, int]:
         """Holder masks -> blocks of the request's units that the shared tier does not hold ready

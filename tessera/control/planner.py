@@ -112,7 +112,7 @@ class Planner:
         shared_slots, shared_blocks = shared_table.slots, shared_table.blocks
         units: list[UnitPlan] = []
         evict: list[str] = []
-        n_local = n_remote = n_keep_local = n_keep_shared = 0
+        n_local = n_remote = n_keep_local = n_keep_shared = computed_blocks = 0
         for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
             retain = u not in revoked
@@ -123,6 +123,7 @@ class Planner:
             else:
                 if lease is None:
                     prep = COMPUTE
+                    computed_blocks += b
                 else:
                     prep = REMOTE
                     n_remote += 1
@@ -153,6 +154,7 @@ class Planner:
                 units.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
         plan = self._issue(request_id, node, units, evict)
         self.stats.add(len(units), n_local, n_remote, n_keep_local, n_keep_shared, len(evict))
+        r.node.computes(request_id, computed_blocks)  # its queued prefill, for routing
         return plan
 
     def plan_reference(self, request_id: str, node: str, held: Collection[str]) -> RequestPlan:
@@ -187,6 +189,8 @@ class Planner:
         self.stats.add(len(units), sum(p.preparation is LOCAL for p in units),
                        sum(p.preparation is REMOTE for p in units), sum(p.retention.local for p in units),
                        sum(p.retention.shared for p in units), len(evict))
+        r.node.computes(request_id, sum(b for (_, b), p in zip(r.pairs, units, strict=True)
+                                        if p.preparation is COMPUTE))
         return self._issue(request_id, node, units, evict)
 
     def _issue(self, request_id: str, node: str, units: list[UnitPlan], evict: list[str]) -> RequestPlan:

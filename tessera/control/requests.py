@@ -15,12 +15,11 @@ from tessera.errors import BadRequest
 class RoutedRequest:
     """A request between route and complete."""
 
-    __slots__ = ("blocks", "finalized", "node", "pairs", "routed_at", "tokens")
+    __slots__ = ("finalized", "node", "pairs", "routed_at", "tokens")
 
     def __init__(self, node: GenerationMember, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...],
-                 routed_at: float = 0.0, blocks: int = 0) -> None:
+                 routed_at: float = 0.0) -> None:
         self.node = node
-        self.blocks = blocks  # of its units' blocks, those it computes on its node (routing's estimate)
         self.routed_at = routed_at  # clock of the plane at route: a request never completed expires
         self.tokens = tokens  # distinct unit -> n_tokens, in first-occurrence order
         self.pairs = pairs  # (unit, blocks), same order
@@ -47,7 +46,7 @@ class RequestTable:
     def add(self, request_id: str, r: RoutedRequest) -> None:
         """The request was routed to ``r.node``: it counts as in flight there until completed or expired."""
         assert request_id not in self._requests, request_id
-        r.node.routed(request_id, r.routed_at, r.blocks)
+        r.node.routed(request_id, r.routed_at)
         self._requests[request_id] = r
 
     def started(self, request_id: str, now: float) -> None:
