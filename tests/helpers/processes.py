@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +22,16 @@ from tessera.launcher import spawn_role, wait_healthy
 from tessera.transport.arena import SHM_DIR
 from tessera.transport.base import NodeEndpoint
 from tessera.wire import from_wire
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state (``T`` in /proc; a vanished one counts)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            # the state follows the parenthesised command name, which may itself hold spaces
+            if (task / "stat").read_text().rpartition(")")[2].split()[0] not in ("T", "t"):
+                return False
+    return True
 
 
 class RoleProcess:
@@ -95,8 +106,15 @@ class MemoryNodeProcess:
     def endpoint(self) -> NodeEndpoint:
         return from_wire(NodeEndpoint, json.loads(signed_get(self.config, f"{self.url}/info")))
 
-    def pause(self) -> None:
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, and wait until every thread of the node is stopped: the signal is delivered
+        asynchronously, and on a busy machine a thread may serve a request after kill() returns."""
+        pid = self.proc.proc.pid
         self.proc.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(pid):
+            assert time.monotonic() < deadline, f"{self.role} (pid {pid}) did not stop within {timeout_s}s"
+            time.sleep(0.001)
 
     def resume(self) -> None:
         self.proc.proc.send_signal(signal.SIGCONT)
