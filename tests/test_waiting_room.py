@@ -89,13 +89,17 @@ async def test_a_request_past_its_deadline_is_refused_only_after_a_batch_passed_
     ahead.release()
 
 
-async def test_a_cancelled_waiter_leaves_the_line_and_closing_fails_the_rest() -> None:
-    queue = Queue()
-    room = room_over(queue)
+async def one_in_and_two_waiting(room: WaitingRoom) -> tuple[Ticket, asyncio.Future[Ticket], asyncio.Future[Ticket]]:
+    """One request admitted (its place fills the next batch) and two in line behind it."""
     ahead = await room.enter(1)
-    gone = asyncio.ensure_future(room.enter(1))
-    stays = asyncio.ensure_future(room.enter(1))
+    first, second = (asyncio.ensure_future(room.enter(1)) for _ in range(2))
     await _turn()
+    return ahead, first, second
+
+
+async def test_a_cancelled_waiter_leaves_the_line_and_closing_fails_the_rest() -> None:
+    room = room_over(Queue())
+    ahead, gone, stays = await one_in_and_two_waiting(room)
     gone.cancel()
     await _turn()
     assert room.waiting == 1
@@ -108,12 +112,8 @@ async def test_a_cancelled_waiter_leaves_the_line_and_closing_fails_the_rest() -
 
 
 async def test_a_waiter_admitted_as_it_is_cancelled_gives_its_place_back() -> None:
-    queue = Queue()
-    room = room_over(queue)
-    ahead = await room.enter(1)
-    waiter = asyncio.ensure_future(room.enter(1))
-    after = asyncio.ensure_future(room.enter(1))
-    await _turn()
+    room = room_over(Queue())
+    ahead, waiter, after = await one_in_and_two_waiting(room)
     ahead.release()
     await asyncio.sleep(0)  # the release's wake runs: the waiter is admitted, not yet resumed
     waiter.cancel()

@@ -46,9 +46,9 @@ class GenerationMember:
     block_tokens: int = 0  # the plane's block size: prices the blocks queued here (0: count only)
     pending: dict[str, int] = field(default_factory=dict)  # waiting requests -> blocks they compute here
     pending_blocks: int = 0  # their sum
-    # blocks of the requests behind the last SERVICE_WINDOW samples, and their sum
+    # blocks of the requests behind the last SERVICE_WINDOW samples, and their mean
     sampled_blocks: deque[int] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
-    sampled_sum: int = 0
+    sampled_mean: float = 0.0
 
     def routed(self, request_id: str, now: float) -> None:
         """A request was routed here: in flight, and queued until its first event."""
@@ -84,9 +84,8 @@ class GenerationMember:
         """
         wait = len(self.waiting) * self.service_s
         if self.block_tokens and self.prefill_tokens_per_s > 0:
-            sampled = self.sampled_blocks
-            mean = self.sampled_sum / len(sampled) if sampled else 0.0
-            wait += (self.pending_blocks - len(self.waiting) * mean) * self.block_tokens / self.prefill_tokens_per_s
+            beyond = self.pending_blocks - len(self.waiting) * self.sampled_mean
+            wait += beyond * self.block_tokens / self.prefill_tokens_per_s
         return max(0.0, wait)
 
     def started(self, request_id: str, now: float) -> None:
@@ -107,11 +106,8 @@ class GenerationMember:
         self.last_start = now
         self.samples.append(sample)
         self.service_s = sum(self.samples) / len(self.samples)
-        sampled = self.sampled_blocks
-        if len(sampled) == sampled.maxlen:
-            self.sampled_sum -= sampled[0]
-        sampled.append(blocks)
-        self.sampled_sum += blocks
+        self.sampled_blocks.append(blocks)
+        self.sampled_mean = sum(self.sampled_blocks) / len(self.sampled_blocks)
         self.fleet.update(self, self.inflight)
 
     def reported(self, queued_tokens: int, prefill_tokens_per_s: float) -> None:

@@ -229,8 +229,11 @@ class Scheduler:
         queued = len(self._extends) + len(self._prefills) + prompts
         if self.max_batch_prompts and queued >= self.max_batch_prompts:
             return True
-        return (sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + tokens
-                >= self.max_batch_tokens)
+        return self._prompt_tokens() + tokens >= self.max_batch_tokens
+
+    def _prompt_tokens(self) -> int:
+        """Tokens of the queued extends and unit prefills."""
+        return sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills)
 
     async def prefill_unit(self, token_ids: Sequence[int], deadline: StartDeadline | None = None) -> UnitState:
         """Independent prefill of one unit from position 0 (an internal request); ``deadline``:
@@ -324,8 +327,7 @@ class Scheduler:
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens queued for the engine or waiting for their turn, plus pending decodes."""
-        return (sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills) + len(self._decodes)
-                + self.room.tokens)
+        return self._prompt_tokens() + len(self._decodes) + self.room.tokens
 
     @property
     def prefill_tokens_per_s(self) -> float:
