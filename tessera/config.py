@@ -212,6 +212,11 @@ class ControlConfig:
     # overload control: refuse (429 + Retry-After) a request whose expected queueing on every
     # node (requests without a first token yet × measured service time) exceeds this; 0 = off
     max_queue_wait_s: float = 10.0
+    # a request whose units to compute hold at least this many tokens has some of them
+    # prefilled at the same time by an idle generation node, which publishes them to the KV
+    # pool for the serving node to fetch (units are independent: their prefills parallelize,
+    # a prompt's causal prefill does not); needs a KV pool; 0 = never
+    assist_min_tokens: int = 128
 
     def __post_init__(self) -> None:
         _choice("control.mode", self.mode, MODES)
@@ -228,6 +233,8 @@ class ControlConfig:
                "expected true or false")
         _positive("control.max_attempts", self.max_attempts)
         _non_negative("control.max_queue_wait_s", self.max_queue_wait_s)
+        _check(isinstance(self.assist_min_tokens, int) and self.assist_min_tokens >= 0,
+               "control.assist_min_tokens", self.assist_min_tokens, "expected a whole number of tokens >= 0")
         for key in ("lease_ttl_s", "write_timeout_s", "heartbeat_timeout_s", "request_ttl_s", "connect_timeout_s",
                     "first_token_timeout_s", "idle_timeout_s"):
             value = getattr(self, key)

@@ -49,6 +49,28 @@ class GenerationMember:
     # blocks of the requests behind the last SERVICE_WINDOW samples, and their mean
     sampled_blocks: deque[int] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
     sampled_mean: float = 0.0
+    # other nodes' requests whose units this node prefills for them (plan assists) -> blocks
+    assists: dict[str, int] = field(default_factory=dict)
+    assist_blocks: int = 0  # their sum
+
+    @property
+    def idle(self) -> bool:
+        """Nothing routed here and no other node's units to prefill: free to help another node."""
+        return self.inflight == 0 and not self.assists
+
+    def assist(self, request_id: str, blocks: int) -> None:
+        """It prefills ``blocks`` blocks of another node's request ``request_id`` (until :meth:`assisted`)."""
+        if request_id not in self.assists:
+            self.assists[request_id] = blocks
+            self.assist_blocks += blocks
+            self.fleet.update(self, self.inflight)
+
+    def assisted(self, request_id: str) -> None:
+        """The assisted request reached its first token or ended: its units here are done or moot."""
+        blocks = self.assists.pop(request_id, None)
+        if blocks is not None:
+            self.assist_blocks -= blocks
+            self.fleet.update(self, self.inflight)
 
     def routed(self, request_id: str, now: float) -> None:
         """A request was routed here: in flight, and queued until its first event."""
@@ -80,11 +102,12 @@ class GenerationMember:
         count says, and the node's recent starts (mostly the cheap ones, which go first) do
         not show it; counting only requests leaves such a node draining its backlog while the
         others idle. So the blocks the waiting requests compute, less the mean of the sampled
-        ones, are priced at the node's reported prefill rate.
+        ones, are priced at the node's reported prefill rate, and so are the blocks it prefills
+        for other nodes' requests (assists).
         """
         wait = len(self.waiting) * self.service_s
         if self.block_tokens and self.prefill_tokens_per_s > 0:
-            beyond = self.pending_blocks - len(self.waiting) * self.sampled_mean
+            beyond = self.pending_blocks - len(self.waiting) * self.sampled_mean + self.assist_blocks
             wait += beyond * self.block_tokens / self.prefill_tokens_per_s
         return max(0.0, wait)
 

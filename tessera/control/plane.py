@@ -24,7 +24,7 @@ from tessera.config import ClusterConfig
 from tessera.control.admission import make_admission
 from tessera.control.allocator import BlockAllocator
 from tessera.control.directory import Directory
-from tessera.control.fleet import Fleet
+from tessera.control.fleet import Fleet, bits
 from tessera.control.local import AdmittedBlocks, LocalTier
 from tessera.control.locality import Locality, spread
 from tessera.control.membership import GenerationMember, HelloOutcome, Liveness, MemoryNodes
@@ -114,7 +114,10 @@ class ControlPlane:
         self.requests = RequestTable(control.request_ttl_s)
         self.revoked: set[str] = set()  # deleted units: never LOCAL, REMOTE or retained
         self.admitted = AdmittedBlocks()  # block counts of local admissions, for the views' reports
-        self.planner = Planner(self.directory, self.shared, self.requests, self.admitted, self.stats, self.revoked)
+        # assists need a shared tier: the serving node reads a helper's units from the KV pool
+        assist = control.assist_min_tokens if config.kvpools and control.mode == "compose" else 0
+        self.planner = Planner(self.directory, self.shared, self.requests, self.admitted, self.stats, self.revoked,
+                               helper=self._idle_helper, assist_min_tokens=assist)
         self._reassembly = Reassembly(self.block_tokens)  # recovery: reported blocks, not complete yet
         self._draining: set[str] = set()  # revoked units whose shared entry waits for its leases
 
@@ -159,6 +162,14 @@ class ControlPlane:
                                          self.rates.block_s)]
         self.requests.add(request_id, RoutedRequest(node, tokens, pairs, self.clock()))
         return node.name
+
+    def _idle_helper(self, node: GenerationMember) -> GenerationMember | None:
+        """An alive node other than ``node`` with nothing routed to it and no assist to do."""
+        for i in bits(self.fleet.at(0) & ~(1 << node.index)):
+            m = self._members[i]
+            if not m.assists:
+                return m
+        return None
 
     def _holders(self, pairs: tuple[tuple[str, int], ...]) -> dict[int, int]:
         """Holder masks -> blocks of the request's units that the shared tier does not hold ready

@@ -12,21 +12,30 @@ Leases are taken for every remote unit before any retention decision of the same
 no eviction decided later in the plan can reclaim a block the plan reads. A revoked unit is
 computed and retained nowhere, whatever the node's snapshot says.
 
+**Assists.** Units are prefilled independently of each other, so the units a request must
+compute can be prefilled on two nodes at once, which a prompt's causal prefill cannot. When
+they hold at least ``control.assist_min_tokens`` tokens and another node is idle, that node
+gets a plan of its own (``RequestPlan.assists``) for about half of them, each under a write
+grant of its own; the serving node's plan names it as their ``peer`` and fetches them once
+published. Only units the shared tier would admit are given away (the serving node must
+read them from there).
+
 The planner only reads and updates control-plane bookkeeping through its collaborators'
 verbs; it never waits on the network and never touches tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container
+from collections.abc import Callable, Collection, Container, Sequence
 
 from tessera.auth import plan_seal
 from tessera.control.directory import Directory
 from tessera.control.local import AdmittedBlocks
-from tessera.control.requests import RequestTable
+from tessera.control.membership import GenerationMember
+from tessera.control.requests import RequestTable, RoutedRequest
 from tessera.control.shared import SharedTier
 from tessera.control.stats import PlaneStats
-from tessera.messages.plan import Preparation, RequestPlan, Retention, UnitPlan
+from tessera.messages.plan import Preparation, ReadLease, RequestPlan, Retention, UnitPlan
 from tessera.wire import WIRE_VERSION
 
 LOCAL, REMOTE, COMPUTE = Preparation.LOCAL, Preparation.REMOTE, Preparation.COMPUTE
@@ -73,8 +82,13 @@ class Planner:
     """Finalizes the plans of routed requests (verbs ``plan``, ``forget``)."""
 
     def __init__(self, directory: Directory, shared: SharedTier, requests: RequestTable, admitted: AdmittedBlocks,
-                 stats: PlaneStats, revoked: Container[str] = frozenset()) -> None:
+                 stats: PlaneStats, revoked: Container[str] = frozenset(), *,
+                 helper: Callable[[GenerationMember], GenerationMember | None] | None = None,
+                 assist_min_tokens: int = 0) -> None:
         self.directory = directory
+        # an idle node other than the given one, to prefill some units (None: never assist)
+        self.helper = helper
+        self.assist_min_tokens = assist_min_tokens
         self.shared = shared
         self.requests = requests
         self.admitted = admitted  # block counts of local admissions (a late report re-adds one)
@@ -102,6 +116,8 @@ class Planner:
         # (the directory refuses revoked units: their entries are gone or draining)
         lease_of = self.directory.lease
         leases = [None if u in held else lease_of(u, node) for u, _ in pairs]
+        helper, given = self._assist(r, held, leases)
+        peer = "" if helper is None else helper.name
         # the per-unit steps below are written out in the loop (admission, interned plans, the
         # shared tier's residency, the counters): it runs for every unit of every request, and
         # each call costs as much as the step itself
@@ -112,7 +128,8 @@ class Planner:
         shared_slots, shared_blocks = shared_table.slots, shared_table.blocks
         units: list[UnitPlan] = []
         evict: list[str] = []
-        n_local = n_remote = n_keep_local = n_keep_shared = computed_blocks = 0
+        helped: list[UnitPlan] = []
+        n_local = n_remote = n_keep_local = n_keep_shared = computed_blocks = helped_blocks = 0
         for (u, b), lease in zip(pairs, leases, strict=True):
             n = tokens[u]
             retain = u not in revoked
@@ -141,7 +158,17 @@ class Planner:
             if retain and lease is None:
                 i = shared_slots.get(u)
                 if i is None or not shared_blocks[i]:
-                    grant = shared.admit(u, n, b, node)
+                    if u in given:
+                        grant = shared.admit(u, n, b, peer)
+                        if grant is not None:  # the helper prefills and publishes it; this node fetches it
+                            n_keep_shared += 1
+                            helped_blocks += b
+                            computed_blocks -= b
+                            helped.append(UnitPlan(u, n, COMPUTE, Retention.SHARED, None, grant))
+                            units.append(UnitPlan(u, n, COMPUTE, Retention.of(keep_local, False), peer=peer))
+                            continue
+                    else:
+                        grant = shared.admit(u, n, b, node)
             if lease is None and grant is None:
                 kind = held_plans if prep is LOCAL else kept_plans if keep_local else computed_plans
                 up = kind.get(u)
@@ -152,7 +179,8 @@ class Planner:
                 if grant is not None:
                     n_keep_shared += 1
                 units.append(UnitPlan(u, n, prep, Retention.of(keep_local, grant is not None), lease, grant))
-        plan = self._issue(request_id, node, units, evict)
+        assists = self._assists(r, request_id, helper, helped, helped_blocks)
+        plan = self._issue(request_id, node, units, evict, assists)
         self.stats.add(len(units), n_local, n_remote, n_keep_local, n_keep_shared, len(evict))
         r.node.computes(request_id, computed_blocks)  # its queued prefill, for routing
         return plan
@@ -172,8 +200,10 @@ class Planner:
         self.shared.observe(tuple(r.tokens))
         # every lease before any retention decision, so no eviction of this plan frees a block it reads
         leases = [None if u in held else self.directory.lease(u, node) for u, _ in r.pairs]
+        helper, given = self._assist(r, held, leases)
         units: list[UnitPlan] = []
         evict: list[str] = []
+        helped: list[UnitPlan] = []
         for (u, b), lease in zip(r.pairs, leases, strict=True):
             n = r.tokens[u]
             retain = u not in self.revoked
@@ -184,21 +214,65 @@ class Planner:
                 evict += victims
             grant = None
             if retain and lease is None and not self.shared.resident(u):
-                grant = self.shared.admit(u, n, b, node)
-            units.append(UnitPlan(u, n, prep, Retention.of(victims is not None, grant is not None), lease, grant))
+                grant = self.shared.admit(u, n, b, node if helper is None or u not in given else helper.name)
+            if helper is not None and grant is not None and grant.writer == helper.name:
+                helped.append(UnitPlan(u, n, COMPUTE, Retention.SHARED, None, grant))
+                units.append(UnitPlan(u, n, COMPUTE, Retention.of(victims is not None, False), peer=helper.name))
+            else:
+                units.append(UnitPlan(u, n, prep, Retention.of(victims is not None, grant is not None), lease, grant))
         self.stats.add(len(units), sum(p.preparation is LOCAL for p in units),
                        sum(p.preparation is REMOTE for p in units), sum(p.retention.local for p in units),
-                       sum(p.retention.shared for p in units), len(evict))
+                       sum(p.retention.shared for p in units) + len(helped), len(evict))
         r.node.computes(request_id, sum(b for (_, b), p in zip(r.pairs, units, strict=True)
-                                        if p.preparation is COMPUTE))
-        return self._issue(request_id, node, units, evict)
+                                        if p.preparation is COMPUTE and not p.peer))
+        helped_blocks = sum(b for (u, b) in r.pairs if any(h.unit_id == u for h in helped))
+        assists = self._assists(r, request_id, helper, helped, helped_blocks)
+        return self._issue(request_id, node, units, evict, assists)
 
-    def _issue(self, request_id: str, node: str, units: list[UnitPlan], evict: list[str]) -> RequestPlan:
+    def _assist(self, r: RoutedRequest, held: Collection[str],
+                leases: Sequence[ReadLease | None]) -> tuple[GenerationMember | None, frozenset[str]]:
+        """The idle node that prefills some of the request's units, and which (module docstring).
+
+        Candidates are the units computed here that the shared tier holds no entry of; the
+        largest go first, each to the helper while the helper's share stays at most what
+        is left to this node (which also composes the prompt once they arrive).
+        """
+        if self.helper is None or not self.assist_min_tokens:
+            return None, frozenset()
+        helper = self.helper(r.node)
+        if helper is None:
+            return None, frozenset()
+        tokens, revoked, resident = r.tokens, self.revoked, self.shared.resident
+        computed = [u for (u, _), lease in zip(r.pairs, leases, strict=True) if lease is None and u not in held]
+        total = sum(tokens[u] for u in computed)
+        if total < self.assist_min_tokens or len(computed) < 2:
+            return None, frozenset()
+        candidates = sorted((u for u in computed if u not in revoked and not resident(u)),
+                            key=lambda u: -tokens[u])
+        given: list[str] = []
+        share = 0
+        for u in candidates:
+            if 2 * (share + tokens[u]) <= total:
+                given.append(u)
+                share += tokens[u]
+        return (helper, frozenset(given)) if given else (None, frozenset())
+
+    def _assists(self, r: RoutedRequest, request_id: str, helper: GenerationMember | None,
+                 helped: list[UnitPlan], blocks: int) -> tuple[RequestPlan, ...]:
+        """The helper's plan for the units given to it, its prefill counted in its queue."""
+        if helper is None or not helped:
+            return ()
+        helper.assist(request_id, blocks)
+        r.helper = helper
+        return (self._issue(request_id, helper.name, helped, []),)
+
+    def _issue(self, request_id: str, node: str, units: list[UnitPlan], evict: list[str],
+               assists: tuple[RequestPlan, ...] = ()) -> RequestPlan:
         """The plan under this plane's term, sealed with the cluster secret (the one place plans are signed)."""
         directory = self.directory
         term, issuer = directory.term, directory.capabilities
         seal = "" if issuer is None else plan_seal(issuer.secret, node, term, request_id)
-        return RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), term, seal)
+        return RequestPlan(WIRE_VERSION, request_id, node, tuple(units), tuple(evict), term, seal, assists)
 
     def _usable(self, held: Collection[str]) -> Collection[str]:
         """The snapshot as a set, without revoked units (a node that missed the drop order may hold one)."""

@@ -15,7 +15,7 @@ from tessera.errors import BadRequest
 class RoutedRequest:
     """A request between route and complete."""
 
-    __slots__ = ("finalized", "node", "pairs", "routed_at", "tokens")
+    __slots__ = ("finalized", "helper", "node", "pairs", "routed_at", "tokens")
 
     def __init__(self, node: GenerationMember, tokens: dict[str, int], pairs: tuple[tuple[str, int], ...],
                  routed_at: float = 0.0) -> None:
@@ -24,6 +24,7 @@ class RoutedRequest:
         self.tokens = tokens  # distinct unit -> n_tokens, in first-occurrence order
         self.pairs = pairs  # (unit, blocks), same order
         self.finalized = False
+        self.helper: GenerationMember | None = None  # the node its plan asked to prefill some of its units
 
 
 class RequestTable:
@@ -54,6 +55,8 @@ class RequestTable:
         r = self._requests.get(request_id)
         if r is not None:
             r.node.started(request_id, now)
+            if r.helper is not None:
+                r.helper.assisted(request_id)
 
     def claim_plan(self, request_id: str, node: str) -> RoutedRequest:
         """The routed request, for its one plan on ``node``; 404 if not routed, 409 if elsewhere or planned."""
@@ -73,6 +76,8 @@ class RequestTable:
         if r is None:
             return False
         r.node.left(request_id)
+        if r.helper is not None:
+            r.helper.assisted(request_id)
         return True
 
     def expire(self, now: float) -> set[str]:

@@ -112,6 +112,11 @@ class SimulatedCluster:
                 plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
             if up.lease is not None:
                 leases.append(up.lease.lease_id)
+        for assist in plan.assists if publish else ():  # the helper prefills and publishes its units
+            for up in assist.units:
+                if up.grant is not None:
+                    g = up.grant
+                    plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
         if release and leases:
             plane.release(ReleaseRequest(WIRE_VERSION, tuple(leases)))
         plane.residency(ResidencyReport(WIRE_VERSION, plan.node, tuple(inserted), (*plan.local_evict, *declined)))

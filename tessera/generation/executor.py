@@ -4,7 +4,8 @@
         text, e.g. the system prompt) in one engine call
     take every held or leased unit: local copy | remote fetch
     a request with units to compute waits for its turn (the node's waiting room), then looks
-        for them again: local cache | late lease on the shared tier | prefill (coalesced)
+        for them again: local cache | late lease on the shared tier | prefill (coalesced);
+        a unit an idle peer prefills for it (an assist) is fetched once the peer publishes it
     final extend: the policy's recomputed tokens + the remaining text, in one batch item;
         the reused states ride on it and are placed at their offsets (RoPE at their real
         positions) right before its forward, then retained in the background
@@ -18,6 +19,11 @@ on the final extend (:class:`~tessera.engines.base.UnitFeed`), prefilled indepen
 same forward, bit for bit what a separate prefill and placement give. A request that misses
 a unit then reaches its first token in one forward, not two, and does not queue twice under
 load. Another request missing the same unit waits for this forward.
+
+A unit the plan says a peer computes (``UnitPlan.peer``, :mod:`tessera.control.planner`,
+"Assists") is awaited on the shared tier while this node prefills its own units separately
+(not fused: they run while the peer works, and the extend follows once both are there); if
+the peer's unit is not published in time, it is computed here.
 
 A remote fetch that fails, times out or fails its checksum, and a local or fetched state that
 cannot be copied to the device or placed (:class:`PlacementError`), fall back to computing
@@ -54,6 +60,12 @@ ALLOCATE_WAIT_S = 30.0  # a request waits this long for KV pages before it fails
 ALLOCATE_POLL_S = 0.005
 # a plan this old may have planned as a miss a unit another node published since: ask again
 LATE_PLAN_S = 1.0
+# a peer's units are awaited this long beyond PEER_WAIT_FACTOR times their prefill at this
+# node's measured rate (the peer runs the same model), then computed here
+PEER_WAIT_S = 1.0
+PEER_WAIT_FACTOR = 3.0
+PEER_UNMEASURED_S = 5.0  # ... or this long in all while this node has no measured rate
+PEER_POLL_S = 0.02  # how often the shared tier is asked whether a peer's unit is published
 
 
 class SharedReader(Protocol):
@@ -80,6 +92,7 @@ class Run:
     matched: int  # of those, the leading tokens it copied into the slots
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
+    peer_deadline: float = 0.0  # monotonic: until then a unit a peer computes is awaited (_from_peer)
 
     @property
     def layout(self) -> PromptLayout:
@@ -93,6 +106,7 @@ class Reused:
     state: UnitState
     local: bool  # from this node's local cache (else fetched from the KV pool)
     keep_local: bool  # retain it in the local cache once placed
+    peer: bool = False  # computed for this request by a peer (an assist), fetched from the KV pool
 
 
 @dataclass
@@ -242,7 +256,12 @@ class Executor:
             spans.setdefault(p.unit_id, []).append(p)
         plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
-        fused = FusedUnits(self.prefills) if self.scheduler.fuses_unit_prefills else None
+        peers = [uid for uid in spans if plans[uid].peer]
+        # with a peer computing some units, this node's own prefill them apart, at once, so that
+        # both nodes work at the same time (fused, they would wait for the peer's units)
+        fused = FusedUnits(self.prefills) if self.scheduler.fuses_unit_prefills and not peers else None
+        if peers:
+            run.peer_deadline = self._peer_deadline(sum(len(tokens[uid]) for uid in peers))
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
         # held and leased states first: they are the plan's to use whenever the work runs
         fetched = await asyncio.gather(*(self._reuse(run, plans[uid], len(tokens[uid])) for uid in spans))
@@ -251,7 +270,8 @@ class Executor:
         # a unit to compute is looked for again when the request's work is next in line, not
         # when its plan came (the waiting room): meanwhile another request here may have
         # computed it, or another node published it
-        ticket = (await self.scheduler.turn(len(token_ids) + sum(len(tokens[uid]) for uid in missing),
+        ticket = (await self.scheduler.turn(len(token_ids) + sum(len(tokens[uid]) for uid in missing
+                                                                 if not plans[uid].peer),
                                             run.deadline) if missing else None)
         try:
             # before any claim: a request holds no claim while it waits for these, so its
@@ -310,7 +330,12 @@ class Executor:
     def _reused(self, run: Run, plan: UnitPlan, r: Reused) -> None:
         """A reused state is in place: count it, and retain it off the critical path."""
         stats, n = run.stats, r.state.n_tokens
-        if r.local:
+        if r.peer:  # a forward pass run for this request, on another node
+            stats.computed_unit_tokens += n
+            stats.computed_units += 1
+            stats.bytes_fetched += r.state.nbytes()
+            stats.unit_sources[plan.unit_id] = "peer"
+        elif r.local:
             stats.local_tokens += n
             stats.local_units += 1
             stats.unit_sources[plan.unit_id] = "local"
@@ -340,6 +365,12 @@ class Executor:
             return Reused(state, True, False)
         if late is not None:  # published since the plan, fetched before any preparation began
             return Reused(late, False, plan.retention.local)
+        if plan.peer:
+            state = await self._from_peer(run, plan, n)
+            if state is not None:
+                return Reused(state, False, plan.retention.local, peer=True)
+            await self._compute(run, plan, token_ids, spans)
+            return None
         if fused is not None and fused.claim(plan, token_ids, spans, plan.retention.local):
             # computed and placed by the request's own extend, retained after it (_prefill)
             stats.computed_unit_tokens += n
@@ -382,7 +413,7 @@ class Executor:
         reader = self.reader
         if reader is None or time.monotonic() - run.received_at < LATE_PLAN_S:
             return {}
-        asked = [p for p in plans if p.preparation is Preparation.COMPUTE and p.grant is None
+        asked = [p for p in plans if p.preparation is Preparation.COMPUTE and p.grant is None and not p.peer
                  and p.unit_id not in self.prefills]
         states = await asyncio.gather(*(self._late_fetch(reader, run, p, len(tokens[p.unit_id])) for p in asked))
         return {p.unit_id: s for p, s in zip(asked, states, strict=True) if s is not None}
@@ -404,6 +435,40 @@ class Executor:
             return None
         finally:
             self.release_lease(lease.lease_id)
+
+    def _peer_deadline(self, n_tokens: int) -> float:
+        """Until when a peer's units of ``n_tokens`` tokens in all are awaited (its prefill at
+        this node's measured rate, with a margin: see PEER_WAIT_S)."""
+        rate = self.scheduler.prefill_tokens_per_s
+        wait = PEER_WAIT_S + PEER_WAIT_FACTOR * n_tokens / rate if rate > 0 else PEER_UNMEASURED_S
+        return time.monotonic() + wait
+
+    async def _from_peer(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
+        """The unit a peer prefills for this request, fetched once it is READY; None if it is
+        not published by ``run.peer_deadline`` or cannot be fetched (compute it)."""
+        reader = self.reader
+        if reader is None:
+            return None
+        while True:
+            try:
+                lease = await reader.late_lease(plan.unit_id)
+            except ControlPlaneError as exc:
+                log.info("unit %s of peer %s: no lease (%s); computing it", plan.unit_id, plan.peer, exc)
+                return None
+            if lease is not None:
+                try:
+                    return await reader.fetch(lease, n, release=False, received_at=time.monotonic())
+                except TransferError as exc:
+                    log.warning("fetch of unit %s from peer %s failed (%s); computing it", plan.unit_id, plan.peer,
+                                exc)
+                    run.stats.fallbacks += 1
+                    return None
+                finally:
+                    self.release_lease(lease.lease_id)
+            if time.monotonic() >= run.peer_deadline:
+                log.info("unit %s: peer %s did not publish it in time; computing it", plan.unit_id, plan.peer)
+                return None
+            await asyncio.sleep(PEER_POLL_S)
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """The unit's state from the local cache or the KV Pool, or None (compute it)."""

@@ -6,6 +6,8 @@ HTTP API (JSON, typed messages from :mod:`tessera.messages`):
     POST /v1/snapshot   SnapshotRequest -> SnapshotResponse   (pins the held units)
     POST /v1/execute    ExecuteRequest  -> NDJSON stream of TokenEvent lines, then one
                                            DoneEvent (or ErrorEvent)
+    POST /v1/prefill    PrefillRequest  -> PrefillResponse    (an assist: prefill and publish
+                                           units of another node's request, in the background)
     POST /v1/abort      AbortRequest    -> AbortResponse      (stops the run, or drops its pins)
     POST /v1/revoke     RevokeRequest   -> RevokeResponse     (deleted units leave the local cache)
     GET  /metrics                       Prometheus text
@@ -37,6 +39,7 @@ from tessera.control.client import NodeControl
 from tessera.engines.base import load_engine
 from tessera.engines.device import is_cuda
 from tessera.errors import BadRequest, Overloaded, TesseraError
+from tessera.generation.assists import Assists, check
 from tessera.generation.executor import Executor
 from tessera.generation.memory import IdleTrim
 from tessera.generation.prefills import PrefillCoalescer
@@ -51,6 +54,8 @@ from tessera.messages.generation import (
     DoneEvent,
     ErrorEvent,
     ExecuteRequest,
+    PrefillRequest,
+    PrefillResponse,
     RevokeRequest,
     RevokeResponse,
     SnapshotRequest,
@@ -129,6 +134,7 @@ class GenerationNode:
             self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
             self.control.release_later, policy_from_config(self._gate().served), self.config.control.mode,
         )
+        self.assists = Assists(self.prefills, self.cache, self.retainer)
         self.background.spawn(self._heartbeat(), name="heartbeat")
         if self.config.ha.enabled:  # the control plane is wherever the election says
             from tessera.ha.discovery import follow_leader
@@ -139,6 +145,7 @@ class GenerationNode:
             yield
         finally:
             self.ready = False
+            await self.assists.drain(timeout=1.0)
             await self.retainer.drain(timeout=10.0)
             await self.background.drain(timeout=1.0)
             await self.scheduler.stop()
@@ -249,6 +256,14 @@ class GenerationNode:
             await resp.write_eof()
         return resp
 
+    async def prefill(self, request: web.Request) -> web.Response:
+        """An assist (:mod:`tessera.generation.assists`): accepted at once, run in the background."""
+        msg = await body(request, PrefillRequest)
+        texts = check(msg, self.name)
+        self.terms.admit(msg.plan)  # sealed by the leader for this node, of a current term
+        self.assists.start(msg, texts)
+        return reply(PrefillResponse(WIRE_VERSION, msg.plan.request_id, len(texts)))
+
     def _count(self, event: DoneEvent) -> None:
         for source, n in event.stats.tokens_by_source():
             self.m_tokens.labels(source=source).inc(n)
@@ -291,6 +306,9 @@ class GenerationNode:
             counter("tessera_node_coalesced_prefills_total", "Misses that joined an in-flight prefill of the same unit",
                     self.prefills.coalesced),
             counter("tessera_node_unit_prefills_total", "Unit prefills run (internal requests)", self.prefills.started),
+            counter("tessera_node_assisted_units_total", "Units prefilled here for requests other nodes serve, "
+                    "by outcome", {"handed_to_writeback": self.assists.units, "failed": self.assists.failed},
+                    label="outcome"),
             counter("tessera_node_writebacks_published_total", "Shared writebacks published", self.retainer.published),
             counter("tessera_node_writeback_failures_total", "Shared writebacks that failed (reservation cancelled)",
                     self.retainer.write_failures),
@@ -334,6 +352,7 @@ def build_app(config: ClusterConfig, name: str) -> web.Application:
     app.router.add_get("/health", node.health)
     app.router.add_post("/v1/snapshot", node.snapshot)
     app.router.add_post("/v1/execute", node.execute)
+    app.router.add_post("/v1/prefill", node.prefill)
     app.router.add_post("/v1/abort", node.abort)
     app.router.add_post("/v1/revoke", node.revoke)
     app.router.add_get("/metrics", node.metrics_text)

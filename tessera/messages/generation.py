@@ -80,6 +80,31 @@ class ExecuteRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitText:
+    """A unit's token ids, for a node that prefills it."""
+
+    unit_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """Retrieval role -> an idle generation node: prefill these units of another node's request
+    and publish them (one of the request's plan's ``assists``: sealed for this node)."""
+
+    version: int
+    plan: RequestPlan  # every unit COMPUTE under a write grant of this node
+    units: tuple[UnitText, ...]  # the token ids of each of the plan's units
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResponse:
+    version: int
+    request_id: str
+    units: int  # units accepted: each is prefilled (or found in the local cache) and published
+
+
+@dataclass(frozen=True, slots=True)
 class AbortRequest:
     """The retrieval role gives up on a request: the node stops running it, or drops its snapshot's pins."""
 
@@ -139,8 +164,9 @@ class RequestStats:
     node_queued_s: float = 0.0
     node_first_token_s: float = 0.0
     # unit id -> where its state came from: local, remote, computed (prefilled here; also a
-    # failed fetch) or coalesced (another request's prefill of it, joined); a unit the final
-    # extend recomputes whole is not prepared and not listed
+    # failed fetch), peer (prefilled for this request by an idle node at the same time, then
+    # fetched: counted as computed) or coalesced (another request's prefill of it, joined); a
+    # unit the final extend recomputes whole is not prepared and not listed
     unit_sources: dict[str, str] = field(default_factory=dict)
 
     def tokens_by_source(self) -> tuple[tuple[str, int], ...]:

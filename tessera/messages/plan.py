@@ -94,12 +94,18 @@ class UnitPlan:
     retention: Retention
     lease: ReadLease | None = None  # set iff preparation is REMOTE
     grant: WriteGrant | None = None  # set iff retention is SHARED or BOTH
+    # a COMPUTE unit that the generation node ``peer`` prefills for this request at the same
+    # time (the plan's ``assists``) and publishes: fetch it once READY, compute it on a timeout
+    peer: str = ""
 
     def __post_init__(self) -> None:
         if (self.preparation is Preparation.REMOTE) != (self.lease is not None):
             raise ValueError(f"unit {self.unit_id}: a remote preparation needs a lease and only it has one")
         if self.retention.shared != (self.grant is not None):
             raise ValueError(f"unit {self.unit_id}: a shared retention needs a write grant and only it has one")
+        if self.peer and (self.preparation is not Preparation.COMPUTE or self.grant is not None):
+            raise ValueError(f"unit {self.unit_id}: a unit a peer computes is planned as COMPUTE, without a grant "
+                             "(the peer's plan holds it)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +121,7 @@ class RequestPlan:
     # with a cluster secret: the leader's MAC over (node, term, request_id) (tessera.auth.plan_seal);
     # a generation node runs no plan, and adopts no term, without it
     seal: str = ""
+    # plans for idle generation nodes that prefill some of this request's units at the same
+    # time (each of their units COMPUTE under a write grant of that node); the retrieval role
+    # sends each to its node (``PrefillRequest``) beside the execute
+    assists: tuple[RequestPlan, ...] = ()

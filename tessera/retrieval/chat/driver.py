@@ -154,6 +154,8 @@ class ChatDriver:
         """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
         snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
         self.plan = await self.path.finalize(self.request_id, self.target, snap.held)
+        for assist in self.plan.assists:  # idle nodes prefill some units at the same time
+            self.nodes.assist_later(assist, layout)
         bound = self.control.max_queue_wait_s
         # what is left of the queueing bound: the node refuses the request if its work cannot
         # begin within it (tessera.generation.scheduler, late starts)

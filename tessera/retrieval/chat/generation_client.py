@@ -36,9 +36,14 @@ from tessera.messages.generation import (
     AbortResponse,
     ExecuteEvent,
     ExecuteRequest,
+    PrefillRequest,
+    PrefillResponse,
     SnapshotRequest,
     SnapshotResponse,
+    UnitText,
 )
+from tessera.messages.plan import RequestPlan
+from tessera.messages.prompt import PromptLayout, SegmentKind
 from tessera.runtime import BackgroundTasks
 from tessera.wire import WIRE_VERSION, decode, decode_tagged, encode, from_wire
 
@@ -140,6 +145,31 @@ class NodeClients:
         check_version(answer.version)
         log.debug("request %s on %s: %s", request_id, node,
                   "run cancelled" if answer.aborted else "not running; its pins are dropped")
+
+    async def assist(self, plan: RequestPlan, layout: PromptLayout) -> None:
+        """Ask ``plan.node`` to prefill and publish the plan's units of ``layout`` (an assist: the
+        serving node computes them itself if they do not come, so a failure is only logged)."""
+        wanted = {u.unit_id for u in plan.units}
+        texts: dict[str, UnitText] = {}
+        for seg in layout.segments:
+            if seg.kind is SegmentKind.UNIT and seg.unit_id in wanted and seg.unit_id not in texts:
+                texts[seg.unit_id] = UnitText(seg.unit_id, tuple(seg.token_ids))
+        msg = PrefillRequest(WIRE_VERSION, plan, tuple(texts.values()))
+        try:
+            async with asyncio.timeout(self.connect_timeout_s), \
+                    self._post(plan.node, "/v1/prefill", encode(msg)) as resp:
+                if resp.status != 200:
+                    log.info("request %s: assist: %s", plan.request_id, await self._error(plan.node, resp))
+                    return
+                answer = decode(PrefillResponse, await resp.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("request %s: assist on %s not sent (%r)", plan.request_id, plan.node, exc)
+            return
+        check_version(answer.version)
+
+    def assist_later(self, plan: RequestPlan, layout: PromptLayout) -> None:
+        """:meth:`assist`, without waiting: the request's own execute goes out at once."""
+        self.aborts.spawn(self.assist(plan, layout), name=f"assist-{plan.request_id[-8:]}")
 
     def abort_later(self, node: str, request_id: str) -> None:
         """Tell the node to stop a request, without waiting (the caller may be unwinding)."""

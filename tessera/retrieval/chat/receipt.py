@@ -29,7 +29,7 @@ from tessera.composition.policies import CompositionPolicy
 from tessera.messages.generation import RequestStats
 from tessera.messages.prompt import PromptLayout
 
-SOURCES = ("prefix", "local", "remote", "computed", "coalesced", "inlined")
+SOURCES = ("prefix", "local", "remote", "computed", "peer", "coalesced", "inlined")
 
 
 @dataclass(frozen=True)

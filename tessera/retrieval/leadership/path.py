@@ -58,6 +58,8 @@ class RequestPath(Protocol):
 
 
 def _grants(plan: RequestPlan) -> tuple[tuple[str, ...], list[CancelRequest]]:
+    """The plan's leases and its grants as cancels (an assist's grants stay: its node may be
+    writing them already, and a reservation never written lapses on its own)."""
     leases = tuple(u.lease.lease_id for u in plan.units if u.lease is not None)
     cancels = [CancelRequest(WIRE_VERSION, u.grant.unit_id, u.grant.epoch, u.grant.writer, 0.0)
                for u in plan.units if u.grant is not None]
