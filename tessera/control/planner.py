@@ -15,7 +15,7 @@ computed and retained nowhere, whatever the node's snapshot says.
 **Assists.** Units are prefilled independently of each other, so the units a request must
 compute can be prefilled on two nodes at once, which a prompt's causal prefill cannot. When
 they hold at least ``control.assist_min_tokens`` tokens and another node is idle, that node
-gets a plan of its own (``RequestPlan.assists``) for about half of them, each under a write
+gets a plan of its own (``RequestPlan.assists``) for about half of their tokens, each under a write
 grant of its own; the serving node's plan names it as their ``peer`` and fetches them once
 published. Only units the shared tier would admit are given away (the serving node must
 read them from there).
@@ -233,9 +233,10 @@ class Planner:
                 leases: Sequence[ReadLease | None]) -> tuple[GenerationMember | None, frozenset[str]]:
         """The idle node that prefills some of the request's units, and which (module docstring).
 
-        Candidates are the units computed here that the shared tier holds no entry of; the
-        largest go first, each to the helper while the helper's share stays at most what
-        is left to this node (which also composes the prompt once they arrive).
+        Candidates are the units computed here that the shared tier holds no entry of. The
+        largest go first, each to whichever side has less to prefill so far (this node
+        starts with the units it computes anyway; a tie goes to this node, which needs no
+        transfer): both sides then finish about together, and the extend follows.
         """
         if self.helper is None or not self.assist_min_tokens:
             return None, frozenset()
@@ -251,10 +252,13 @@ class Planner:
                             key=lambda u: -tokens[u])
         given: list[str] = []
         share = 0
+        own = total - sum(tokens[u] for u in candidates)
         for u in candidates:
-            if 2 * (share + tokens[u]) <= total:
+            if share < own:
                 given.append(u)
                 share += tokens[u]
+            else:
+                own += tokens[u]
         return (helper, frozenset(given)) if given else (None, frozenset())
 
     def _assists(self, r: RoutedRequest, request_id: str, helper: GenerationMember | None,

@@ -65,7 +65,7 @@ LATE_PLAN_S = 1.0
 PEER_WAIT_S = 1.0
 PEER_WAIT_FACTOR = 3.0
 PEER_UNMEASURED_S = 5.0  # ... or this long in all while this node has no measured rate
-PEER_POLL_S = 0.02  # how often the shared tier is asked whether a peer's unit is published
+PEER_POLL_S = 0.01  # how often the shared tier is asked whether a peer's unit is published
 
 
 class SharedReader(Protocol):

@@ -58,6 +58,9 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, now: 
     if s is not None:
         tiers = " ".join(f"{source} {n}" for source, n in s.tokens_by_source())
         line += f" prompt {s.prompt_tokens} tok: {tiers}; completion {s.completion_tokens} tok"
+        peer = sum(source == "peer" for source in s.unit_sources.values())
+        if peer:
+            line += f"; {peer} units prefilled by an idle peer"
         if s.node_first_token_s:
             line += f"; node queued {s.node_queued_s:.3f}s, first token {s.node_first_token_s:.3f}s"
             if record.node:
