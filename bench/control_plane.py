@@ -54,7 +54,7 @@ def build(args: argparse.Namespace) -> SimulatedCluster:
     gens = tuple(GenerationNodeConfig(f"gen{i}", port=9600 + i, local_capacity_blocks=args.local_blocks)
                  for i in range(args.nodes))
     pools = (KVPoolNodeConfig("kv0", port=9500, data_port=9501, capacity_blocks=args.shared_blocks),)
-    control = ControlConfig(admission=args.admission, routing=args.routing)
+    control = ControlConfig(admission=args.admission, routing=args.routing, assist_min_tokens=args.assist_min_tokens)
     return SimulatedCluster(ClusterConfig(block_tokens=16, control=control, kvpools=pools, generation=gens))
 
 
@@ -198,6 +198,8 @@ def main() -> None:
     ap.add_argument("--shared-blocks", type=int, default=32768)
     ap.add_argument("--admission", default="demand")
     ap.add_argument("--routing", default="cache_aware")
+    ap.add_argument("--assist-min-tokens", type=int, default=ControlConfig.assist_min_tokens,
+                    help="control.assist_min_tokens (0: plans without assists)")
     ap.add_argument("--cpu", type=int, default=0, help="pin to this core (one core)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--callgrind", action="store_true",

@@ -336,7 +336,8 @@ class GenerationNodeConfig:
     # tokens per extend batch. CPU: a forward's cost per token rises past ~512 tokens, so
     # batching more only delays TTFT; a GPU step is cheap per token and wants far more
     max_batch_tokens: int = 512
-    # prompt items (extends, unit prefills) per batch; 0: as many as max_batch_tokens allows.
+    # prompt items (extends, unit prefills) per batch; 0: as many as max_batch_tokens allows;
+    # the unit prefills one request (or one assist) queues together count as one.
     # CPU: a batch costs the sum of its prompts and every member waits for all of it, so one
     # prompt a forward (decodes still ride along) serves queued requests in arrival order
     # without holding the first for the rest; a GPU step shares its cost and wants 0

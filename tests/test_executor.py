@@ -263,9 +263,9 @@ async def test_a_unit_prefill_two_requests_share_is_counted_computed_once() -> N
         gate = asyncio.Event()
         prefill_unit = n.scheduler.prefill_unit
 
-        async def held_prefill(token_ids: Any, deadline: Any = None) -> UnitState:
+        async def held_prefill(token_ids: Any, deadline: Any = None, group: int = 0) -> UnitState:
             await gate.wait()  # held off the engine thread: the other request's engine calls go on
-            return await prefill_unit(token_ids, deadline)
+            return await prefill_unit(token_ids, deadline, group)
 
         n.scheduler.prefill_unit = held_prefill  # type: ignore[method-assign]
         first = asyncio.ensure_future(_events(n.executor.run(request(Preparation.COMPUTE, request_id="a"))))

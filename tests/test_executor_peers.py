@@ -104,3 +104,31 @@ async def test_a_peer_that_never_publishes_costs_its_wait_then_the_unit_is_compu
     assert (s.computed_units, s.fallbacks) == (2, 0)
     assert reader.asked >= 2 and reader.fetched == [] and released == []
     assert [len(U1)] in engine.batches  # prefilled here after the wait
+
+
+async def test_the_own_units_of_an_assisted_request_are_prefilled_in_one_forward() -> None:
+    """With one prompt a batch (the CPU default), the request's own units still share a step:
+    each forward has a fixed cost, and the extend waits for both anyway."""
+    u3 = (20, 21, 22)
+    layout = PromptLayout((*LAYOUT.segments[:3], Segment(SegmentKind.UNIT, u3, "u3"), LAYOUT.segments[3]))
+    engine = FusingFakeEngine()
+    scheduler = Scheduler(engine, max_batch_tokens=64, max_batch_prompts=1)
+    cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
+    retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
+    policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
+    executor = Executor(scheduler, PrefillCoalescer(scheduler), cache, retainer, PeerReader(polls=2), [].append,
+                        policy, "compose")
+    units = (UnitPlan("u1", len(U1), Preparation.COMPUTE, Retention.NEITHER, peer="gen1"),
+             UnitPlan("u2", len(U2), Preparation.COMPUTE, Retention.NEITHER),
+             UnitPlan("u3", len(u3), Preparation.COMPUTE, Retention.NEITHER))
+    req = ExecuteRequest(WIRE_VERSION, "req-2", layout, RequestPlan(WIRE_VERSION, "req-2", "gen0", units),
+                         SamplingParams(max_tokens=1))
+    scheduler.start()
+    try:
+        events = [e async for e in executor.run(req)]
+    finally:
+        await retainer.drain(timeout=1.0)
+        await scheduler.stop()
+    assert isinstance(events[-1], DoneEvent)
+    assert events[-1].stats.unit_sources == {"u1": "peer", "u2": "computed", "u3": "computed"}
+    assert [len(U2), len(u3)] in engine.batches

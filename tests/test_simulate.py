@@ -492,3 +492,28 @@ def test_simulated_nodes_prefill_a_missing_unit_as_their_engine_does(monkeypatch
         computed[engine] = sum(r.usage["tessera"]["computed_unit_tokens"] for r in run.results)
         assert computed[engine] > 0
         assert (len(jobs) == 0) == (engine == "reference")
+
+
+@dataclasses.dataclass
+class _Grouped:
+    tokens: int
+    group: int
+    decode: bool = False
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def test_unit_prefills_of_one_group_count_as_one_prompt() -> None:
+    """One request's (or one assist's) unit prefills queued together share a forward even with
+    one prompt a batch; another group, or an ungrouped item, waits for the next batch."""
+    prefills = deque([_Grouped(50, 7), _Grouped(60, 7), _Grouped(40, 8), _Grouped(30, 0), _Grouped(20, 0)])
+    take = lambda: [w.tokens for w in take_batch(deque(), deque(), prefills, 512, 1)]  # noqa: E731
+    assert take() == [50, 60]
+    assert take() == [40]
+    assert take() == [30]
+    assert take() == [20]
+    # the token budget still bounds a group
+    prefills.extend([_Grouped(300, 9), _Grouped(300, 9)])
+    assert take() == [300]
+    assert take() == [300]

@@ -57,14 +57,15 @@ class Assists:
     def start(self, msg: PrefillRequest, texts: Mapping[str, tuple[int, ...]]) -> None:
         """Prefill and publish the plan's units, without waiting (``texts``: :func:`check`'s)."""
         received_at = time.monotonic()  # the grants' deadlines count from here
+        group = self.prefills.scheduler.new_group()  # the order's units in one forward
         for u in msg.plan.units:
-            self.tasks.spawn(self._one(u, texts[u.unit_id], received_at), name=f"assist-{u.unit_id[:8]}")
+            self.tasks.spawn(self._one(u, texts[u.unit_id], received_at, group), name=f"assist-{u.unit_id[:8]}")
 
-    async def _one(self, plan: UnitPlan, token_ids: tuple[int, ...], received_at: float) -> None:
+    async def _one(self, plan: UnitPlan, token_ids: tuple[int, ...], received_at: float, group: int) -> None:
         state: UnitState | None = self.cache.lookup(plan.unit_id)
         try:
             if state is None:
-                state, _ = await self.prefills.state(plan.unit_id, token_ids)
+                state, _ = await self.prefills.state(plan.unit_id, token_ids, group=group)
         except Exception as exc:  # an assist is best effort: the serving node computes the unit itself
             self.failed += 1
             log.warning("assist: prefill of unit %s failed (%s); its serving node computes it", plan.unit_id, exc)

@@ -7,7 +7,9 @@ clock, so the two batch alike by construction:
     every pending decode (one token each), then
     requests' own extends, then unit prefills, in arrival order, while the token budget
     lasts and at most ``max_prompts`` of them (``generation.max_batch_prompts``; 0: no cap);
-    an item larger than the budget still runs, alone with the decodes.
+    an item larger than the budget still runs, alone with the decodes. Items queued one after
+    another with the same nonzero ``group`` (the units one request, or one assist, prefills
+    apart) count as one prompt: each forward has a fixed cost, and they are waited for together.
 
 This module knows nothing about engines, futures or time.
 """
@@ -29,6 +31,11 @@ class Queued(Protocol):
 
     def cancelled(self) -> bool: ...
 
+    @property
+    def group(self) -> int:
+        """Nonzero: items of one group, queued together, count as one prompt (module docstring)."""
+        ...
+
 
 J = TypeVar("J", bound=Queued)
 
@@ -42,6 +49,7 @@ def take_batch(decodes: deque[J], extends: deque[J], prefills: deque[J], max_bat
     decodes.clear()
     budget = max_batch_tokens - len(batch)
     prompts = 0
+    last_group = 0
     # requests' own extends (their first token is next) before unit prefills: a request
     # whose units are ready must not wait behind the unit prefills of every request that
     # arrived after it (that made first tokens come late and in bursts under load)
@@ -51,9 +59,11 @@ def take_batch(decodes: deque[J], extends: deque[J], prefills: deque[J], max_bat
             if job.cancelled():
                 queue.popleft()
                 continue
-            if prompts and (job.tokens > budget or prompts == max_prompts):
+            joins = job.group != 0 and job.group == last_group
+            if prompts and (job.tokens > budget or (prompts == max_prompts and not joins)):
                 return batch
             batch.append(queue.popleft())
             budget -= job.tokens
-            prompts += 1
+            prompts += not joins
+            last_group = job.group
     return batch

@@ -93,6 +93,7 @@ class Run:
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
     peer_deadline: float = 0.0  # monotonic: until then a unit a peer computes is awaited (_from_peer)
+    group: int = 0  # nonzero: the batching group of its own unit prefills (with a peer's units)
 
     @property
     def layout(self) -> PromptLayout:
@@ -262,6 +263,7 @@ class Executor:
         fused = FusedUnits(self.prefills) if self.scheduler.fuses_unit_prefills and not peers else None
         if peers:
             run.peer_deadline = self._peer_deadline(sum(len(tokens[uid]) for uid in peers))
+            run.group = self.scheduler.new_group()  # its own units in one forward
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
         # held and leased states first: they are the plan's to use whenever the work runs
         fetched = await asyncio.gather(*(self._reuse(run, plans[uid], len(tokens[uid])) for uid in spans))
@@ -383,7 +385,7 @@ class Executor:
     async def _compute(self, run: Run, plan: UnitPlan, token_ids: Sequence[int], spans: Sequence[Placement]) -> None:
         """Prefill the unit (coalesced with anyone computing it already), retain it and place it."""
         stats = run.stats
-        state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline)
+        state, coalesced = await self.prefills.state(plan.unit_id, token_ids, run.deadline, run.group)
         # a joined prefill is counted as computed by the request that ran it only, so that the
         # cluster's computed tokens count each forward pass once
         if coalesced:

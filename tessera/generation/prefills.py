@@ -82,21 +82,22 @@ class PrefillCoalescer:
         self._leave(unit_id, claim)
 
     async def state(self, unit_id: str, token_ids: Sequence[int],
-                    deadline: StartDeadline | None = None) -> tuple[UnitState, bool]:
+                    deadline: StartDeadline | None = None, group: int = 0) -> tuple[UnitState, bool]:
         """The unit's reusable form, computing it unless an identical prefill is in flight.
 
         Returns (state, coalesced). The shared prefill is shielded: one waiter going away
         (client disconnect) does not cancel it for the others. A finished prefill stays
         joinable until its last waiter has resumed, so the caller can retain the state (with
         no await in between) before a newcomer could miss both the prefill and the cache.
-        A joined claim that is abandoned is computed here as a job instead.
+        A joined claim that is abandoned is computed here as a job instead. ``group``: a new
+        prefill's batching group (:meth:`Scheduler.prefill_unit`).
         """
         task = self._inflight.get(unit_id)
         if task is not None and task.done() and isinstance(task.exception(), UnitPrefillAbandoned):
             task = None  # an abandoned claim stays listed while its joiners resume: replace it
         coalesced = task is not None
         if task is None:
-            task = self._start(unit_id, token_ids, deadline)
+            task = self._start(unit_id, token_ids, deadline, group)
         else:
             self.coalesced += 1
         self._join(task)
@@ -110,10 +111,10 @@ class PrefillCoalescer:
         return await self.state(unit_id, token_ids, deadline)
 
     def _start(self, unit_id: str, token_ids: Sequence[int],
-               deadline: StartDeadline | None) -> asyncio.Future[UnitState]:
+               deadline: StartDeadline | None, group: int = 0) -> asyncio.Future[UnitState]:
         # a new prefill carries its first requester's start deadline: refused as a late
         # start, it fails for whoever joined it too (they queued behind the same work)
-        task = asyncio.ensure_future(self.scheduler.prefill_unit(token_ids, deadline))
+        task = asyncio.ensure_future(self.scheduler.prefill_unit(token_ids, deadline, group))
         self._inflight[unit_id] = task
         self.started += 1
         # forgets a prefill whose waiters all went away (cancelled) once it finishes

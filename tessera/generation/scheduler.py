@@ -155,6 +155,7 @@ class _Job:
     # extend's slots once its step has run, before the next batch (see Scheduler._loop)
     insert_prefix: tuple[Sequence[int], str] | None = None
     place: Placing | None = None  # placed into the extend's slots right before its batch's forward
+    group: int = 0  # nonzero: unit prefills queued together that count as one prompt (batching)
 
     @property
     def tokens(self) -> int:
@@ -176,6 +177,7 @@ class Scheduler:
         self._extends: deque[_Job] = deque()  # requests' prompt extends (chunks of them)
         self._prefills: deque[_Job] = deque()  # unit prefills (internal requests)
         self._decodes: deque[_Job] = deque()
+        self._groups = 0  # the last group id handed out (new_group)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0  # batches run: the idle memory trim tells spells of work apart by it
@@ -201,7 +203,7 @@ class Scheduler:
 
     def _submit(self, item: UnitPrefill | Extend, decode: bool, deadline: StartDeadline | None = None,
                 insert_prefix: tuple[Sequence[int], str] | None = None,
-                place: Placing | None = None) -> asyncio.Future[Any]:
+                place: Placing | None = None, group: int = 0) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # an extend that still prefills a unit queues with the unit prefills, behind requests
         # whose units are all ready: as when the unit was a prefill of its own, a ready request
@@ -209,7 +211,7 @@ class Scheduler:
         # member waits for all of it)
         missing = isinstance(item, UnitPrefill) or bool(item.units)
         queue = self._decodes if decode else self._prefills if missing else self._extends
-        queue.append(_Job(item, future, decode, deadline, self.batches, insert_prefix, place))
+        queue.append(_Job(item, future, decode, deadline, self.batches, insert_prefix, place, group))
         self._wake.set()
         return future
 
@@ -235,11 +237,18 @@ class Scheduler:
         """Tokens of the queued extends and unit prefills."""
         return sum(j.tokens for j in self._extends) + sum(j.tokens for j in self._prefills)
 
-    async def prefill_unit(self, token_ids: Sequence[int], deadline: StartDeadline | None = None) -> UnitState:
+    async def prefill_unit(self, token_ids: Sequence[int], deadline: StartDeadline | None = None,
+                           group: int = 0) -> UnitState:
         """Independent prefill of one unit from position 0 (an internal request); ``deadline``:
-        the requesting request's (late starts)."""
-        state: UnitState = await self._submit(UnitPrefill(token_ids), decode=False, deadline=deadline)
+        the requesting request's (late starts); ``group`` (:meth:`new_group`): prefills queued
+        together under it share one batch (:func:`take_batch`)."""
+        state: UnitState = await self._submit(UnitPrefill(token_ids), decode=False, deadline=deadline, group=group)
         return state
+
+    def new_group(self) -> int:
+        """A group id for unit prefills that one caller queues together."""
+        self._groups += 1
+        return self._groups
 
     @property
     def fuses_unit_prefills(self) -> bool:

@@ -40,6 +40,10 @@ class Work:
         return False  # simulated clients never go away
 
     @property
+    def group(self) -> int:
+        return 0  # every simulated item is a prompt of its own
+
+    @property
     def items(self) -> list[StepItem]:
         """What the cost model charges for it: the extend, then each unit's own prefill."""
         return [StepItem(self.tokens - sum(self.units), self.context, self.decode),
