@@ -57,17 +57,20 @@ class PeerReader:
         return UnitState(t, t.clone())
 
 
-async def run(engine: FusingFakeEngine, reader: PeerReader) -> tuple[DoneEvent, list[str]]:
+TWO_UNITS = (UnitPlan("u1", len(U1), Preparation.COMPUTE, Retention.NEITHER, peer="gen1"),
+             UnitPlan("u2", len(U2), Preparation.COMPUTE, Retention.NEITHER))
+
+
+async def run(engine: FusingFakeEngine, reader: PeerReader, layout: PromptLayout = LAYOUT,
+              units: tuple[UnitPlan, ...] = TWO_UNITS, max_batch_prompts: int = 0) -> tuple[DoneEvent, list[str]]:
     released: list[str] = []
-    scheduler = Scheduler(engine, max_batch_tokens=64)
+    scheduler = Scheduler(engine, max_batch_tokens=64, max_batch_prompts=max_batch_prompts)
     cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
     retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
     policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
     executor = Executor(scheduler, PrefillCoalescer(scheduler), cache, retainer, reader, released.append, policy,
                         "compose")
-    units = (UnitPlan("u1", len(U1), Preparation.COMPUTE, Retention.NEITHER, peer="gen1"),
-             UnitPlan("u2", len(U2), Preparation.COMPUTE, Retention.NEITHER))
-    req = ExecuteRequest(WIRE_VERSION, "req-1", LAYOUT, RequestPlan(WIRE_VERSION, "req-1", "gen0", units),
+    req = ExecuteRequest(WIRE_VERSION, "req-1", layout, RequestPlan(WIRE_VERSION, "req-1", "gen0", units),
                          SamplingParams(max_tokens=2))
     scheduler.start()
     try:
@@ -112,23 +115,7 @@ async def test_the_own_units_of_an_assisted_request_are_prefilled_in_one_forward
     u3 = (20, 21, 22)
     layout = PromptLayout((*LAYOUT.segments[:3], Segment(SegmentKind.UNIT, u3, "u3"), LAYOUT.segments[3]))
     engine = FusingFakeEngine()
-    scheduler = Scheduler(engine, max_batch_tokens=64, max_batch_prompts=1)
-    cache = LocalUnitCache(capacity_blocks=16, block_tokens=4, pin_memory=False)
-    retainer = Retainer(cache, None, QuietControl(), staging_bytes=1 << 20, outstanding=2)
-    policy = policy_from_config(CompositionConfig(policy="epic", recompute_tokens=1, unit_lead=""))
-    executor = Executor(scheduler, PrefillCoalescer(scheduler), cache, retainer, PeerReader(polls=2), [].append,
-                        policy, "compose")
-    units = (UnitPlan("u1", len(U1), Preparation.COMPUTE, Retention.NEITHER, peer="gen1"),
-             UnitPlan("u2", len(U2), Preparation.COMPUTE, Retention.NEITHER),
-             UnitPlan("u3", len(u3), Preparation.COMPUTE, Retention.NEITHER))
-    req = ExecuteRequest(WIRE_VERSION, "req-2", layout, RequestPlan(WIRE_VERSION, "req-2", "gen0", units),
-                         SamplingParams(max_tokens=1))
-    scheduler.start()
-    try:
-        events = [e async for e in executor.run(req)]
-    finally:
-        await retainer.drain(timeout=1.0)
-        await scheduler.stop()
-    assert isinstance(events[-1], DoneEvent)
-    assert events[-1].stats.unit_sources == {"u1": "peer", "u2": "computed", "u3": "computed"}
+    units = (*TWO_UNITS, UnitPlan("u3", len(u3), Preparation.COMPUTE, Retention.NEITHER))
+    done, _ = await run(engine, PeerReader(polls=2), layout, units, max_batch_prompts=1)
+    assert done.stats.unit_sources == {"u1": "peer", "u2": "computed", "u3": "computed"}
     assert [len(U2), len(u3)] in engine.batches
