@@ -165,9 +165,9 @@ class ControlPlane:
 
     def _idle_helper(self, node: GenerationMember) -> GenerationMember | None:
         """An alive node other than ``node`` with nothing routed to it and no assist to do."""
-        for i in bits(self.fleet.at(0) & ~(1 << node.index)):
+        for i in bits(self.fleet.at(0) & ~(1 << node.index)):  # nothing routed there
             m = self._members[i]
-            if not m.assists:
+            if m.idle:
                 return m
         return None
 

@@ -225,7 +225,8 @@ class Planner:
                        sum(p.retention.shared for p in units) + len(helped), len(evict))
         r.node.computes(request_id, sum(b for (_, b), p in zip(r.pairs, units, strict=True)
                                         if p.preparation is COMPUTE and not p.peer))
-        helped_blocks = sum(b for (u, b) in r.pairs if any(h.unit_id == u for h in helped))
+        given_away = {h.unit_id for h in helped}
+        helped_blocks = sum(b for u, b in r.pairs if u in given_away)
         assists = self._assists(r, request_id, helper, helped, helped_blocks)
         return self._issue(request_id, node, units, evict, assists)
 

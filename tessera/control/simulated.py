@@ -107,16 +107,13 @@ class SimulatedCluster:
                     inserted.append(u)
                 else:
                     declined.append(u)
-            if publish and up.grant is not None:
-                g = up.grant
-                plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
             if up.lease is not None:
                 leases.append(up.lease.lease_id)
-        for assist in plan.assists if publish else ():  # the helper prefills and publishes its units
-            for up in assist.units:
-                if up.grant is not None:
-                    g = up.grant
-                    plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
+        # the writers publish: this node, and the helpers of the plan's assists
+        for up in (*plan.units, *(u for a in plan.assists for u in a.units)) if publish else ():
+            if up.grant is not None:
+                g = up.grant
+                plane.publish(PublishRequest(WIRE_VERSION, g.unit_id, g.epoch, g.writer, g.blocks))
         if release and leases:
             plane.release(ReleaseRequest(WIRE_VERSION, tuple(leases)))
         plane.residency(ResidencyReport(WIRE_VERSION, plan.node, tuple(inserted), (*plan.local_evict, *declined)))

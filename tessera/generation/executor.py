@@ -92,7 +92,7 @@ class Run:
     matched: int  # of those, the leading tokens it copied into the slots
     # read leases of the plan not yet consumed; whatever is left goes back when the run ends
     unreleased: set[str] = field(default_factory=set)
-    peer_deadline: float = 0.0  # monotonic: until then a unit a peer computes is awaited (_from_peer)
+    peer_deadline: float = 0.0  # monotonic: until then a unit a peer computes is awaited (_late_fetch)
     group: int = 0  # nonzero: the batching group of its own unit prefills (with a peer's units)
 
     @property
@@ -367,8 +367,8 @@ class Executor:
             return Reused(state, True, False)
         if late is not None:  # published since the plan, fetched before any preparation began
             return Reused(late, False, plan.retention.local)
-        if plan.peer:
-            state = await self._from_peer(run, plan, n)
+        if plan.peer and self.reader is not None:  # fetched once the peer publishes it
+            state = await self._late_fetch(self.reader, run, plan, n, until=run.peer_deadline)
             if state is not None:
                 return Reused(state, False, plan.retention.local, peer=True)
             await self._compute(run, plan, token_ids, spans)
@@ -420,15 +420,25 @@ class Executor:
         states = await asyncio.gather(*(self._late_fetch(reader, run, p, len(tokens[p.unit_id])) for p in asked))
         return {p.unit_id: s for p, s in zip(asked, states, strict=True) if s is not None}
 
-    async def _late_fetch(self, reader: SharedReader, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
-        """The unit under a late lease, or None (not READY, or the plane or the pool failed)."""
-        try:
-            lease = await reader.late_lease(plan.unit_id)
-        except ControlPlaneError as exc:
-            log.info("no late lease for unit %s (%s); computing it", plan.unit_id, exc)
-            return None
-        if lease is None:
-            return None
+    async def _late_fetch(self, reader: SharedReader, run: Run, plan: UnitPlan, n: int,
+                          until: float = 0.0) -> UnitState | None:
+        """The unit under a late lease, or None (not READY, or the plane or the pool failed).
+
+        ``until`` (monotonic): while the unit is not READY, ask again every PEER_POLL_S until
+        then (a unit a peer is prefilling); by default ask once."""
+        while True:
+            try:
+                lease = await reader.late_lease(plan.unit_id)
+            except ControlPlaneError as exc:
+                log.info("no late lease for unit %s (%s); computing it", plan.unit_id, exc)
+                return None
+            if lease is not None:
+                break
+            if time.monotonic() >= until:
+                if until:
+                    log.info("unit %s: peer %s did not publish it in time; computing it", plan.unit_id, plan.peer)
+                return None
+            await asyncio.sleep(PEER_POLL_S)
         try:
             return await reader.fetch(lease, n, release=False, received_at=time.monotonic())
         except TransferError as exc:
@@ -444,33 +454,6 @@ class Executor:
         rate = self.scheduler.prefill_tokens_per_s
         wait = PEER_WAIT_S + PEER_WAIT_FACTOR * n_tokens / rate if rate > 0 else PEER_UNMEASURED_S
         return time.monotonic() + wait
-
-    async def _from_peer(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
-        """The unit a peer prefills for this request, fetched once it is READY; None if it is
-        not published by ``run.peer_deadline`` or cannot be fetched (compute it)."""
-        reader = self.reader
-        if reader is None:
-            return None
-        while True:
-            try:
-                lease = await reader.late_lease(plan.unit_id)
-            except ControlPlaneError as exc:
-                log.info("unit %s of peer %s: no lease (%s); computing it", plan.unit_id, plan.peer, exc)
-                return None
-            if lease is not None:
-                try:
-                    return await reader.fetch(lease, n, release=False, received_at=time.monotonic())
-                except TransferError as exc:
-                    log.warning("fetch of unit %s from peer %s failed (%s); computing it", plan.unit_id, plan.peer,
-                                exc)
-                    run.stats.fallbacks += 1
-                    return None
-                finally:
-                    self.release_lease(lease.lease_id)
-            if time.monotonic() >= run.peer_deadline:
-                log.info("unit %s: peer %s did not publish it in time; computing it", plan.unit_id, plan.peer)
-                return None
-            await asyncio.sleep(PEER_POLL_S)
 
     async def _reuse(self, run: Run, plan: UnitPlan, n: int) -> UnitState | None:
         """The unit's state from the local cache or the KV Pool, or None (compute it)."""

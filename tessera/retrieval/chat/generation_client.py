@@ -131,15 +131,21 @@ class NodeClients:
         except aiohttp.ClientError as exc:
             raise NodeUnavailable(f"generation node {node} failed mid-request: {exc!r}") from None
 
+    async def _brief(self, node: str, path: str, msg: object, answer: type[T]) -> T:
+        """One short call (connecting and answering within ``connect_timeout_s``): the node's
+        answer, or the node's refusal raised as :meth:`_error` says; ``aiohttp.ClientError``
+        and ``TimeoutError`` pass through."""
+        async with asyncio.timeout(self.connect_timeout_s), self._post(node, path, encode(msg)) as resp:
+            if resp.status != 200:
+                raise await self._error(node, resp)
+            return decode(answer, await resp.read())
+
     async def abort(self, node: str, request_id: str) -> None:
-        msg = AbortRequest(WIRE_VERSION, request_id)
         try:
-            async with asyncio.timeout(self.connect_timeout_s), \
-                    self._post(node, "/v1/abort", encode(msg)) as resp:
-                if resp.status != 200:
-                    log.warning("request %s: %s", request_id, await self._error(node, resp))
-                    return
-                answer = decode(AbortResponse, await resp.read())
+            answer = await self._brief(node, "/v1/abort", AbortRequest(WIRE_VERSION, request_id), AbortResponse)
+        except TesseraError as exc:
+            log.warning("request %s: %s", request_id, exc)
+            return
         except (aiohttp.ClientError, TimeoutError):
             return  # the node is gone or wedged; its own pin timeout frees what it holds
         check_version(answer.version)
@@ -156,12 +162,10 @@ class NodeClients:
                 texts[seg.unit_id] = UnitText(seg.unit_id, tuple(seg.token_ids))
         msg = PrefillRequest(WIRE_VERSION, plan, tuple(texts.values()))
         try:
-            async with asyncio.timeout(self.connect_timeout_s), \
-                    self._post(plan.node, "/v1/prefill", encode(msg)) as resp:
-                if resp.status != 200:
-                    log.info("request %s: assist: %s", plan.request_id, await self._error(plan.node, resp))
-                    return
-                answer = decode(PrefillResponse, await resp.read())
+            answer = await self._brief(plan.node, "/v1/prefill", msg, PrefillResponse)
+        except TesseraError as exc:
+            log.info("request %s: assist: %s", plan.request_id, exc)
+            return
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.info("request %s: assist on %s not sent (%r)", plan.request_id, plan.node, exc)
             return
