@@ -105,6 +105,8 @@ async def ledger_question(session: aiohttp.ClientSession, url: str, i: int, stre
             "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": stream}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         text = await resp.read()
+        if resp.status != 200:  # pytest shows it with the failing assertion: which refusal it was
+            print(f"question {i}: HTTP {resp.status}: {text[:400].decode(errors='replace')}")
         return resp.status, stream and b'"error"' in text
 
 
