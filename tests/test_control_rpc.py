@@ -21,7 +21,7 @@ from helpers.plane import Cluster, plane_config
 from tessera.auth import ClusterAuth
 from tessera.config import ClusterConfig
 from tessera.control.client import RequestControl
-from tessera.control.pace import RemoteWatch
+from tessera.control.pace import NodeWatch, RemoteWatch, Watch
 from tessera.control.routes import add_control_routes
 from tessera.errors import BadRequest, ControlPlaneError, Unavailable
 from tessera.http import application
@@ -196,15 +196,21 @@ async def test_the_leaders_liveness_answer_says_who_is_alive_and_how_long_ago_ea
     served.plane.suspect("gen1")
     report = await remote.liveness(["gen0", "gen1"])
     assert [(n.name, n.alive, n.heard_s_ago) for n in report.nodes] == [("gen0", True, 1.5), ("gen1", False, 0.0)]
+    assert [n.progressed_s_ago for n in report.nodes] == [-1.0, -1.0]  # no prompt work reported yet
+    served.heartbeat("gen0", prompt_batches=3)
+    served.clock.advance(0.5)
+    served.heartbeat("gen0", prompt_batches=3)  # heard again, the count unchanged: no progress
+    report = await remote.liveness(["gen0"])
+    assert [(n.heard_s_ago, n.progressed_s_ago) for n in report.nodes] == [(0.0, 0.5)]
 
 
 def _heard(remote: RequestControl, tasks: BackgroundTasks) -> LeaderLiveness:
     return LeaderLiveness(remote, ["gen0", "gen1"], stale_s=5.0, tasks=tasks)
 
 
-async def _wait_on(watch: RemoteWatch, deadline_s: float) -> None:
+async def _wait_on(watch: Watch, deadline_s: float, progress_s: float | None = None) -> None:
     """A step toward the node that never ends, watched like a first token."""
-    await _watched(asyncio.Event().wait(), watch, deadline_s, "its first token", "test")
+    await _watched(asyncio.Event().wait(), watch, deadline_s, "its first token", "test", progress_s)
 
 
 async def test_a_followers_wait_calls_a_late_node_the_leader_still_hears_slow(
@@ -263,3 +269,77 @@ async def test_without_an_answer_from_the_leader_a_late_node_counts_as_slow(conf
     finally:
         await tasks.drain(timeout=1.0)
         await nobody.close()
+
+
+async def _beating(served: Cluster, progress_until: asyncio.Event) -> None:
+    """gen0 reports in every 0.05 s, showing one more prompt batch run each time until ``progress_until``
+    (the plane's clock follows the loop's)."""
+    batches = 0
+    while True:
+        await asyncio.sleep(0.05)
+        served.clock.advance(0.05)
+        if not progress_until.is_set():
+            batches += 1
+        served.heartbeat("gen0", prompt_batches=batches)
+
+
+def _watches(served: Cluster, remote: RequestControl, tasks: BackgroundTasks) -> list[Watch]:
+    """The same node watched on the leader's own plane and, through the liveness API, by a follower."""
+    return [NodeWatch(served.plane.nodes["gen0"], served.clock, 0.1), RemoteWatch("gen0", 0.1, _heard(remote, tasks))]
+
+
+async def test_a_late_node_that_keeps_running_prompt_work_is_waited_on_until_its_first_token(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """Regression: a burst of retries after a node died missed the deadline priced for one request
+    on a node busy with its own decodes, and failed as slow (503) while the node drained them.
+    A late node whose heartbeats show prompt work run is draining its queue: the wait goes on."""
+    _, served = listener
+    tasks = BackgroundTasks("test")
+    stop_progress = asyncio.Event()
+    beating = asyncio.ensure_future(_beating(served, stop_progress))
+    try:
+        for watch in _watches(served, remote, tasks):
+            first_token = asyncio.Event()
+            asyncio.get_running_loop().call_later(1.0, first_token.set)  # ten deadlines late
+            await _watched(first_token.wait(), watch, 0.1, "its first token", "test", progress_s=0.3)
+            assert first_token.is_set()
+    finally:
+        beating.cancel()
+        await tasks.drain(timeout=1.0)
+
+
+async def test_a_late_node_whose_prompt_work_stalls_is_slow_after_one_more_span(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """The wait goes on only while each span of ``progress_s`` shows work run: once the node
+    reports in without running any, it is slow, and the error says it stalled."""
+    _, served = listener
+    tasks = BackgroundTasks("test")
+    for watch in _watches(served, remote, tasks):
+        stop_progress = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop_progress.set)
+        beating = asyncio.ensure_future(_beating(served, stop_progress))
+        try:
+            with pytest.raises(NodeSlow, match="nor run any prompt work in its last"):
+                await _wait_on(watch, 0.1, progress_s=0.3)
+            assert stop_progress.is_set()  # not before its work stalled
+        finally:
+            beating.cancel()
+    await tasks.drain(timeout=1.0)
+
+
+async def test_without_progress_a_late_node_is_slow_at_its_deadline(
+        listener: tuple[str, Cluster], remote: RequestControl) -> None:
+    """A node heard but running no prompt work is slow at the deadline, the wait not extended."""
+    _, served = listener
+    tasks = BackgroundTasks("test")
+    stalled = asyncio.Event()
+    stalled.set()
+    beating = asyncio.ensure_future(_beating(served, stalled))
+    try:
+        for watch in _watches(served, remote, tasks):
+            with pytest.raises(NodeSlow) as slow:
+                await _wait_on(watch, 0.1, progress_s=0.3)
+            assert "prompt work" not in str(slow.value)
+    finally:
+        beating.cancel()
+        await tasks.drain(timeout=1.0)

@@ -194,14 +194,15 @@ class NodeControl(ControlClient):
             log.warning("residency report lost (the next snapshot corrects the view): %s", exc)
 
     async def load(self, inflight: int, queued_tokens: int, prefill_tokens_per_s: float = 0.0,
-                   timeout_s: float | None = None) -> Ack:
+                   prompt_batches: int = 0, timeout_s: float | None = None) -> Ack:
         """The heartbeat; an ack with reason "resync" asks for :meth:`resync`.
 
         ``timeout_s`` bounds this one call: a heartbeat stuck on a stopped leader would delay the
         first one to its successor by the whole client timeout.
         """
         return await self._ack(
-            "/control/load", LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s),
+            "/control/load",
+            LoadReport(WIRE_VERSION, self.node, inflight, queued_tokens, prefill_tokens_per_s, prompt_batches),
             timeout_s)
 
     async def resync(self, units: Sequence[tuple[str, int]]) -> None:

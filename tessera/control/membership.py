@@ -39,6 +39,8 @@ class GenerationMember:
     resync: bool = True  # the plane's view of its cache is incomplete: the next ack asks for all of it
     queued_tokens: int = 0  # the node's own figures from its last LoadReport (metrics)
     prefill_tokens_per_s: float = 0.0  # the node's measured prefill rate (0: not measured yet)
+    prompt_batches: int = 0  # the node's count of batches with prompt work, from its last LoadReport
+    progressed_at: float | None = None  # when a heartbeat last showed that count move (None: never)
     waiting: dict[str, float] = field(default_factory=dict)  # routed, no first token yet: id -> when routed
     service_s: float = 0.0  # mean of the last SERVICE_WINDOW samples; 0 until a first request started
     last_start: float = float("-inf")
@@ -133,10 +135,14 @@ class GenerationMember:
         self.sampled_mean = sum(self.sampled_blocks) / len(self.sampled_blocks)
         self.fleet.update(self, self.inflight)
 
-    def reported(self, queued_tokens: int, prefill_tokens_per_s: float) -> None:
-        """The node's own load figures (a heartbeat): its measured rate prices queued blocks."""
+    def reported(self, queued_tokens: int, prefill_tokens_per_s: float, prompt_batches: int, now: float) -> None:
+        """The node's own load figures (a heartbeat): its measured rate prices queued blocks, and
+        a count of prompt batches that moved since the last one shows its queue draining."""
         self.queued_tokens = queued_tokens
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        if prompt_batches != self.prompt_batches:  # a restarted node counts from 0 again: moved too
+            self.prompt_batches = prompt_batches
+            self.progressed_at = now
         self.fleet.update(self, self.inflight)
 
 

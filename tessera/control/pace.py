@@ -8,8 +8,13 @@ long prompt is not mistaken for a dead node.
 
 A late node heard since the wait began is slow (its request fails, the node stays in
 routing); one not heard since is gone (the request is retried elsewhere); one declared dead
-meanwhile ends the wait at once. A replica that does not lead (:class:`RemoteWatch`) applies
-the same rule to the leader's heartbeats; when the leader cannot be asked, late counts as slow.
+meanwhile ends the wait at once. A late node whose heartbeats show it ran prompt work since
+the wait began is neither: it is draining a queue the estimate priced too low (a burst of
+retries after another node died lands on a node busy decoding its own requests, and every
+prompt then costs a forward that carries all of them), so the wait goes on for another
+``control.first_token_timeout_s`` as long as each such span shows the queue moving. A
+replica that does not lead (:class:`RemoteWatch`) applies the same rules to the leader's
+heartbeats; when the leader cannot be asked, late counts as slow.
 
 This module knows nothing of HTTP; the retrieval role's node client applies the watch.
 """
@@ -53,6 +58,10 @@ class Watch(Protocol):
 
     def heard_since_mark(self) -> bool: ...
 
+    def progressed_since_mark(self) -> bool:
+        """The node's heartbeats showed prompt work run after the current wait began."""
+        ...
+
 
 class Heard(Protocol):
     """The leader's heartbeats as a replica that does not lead sees them (on its own clock, ``now``)."""
@@ -69,6 +78,10 @@ class Heard(Protocol):
 
     def heard_since(self, name: str, since: float) -> bool:
         """The leader heard the node after ``since`` (``now()``'s clock); True while nobody can tell."""
+        ...
+
+    def progressed_since(self, name: str, since: float) -> bool:
+        """The leader heard the node report prompt work run after ``since``; False while nobody can tell."""
         ...
 
 
@@ -104,6 +117,10 @@ class NodeWatch:
         seen = self._node.last_seen
         return seen is not None and seen >= self._since
 
+    def progressed_since_mark(self) -> bool:
+        moved = self._node.progressed_at
+        return moved is not None and moved >= self._since
+
 
 class RemoteWatch:
     """A node routed by the leader's plane in another process: its deadline and heartbeats from there."""
@@ -125,6 +142,9 @@ class RemoteWatch:
 
     def heard_since_mark(self) -> bool:
         return self._heard.heard_since(self.name, self._since)
+
+    def progressed_since_mark(self) -> bool:
+        return self._heard.progressed_since(self.name, self._since)
 
 
 class PrefillRates:

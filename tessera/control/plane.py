@@ -284,9 +284,10 @@ class ControlPlane:
         """Load figures and the generation node's heartbeat."""
         node = self.generation_node(msg.node)
         resync, node.resync = node.resync, False
-        self.liveness.heard(node, self.clock())
+        now = self.clock()
+        self.liveness.heard(node, now)
         self.rates.report(node.prefill_tokens_per_s, msg.prefill_tokens_per_s)
-        node.reported(msg.queued_tokens, msg.prefill_tokens_per_s)
+        node.reported(msg.queued_tokens, msg.prefill_tokens_per_s, msg.prompt_batches, now)
         # a view cleared or never filled would re-learn from snapshots only the units asked again
         return Ack(WIRE_VERSION, True, "resync" if resync else "")
 

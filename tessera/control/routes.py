@@ -117,14 +117,18 @@ async def suspect(request: web.Request) -> web.Response:
 
 @routes.post("/control/liveness")
 async def liveness(request: web.Request) -> web.Response:
-    """Alive, and seconds since the last heartbeat, of each named node: the leader's view is the authority."""
+    """Alive, and seconds since the last heartbeat and since the last one that showed prompt work
+    run, of each named node: the leader's view is the authority."""
     msg = await body(request, LivenessRequest)
     plane = _plane(request)
     now = plane.clock()
+
+    def ago(t: float | None) -> float:
+        return -1.0 if t is None else max(0.0, now - t)
+
     members = [plane.generation_node(name) for name in msg.nodes]
     return reply(LivenessReport(WIRE_VERSION, tuple(
-        NodeLiveness(m.name, m.alive, -1.0 if m.last_seen is None else max(0.0, now - m.last_seen))
-        for m in members)))
+        NodeLiveness(m.name, m.alive, ago(m.last_seen), ago(m.progressed_at)) for m in members)))
 
 
 def _rpc(path: str, cls: type[Any], verb: str) -> None:

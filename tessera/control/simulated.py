@@ -60,10 +60,12 @@ class SimulatedCluster:
         if join_generation:
             self.heartbeat()
 
-    def heartbeat(self, *names: str, prefill_tokens_per_s: float = 0.0) -> None:
-        """Generation nodes report in (all by default): only a node heard from is routable."""
+    def heartbeat(self, *names: str, prefill_tokens_per_s: float = 0.0, prompt_batches: int = 0) -> None:
+        """Generation nodes report in (all by default): only a node heard from is routable;
+        ``prompt_batches``: the count of prompt batches each says it ran (a change: its queue moved)."""
         for name in names or list(self.caches):
-            self.plane.load(LoadReport(WIRE_VERSION, name, 0, prefill_tokens_per_s=prefill_tokens_per_s))
+            self.plane.load(LoadReport(WIRE_VERSION, name, 0, prefill_tokens_per_s=prefill_tokens_per_s,
+                                       prompt_batches=prompt_batches))
 
     def rid(self) -> str:
         """A new request id."""

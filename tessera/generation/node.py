@@ -173,8 +173,9 @@ class GenerationNode:
         beat_timeout_s = max(2 * HEARTBEAT_S, self.config.control.heartbeat_timeout_s / 3)
         while True:
             try:
-                ack = await self.control.load(len(self.inflight), self.scheduler.queued_tokens,
-                                              self.scheduler.prefill_tokens_per_s, timeout_s=beat_timeout_s)
+                s = self.scheduler
+                ack = await self.control.load(len(self.inflight), s.queued_tokens, s.prefill_tokens_per_s,
+                                              s.prompt_batches, timeout_s=beat_timeout_s)
                 if ack.reason == "resync":
                     await self.control.resync(self.cache.residency())
             except TesseraError as exc:

@@ -181,6 +181,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0  # batches run: the idle memory trim tells spells of work apart by it
+        self.prompt_batches = 0  # batches run with prompt work: heartbeats show the queue moving
         # prefill throughput over recent batches with extend work (decayed sums: tokens, seconds)
         self._prefill_tokens = 0.0
         self._prefill_s = 0.0
@@ -347,6 +348,7 @@ class Scheduler:
         """One batch's speed; only batches with prompt work count (a decode-only step is not a prefill)."""
         if all(j.decode for j in batch):
             return
+        self.prompt_batches += 1
         self._prefill_tokens = 0.8 * self._prefill_tokens + sum(j.tokens for j in batch)
         self._prefill_s = 0.8 * self._prefill_s + seconds
 

@@ -162,6 +162,8 @@ class LoadReport:
     inflight: int
     queued_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # measured over the node's recent extend batches; 0: not yet
+    # batches with prompt work the node ran since it started: a waiter sees its queue move
+    prompt_batches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +197,8 @@ class NodeLiveness:
     alive: bool  # routable on the leader's plane
     # seconds between the node's last heartbeat and this answer, on the leader's clock; -1: never heard
     heard_s_ago: float
+    # seconds since its heartbeats last showed a batch of prompt work run; -1: never
+    progressed_s_ago: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)

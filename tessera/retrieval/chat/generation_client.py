@@ -9,8 +9,9 @@ Every wait also ends as soon as the control plane declares the node dead (missed
 Two outcomes, by cause: a node that refuses the connection, breaks a stream, is declared
 dead, or misses a deadline without a heartbeat since the wait began raises
 :class:`NodeUnavailable` (it failed: the caller retries elsewhere); a node that misses a
-deadline while it still reports in raises :class:`NodeSlow` (it is alive, only slow: no
-retry, the node stays in routing). Either way the caller tells the node to abort
+deadline while it still reports in, and ran no prompt work meanwhile, raises :class:`NodeSlow`
+(it is alive, only slow: no retry, the node stays in routing); one that ran prompt work is
+draining its queue and is waited on. Either way the caller tells the node to abort
 (:meth:`NodeClients.abort_later`), since it may still be working.
 """
 
@@ -114,17 +115,19 @@ class NodeClients:
         node = watch.name
         wait, what = watch.first_token_s, "its first token"
         key = "its work at the measured rate + control.first_token_timeout_s"
+        progress_s: float | None = self.first_token_timeout_s
         try:
-            resp = await _watched(self._post(node, "/v1/execute", encode(msg)), watch, wait, what, key)
+            resp = await _watched(self._post(node, "/v1/execute", encode(msg)), watch, wait, what, key, progress_s)
             try:
                 if resp.status != 200:
                     raise await self._error(node, resp)
                 while True:
-                    line = await _watched(resp.content.readline(), watch, wait, what, key)
+                    line = await _watched(resp.content.readline(), watch, wait, what, key, progress_s)
                     if not line:
                         return
                     if line.strip():
                         wait, what, key = self.idle_timeout_s, "its next token", "control.idle_timeout_s"
+                        progress_s = None
                         yield decode_tagged(EXECUTE_EVENTS, line)
             finally:
                 resp.close()  # an unfinished stream closes the connection: the node sees it
@@ -180,12 +183,16 @@ class NodeClients:
         self.aborts.spawn(self.abort(node, request_id), name=f"abort-{request_id[-8:]}")
 
 
-async def _watched(step: Awaitable[T], watch: Watch, deadline_s: float, what: str, key: str) -> T:
+async def _watched(step: Awaitable[T], watch: Watch, deadline_s: float, what: str, key: str,
+                   progress_s: float | None = None) -> T:
     """Await one step of a call toward ``watch``'s node, within ``deadline_s``, while the node lives.
 
     Past the deadline the heartbeat decides: a node heard since the wait began is slow
     (:class:`NodeSlow`); one not heard yet is waited for until it reports in (slow) or the
     plane declares it dead (:class:`NodeUnavailable`), at most ``heartbeat_timeout_s`` more.
+    With ``progress_s`` (a wait for a first token), a late node that ran prompt work since the
+    wait began is draining its queue: the wait goes on for ``progress_s`` more, as long as each
+    such span shows work run (:mod:`tessera.control.pace`).
     The step runs as its own task, never cancelled between looks at the node (a half-read
     line stays read); it is cancelled when the wait is given up or the caller is cancelled.
     """
@@ -193,6 +200,7 @@ async def _watched(step: Awaitable[T], watch: Watch, deadline_s: float, what: st
     watch.mark()
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
+    extended = False
     try:
         while True:
             left = end - loop.time()
@@ -207,9 +215,17 @@ async def _watched(step: Awaitable[T], watch: Watch, deadline_s: float, what: st
             if not watch.alive():
                 raise NodeUnavailable(f"generation node {watch.name} stopped reporting in while we waited for {what} "
                                       "(control.heartbeat_timeout_s)")
-            if loop.time() >= end and watch.heard_since_mark():
-                raise NodeSlow(f"generation node {watch.name} is alive but did not send {what} within "
-                               f"{deadline_s:.0f}s ({key})")
+            if loop.time() < end or not watch.heard_since_mark():
+                continue
+            if progress_s is not None and watch.progressed_since_mark():
+                watch.mark()  # the queue moved: a new span, which must show work run again
+                end, extended = loop.time() + progress_s, True
+                log.debug("generation node %s is past the deadline for %s but ran prompt work: waiting %.0fs more",
+                          watch.name, what, progress_s)
+                continue
+            stalled = f", nor run any prompt work in its last {progress_s:.0f}s" if extended else ""
+            raise NodeSlow(f"generation node {watch.name} is alive but did not send {what} within "
+                           f"{deadline_s:.0f}s ({key}){stalled}")
     finally:
         if not task.done():
             task.cancel()

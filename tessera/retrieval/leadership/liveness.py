@@ -31,7 +31,8 @@ REFRESH_S = 0.25  # a younger answer is reused (waits look at their node every 0
 
 
 class LeaderLiveness:
-    """Implements :class:`~tessera.control.pace.Heard`: ``refresh``, then ``alive`` / ``heard_since``."""
+    """Implements :class:`~tessera.control.pace.Heard`: ``refresh``, then ``alive`` / ``heard_since`` /
+    ``progressed_since``."""
 
     def __init__(self, control: RequestControl, nodes: Sequence[str], stale_s: float, tasks: BackgroundTasks,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -40,7 +41,8 @@ class LeaderLiveness:
         self.stale_s = stale_s
         self.tasks = tasks  # the question in flight is the office's: cancelled when it stops
         self.now = clock
-        self._view: dict[str, tuple[bool, float | None]] = {}  # name -> (alive, last heartbeat on our clock)
+        # name -> (alive, last heartbeat, last heartbeat that showed prompt work run), on our clock
+        self._view: dict[str, tuple[bool, float | None, float | None]] = {}
         self._answered_at: float | None = None
         self._asked_at = float("-inf")
         self._asking: asyncio.Task[None] | None = None
@@ -61,10 +63,10 @@ class LeaderLiveness:
             log.debug("the leader's liveness view is out of reach: %s", exc)
             return
         got = self.now()
-        self._view = {n.name: (n.alive, None if n.heard_s_ago < 0 else got - n.heard_s_ago) for n in report.nodes}
+        self._view = {n.name: (n.alive, _at(got, n.heard_s_ago), _at(got, n.progressed_s_ago)) for n in report.nodes}
         self._answered_at = got
 
-    def _current(self, name: str) -> tuple[bool, float | None] | None:
+    def _current(self, name: str) -> tuple[bool, float | None, float | None] | None:
         """The leader's word on ``name``, or None when there is no recent one."""
         if self._answered_at is None or self.now() - self._answered_at > self.stale_s:
             return None
@@ -80,3 +82,15 @@ class LeaderLiveness:
             return True
         heard_at = view[1]
         return heard_at is not None and heard_at >= since
+
+    def progressed_since(self, name: str, since: float) -> bool:
+        view = self._current(name)
+        if view is None:
+            return False  # no authority: a late node is slow, never waited on for longer
+        moved_at = view[2]
+        return moved_at is not None and moved_at >= since
+
+
+def _at(got: float, s_ago: float) -> float | None:
+    """A time the leader gave as seconds before its answer, on our clock (None: never)."""
+    return None if s_ago < 0 else got - s_ago

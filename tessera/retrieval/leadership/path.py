@@ -272,3 +272,6 @@ class UnwatchedNode:
 
     def heard_since_mark(self) -> bool:
         return True
+
+    def progressed_since_mark(self) -> bool:
+        return False
