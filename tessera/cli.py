@@ -389,10 +389,12 @@ def verify(
     samples: Annotated[int, typer.Option(help="Prompts to score (0: all).")] = 40,
     policies: Annotated[str, typer.Option(help="Comma-separated composition policies (full is the reference "
                                           "itself: add it to check that it scores exactly).")] = "naive,epic",
-    ks: Annotated[str, typer.Option(help="epic: comma-separated k (recompute_tokens).")] = "4,16",
-    fractions: Annotated[str, typer.Option(help="epic: comma-separated recompute_fraction values.")] = "1.0",
-    inline_shares: Annotated[str, typer.Option(help="epic: comma-separated inline_share values (default: the "
+    ks: Annotated[str, typer.Option(help="epic, query: comma-separated k (recompute_tokens).")] = "4,16",
+    fractions: Annotated[str, typer.Option(help="epic, query: comma-separated recompute_fraction values.")] = "1.0",
+    inline_shares: Annotated[str, typer.Option(help="epic, query: comma-separated inline_share values (default: the "
                                                "config's).")] = "",
+    budgets: Annotated[str, typer.Option(help="query: comma-separated query_budget values (default: the "
+                                         "config's).")] = "",
     leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>); default: "
                                        "the configured one (composition.unit_lead).")] = "",
     threads: Annotated[int, typer.Option(help="Torch threads of the scoring engine (0: every core this process "
@@ -433,8 +435,8 @@ def verify(
 
     cfg = _load(config)
     opts = VerifyOptions(workload=workload, prompts=prompts, samples=samples, policies=policies, ks=ks,
-                         fractions=fractions, inline_shares=inline_shares, leads=leads, threads=threads,
-                         answer_tokens=answer_tokens,
+                         fractions=fractions, inline_shares=inline_shares, budgets=budgets, leads=leads,
+                         threads=threads, answer_tokens=answer_tokens,
                          kl_positions=kl_positions,
                          max_kl=max_kl, min_agreement=min_agreement, calibrate=calibrate, target_kl=target_kl,
                          target_agreement=target_agreement, overlay=overlay, out=out, top_k=top_k,

@@ -127,7 +127,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CompositionConfig:
-    # registered composition policy: epic | naive | full (see tessera.composition.policies)
+    # registered composition policy: epic | query | naive | full (see tessera.composition.policies)
     policy: str = "epic"
     # EPIC LegoLink: recompute the first k tokens of every unit
     recompute_tokens: int = 16
@@ -137,6 +137,10 @@ class CompositionConfig:
     # a unit whose recomputed share reaches this is plain text for the request: not prefilled,
     # planned or retained (1.0: only units recomputed whole)
     inline_share: float = 0.75
+    # policy "query": besides EPIC's leading tokens, recompute this share of the other unit
+    # tokens, those the request's own text (after the last unit) attends to most in the
+    # model's first layer (exactly what full prefill's first layer computes)
+    query_budget: float = 0.1
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
     # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
@@ -170,6 +174,9 @@ class CompositionConfig:
         _check(isinstance(self.inline_share, (int, float)) and not isinstance(self.inline_share, bool)
                and 0.0 < self.inline_share <= 1.0, "composition.inline_share", self.inline_share,
                "expected a share in (0, 1] (1.0: inline only units recomputed whole)")
+        _check(isinstance(self.query_budget, (int, float)) and not isinstance(self.query_budget, bool)
+               and 0.0 <= self.query_budget <= 1.0, "composition.query_budget", self.query_budget,
+               "expected a share of the unit tokens in [0, 1]")
         _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
         _check(isinstance(self.unit_lead, str) and len(self.unit_lead) <= 64, "composition.unit_lead",
                self.unit_lead, "expected a short string (\"\" for none)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +189,7 @@ def transformers_composition(model: Any, layout: PromptLayout, ranges: Ranges) -
         return run([prompt[p] for p in computed], computed, visible)
 
 
-@pytest.mark.parametrize("policy", ["epic", "naive"])
+@pytest.mark.parametrize("policy", ["epic", "naive", "query"])
 @pytest.mark.integration
 def test_composition_equals_an_independent_transformers_oracle(engine: EngineAdapter, tiny_dir: Path,
                                                               policy: str) -> None:
@@ -198,9 +199,103 @@ def test_composition_equals_an_independent_transformers_oracle(engine: EngineAda
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
     layout = random_layout([("text", 9), ("unit", 45), ("text", 2), ("unit", 33), ("text", 2), ("unit", 20),
                             ("text", 11)], seed=8)
-    pol = get_policy(policy, recompute_tokens=8) if policy == "epic" else get_policy(policy)
+    pol = (get_policy(policy, recompute_tokens=8) if policy == "epic"
+           else get_policy(policy, recompute_tokens=4, query_budget=0.2).bound(engine) if policy == "query"
+           else get_policy(policy))
     ours = compose(engine, layout, pol, prefill_units(engine, layout), use_prefix_cache=False).logits
     theirs = transformers_composition(hf, layout, pol.select(layout))
     assert max_diff(ours, theirs) < 1e-3
     # and composition is not trivially exact: it differs from a plain prefill of the same prompt
     assert max_diff(ours, prefill(engine, layout.token_ids()).logits) > 1e-2
+
+
+class _Paid:
+    """An attention probe paying what it is given (pure selection logic, no model)."""
+
+    probes_attention = True
+
+    def __init__(self, paid: dict[int, float]) -> None:
+        self.paid = paid
+        self.asked: list[tuple[int, int]] = []
+
+    def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
+        self.asked.append((len(token_ids), query_from))
+        return [self.paid.get(p, 0.0) for p in range(len(token_ids))]
+
+
+def test_the_query_policy_adds_the_unit_tokens_the_question_pays_most_to_epics_heads() -> None:
+    """Text + the first k of every unit + ceil(budget * the other unit tokens), highest attention
+    first, ties to the earlier position; the probe is asked about the whole prompt from the
+    text after the last unit."""
+    layout = random_layout(PARTS)  # text 0-5 | u1 5-25 | text 25-27 | u3 27-37 | text 37-44
+    probe = _Paid({12: 5.0, 30: 4.0, 20: 3.0, 33: 3.0, 6: 9.0})  # 6 is a head (k=2): already computed
+    policy = get_policy("query", recompute_tokens=2, recompute_fraction=1.0, query_budget=0.1).bound(probe)
+    # 26 non-head unit tokens (18 + 8): ceil(2.6) = 3 picks: 12, 30, then 20 before 33 (tie)
+    assert policy.select(layout) == ((0, 7), (12, 13), (20, 21), (25, 29), (30, 31), (37, 44))
+    assert probe.asked == [(44, 37)]
+    assert get_policy("query", recompute_tokens=2, recompute_fraction=1.0, query_budget=0.0).bound(
+        probe).select(layout) == first_k(2).select(layout)
+
+
+def test_the_query_policys_choice_follows_the_attention_it_reads() -> None:
+    """Another question pays other tokens: the selection changes with it (same units, same budget)."""
+    layout = random_layout(PARTS)
+    one = get_policy("query", recompute_tokens=0, query_budget=0.1).bound(_Paid({8: 1.0, 9: 1.0, 10: 1.0}))
+    other = get_policy("query", recompute_tokens=0, query_budget=0.1).bound(_Paid({30: 1.0, 31: 1.0, 32: 1.0}))
+    assert one.select(layout) == ((0, 5), (8, 11), (25, 27), (37, 44))
+    assert other.select(layout) == ((0, 5), (25, 27), (30, 33), (37, 44))
+
+
+def test_the_query_policy_reads_a_model_and_says_so_without_one() -> None:
+    """Unbound it cannot select (a clear error, not a guess); bound to an engine that cannot
+    compute attention it refuses at once, naming the engines that can."""
+    layout = random_layout(PARTS)
+    with pytest.raises(ConfigError, match="bind the engine"):
+        get_policy("query").select(layout)
+
+    class NoProbe:
+        probes_attention = False
+
+    with pytest.raises(ConfigError, match=r"model.engine = \"reference\""):
+        get_policy("query").bound(NoProbe())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"composition\.query_budget"):
+        get_policy("query", query_budget=1.5)
+
+
+@pytest.mark.integration
+def test_first_layer_attention_is_full_prefills_and_the_query_choice_changes_with_the_question(
+        engine: EngineAdapter, tiny_dir: Path) -> None:
+    """The probe equals the first layer's attention transformers computes over the whole prompt,
+    and on the tiny model two questions over the same units recompute different unit tokens;
+    each composes exactly as composing the ranges it names does."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    layout = random_layout([("text", 6), ("unit", 40), ("text", 2), ("unit", 30), ("text", 9)], seed=11)
+    ids = layout.token_ids()
+    with torch.no_grad():
+        attn = hf(input_ids=torch.tensor([ids]), output_attentions=True).attentions[0][0]  # [H, n, n]
+    expected = attn[:, 78:, :].sum(dim=(0, 1))
+    assert max_diff(torch.tensor(engine.first_layer_attention(ids, 78)), expected) < 1e-4
+    questions = [random_layout([("text", 9)], seed=s).segments[0] for s in (12, 13)]
+    asked = [dataclasses.replace(layout, segments=(*layout.segments[:-1], q)) for q in questions]
+    policy = get_policy("query", recompute_tokens=4, query_budget=0.15).bound(engine)
+    picks = [policy.select(x) for x in asked]
+    assert picks[0] != picks[1]
+    for x, ranges in zip(asked, picks, strict=True):
+        states = prefill_units(engine, x)
+        served = compose(engine, x, policy, states, use_prefix_cache=False)
+        named = compose(engine, x, _Fixed(ranges), states, use_prefix_cache=False)
+        assert served.computed == named.computed and torch.equal(served.logits, named.logits)
+
+
+class _Fixed(CompositionPolicy):
+    """Computes exactly the ranges it was given."""
+
+    name = "test-fixed"
+
+    def __init__(self, ranges: Ranges) -> None:
+        self.ranges = ranges
+
+    def select(self, layout: PromptLayout) -> Ranges:
+        return self.ranges

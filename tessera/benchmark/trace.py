@@ -108,8 +108,19 @@ class Counts:
         }
 
 
+class _EvenAttention:
+    """Pays every position the same: how many tokens a policy that reads the model selects
+    does not depend on which (the trace has no model to ask)."""
+
+    probes_attention = True
+
+    def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
+        return [1.0] * len(token_ids)
+
+
 def reuse_cost(policy: CompositionPolicy) -> Callable[[int], int]:
     """Tokens ``policy`` recomputes of a reused unit of n tokens (all n when it inlines the unit)."""
+    policy = policy.bound(_EvenAttention())
 
     @cache
     def cost(n: int) -> int:
@@ -210,9 +221,10 @@ def analyze_file(trace: Path, config: ClusterConfig) -> dict[str, Any]:
 
 def policy_label(config: ClusterConfig) -> str:
     c = config.composition
-    if c.policy != "epic":
+    if c.policy not in ("epic", "query"):
         return c.policy
-    return f"epic k={c.recompute_tokens} f={c.recompute_fraction:g} inline={c.inline_share:g}"
+    label = f"{c.policy} k={c.recompute_tokens} f={c.recompute_fraction:g} inline={c.inline_share:g}"
+    return label + f" budget={c.query_budget:g}" if c.policy == "query" else label
 
 
 def run_analyze(trace: Path, per_stream: bool, config: ClusterConfig) -> None:

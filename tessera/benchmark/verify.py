@@ -64,43 +64,56 @@ class Setting:
     # units prefilled behind BOS: the engine's, so one value for every setting of a run (the
     # config's); named in the label, since it changes every unit's state and so the score
     unit_bos: bool = False
+    query_budget: float = 0.0  # query only
 
     @property
     def label(self) -> str:
         """Every knob that shapes what this setting serves, named."""
-        name = self.policy
-        if self.policy == "epic":
-            name += f" k={self.recompute_tokens} f={self.recompute_fraction:g} inline={self.inline_share:g}"
-        name += f" lead={self.unit_lead}" if self.unit_lead else " lead=none"
-        return name + " bos" if self.unit_bos else name
+        return setting_label(self.composition(CompositionConfig()))
 
     def composition(self, base: CompositionConfig) -> CompositionConfig:
         return dataclasses.replace(base, policy=self.policy, recompute_tokens=self.recompute_tokens,
                                    recompute_fraction=self.recompute_fraction, unit_lead=self.unit_lead,
-                                   inline_share=self.inline_share, unit_bos=self.unit_bos)
+                                   inline_share=self.inline_share, unit_bos=self.unit_bos,
+                                   query_budget=self.query_budget)
 
     @classmethod
     def of(cls, config: CompositionConfig) -> Setting:
-        if config.policy != "epic":
+        if config.policy not in HEADED:
             return cls(config.policy, unit_lead=config.unit_lead, unit_bos=config.unit_bos)
-        return cls("epic", config.recompute_tokens, config.recompute_fraction, config.unit_lead, config.inline_share,
-                   config.unit_bos)
+        return cls(config.policy, config.recompute_tokens, config.recompute_fraction, config.unit_lead,
+                   config.inline_share, config.unit_bos, config.query_budget if config.policy == "query" else 0.0)
+
+
+HEADED = ("epic", "query")  # policies with EPIC's knobs (k, fraction, inline share)
+
+
+def setting_label(config: CompositionConfig) -> str:
+    """The policy and every knob that shapes what it serves, named (``epic k=16 f=0.25 inline=0.75 lead=none``)."""
+    name = config.policy
+    if config.policy in HEADED:
+        name += f" k={config.recompute_tokens} f={config.recompute_fraction:g} inline={config.inline_share:g}"
+    if config.policy == "query":
+        name += f" budget={config.query_budget:g}"
+    name += f" lead={config.unit_lead}" if config.unit_lead else " lead=none"
+    return name + " bos" if config.unit_bos else name
 
 
 def settings_grid(policies: Iterable[str], ks: Iterable[int], fractions: Iterable[float],
                   leads: Iterable[str], inline_shares: Iterable[float] = (1.0,),
-                  unit_bos: bool = False) -> list[Setting]:
-    """Every policy × lead; ``epic`` also × k × fraction × inline share; all with ``unit_bos``
-    (the engine's). Duplicates dropped, order kept."""
+                  unit_bos: bool = False, budgets: Iterable[float] = (0.1,)) -> list[Setting]:
+    """Every policy × lead; ``epic`` and ``query`` also × k × fraction × inline share, ``query``
+    also × budget; all with ``unit_bos`` (the engine's). Duplicates dropped, order kept."""
     out: dict[Setting, None] = {}
-    shares = list(inline_shares)
+    shares, query_budgets = list(inline_shares), list(budgets)
     for lead in leads:
         for policy in policies:
-            if policy == "epic":
+            if policy in HEADED:
                 for k in ks:
                     for f in fractions:
                         for share in shares:
-                            out[Setting("epic", k, f, lead, share, unit_bos)] = None
+                            for budget in (query_budgets if policy == "query" else [0.0]):
+                                out[Setting(policy, k, f, lead, share, unit_bos, budget)] = None
             else:
                 out[Setting(policy, unit_lead=lead, unit_bos=unit_bos)] = None
     return list(out)
@@ -433,10 +446,12 @@ def format_fidelity(fid: dict[str, Any]) -> str:
 def overlay_toml(setting: Setting, base: str = "default") -> str:
     """A config overlay that selects ``setting`` on top of ``base`` (``tessera.config_file``)."""
     lines = [f"base = {json.dumps(base)}", "", "[composition]", f"policy = {json.dumps(setting.policy)}"]
-    if setting.policy == "epic":
+    if setting.policy in HEADED:
         lines += [f"recompute_tokens = {setting.recompute_tokens}",
                   f"recompute_fraction = {float(setting.recompute_fraction)!r}",
                   f"inline_share = {float(setting.inline_share)!r}"]
+    if setting.policy == "query":
+        lines.append(f"query_budget = {float(setting.query_budget)!r}")
     lines.append(f"unit_lead = {json.dumps(setting.unit_lead)}")
     lines.append(f"unit_bos = {json.dumps(setting.unit_bos)}")
     return "\n".join(lines) + "\n"

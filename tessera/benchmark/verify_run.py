@@ -37,6 +37,7 @@ class VerifyOptions:
     ks: str  # comma-separated epic k
     fractions: str  # comma-separated epic recompute fractions
     inline_shares: str  # comma-separated epic inline shares ("": the config's)
+    budgets: str  # comma-separated query budgets ("": the config's)
     leads: str  # comma-separated: none, lead ("": the configured lead)
     threads: int  # torch threads of the scoring engine (0: every core this process may use)
     answer_tokens: int
@@ -72,8 +73,12 @@ def _settings(config: ClusterConfig, opts: VerifyOptions) -> tuple[vf.Setting, l
         shares = [float(x) for x in opts.inline_shares.split(",") if x.strip()] or [config.composition.inline_share]
     except ValueError:
         raise ConfigError(f"--inline-shares must be comma-separated numbers, got {opts.inline_shares!r}") from None
+    try:
+        budgets = [float(x) for x in opts.budgets.split(",") if x.strip()] or [config.composition.query_budget]
+    except ValueError:
+        raise ConfigError(f"--budgets must be comma-separated numbers, got {opts.budgets!r}") from None
     grid = vf.settings_grid(options.names(opts.policies), options.ints(opts.ks, "--ks"), fracs,
-                            [lead_of[x] for x in lead_names], shares, config.composition.unit_bos)
+                            [lead_of[x] for x in lead_names], shares, config.composition.unit_bos, budgets)
     configured = vf.Setting.of(config.composition)
     settings = list(dict.fromkeys([configured, *grid]))
     for s in settings:

@@ -87,9 +87,11 @@ class RecordBody(_Schema):
 def knobs(config: CompositionConfig) -> dict[str, Any]:
     """The ``[composition]`` keys that shape what ``config.policy`` serves, by name (all of them)."""
     out: dict[str, Any] = {"policy": config.policy}
-    if config.policy == "epic":
+    if config.policy in ("epic", "query"):
         out.update(recompute_tokens=config.recompute_tokens, recompute_fraction=float(config.recompute_fraction),
                    inline_share=float(config.inline_share))
+    if config.policy == "query":
+        out.update(query_budget=float(config.query_budget))
     out.update(unit_lead=config.unit_lead, unit_bos=config.unit_bos)
     return out
 

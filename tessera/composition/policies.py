@@ -18,6 +18,12 @@ Contract of :meth:`CompositionPolicy.inline`: it returns the layout with the uni
 would recompute (nearly) whole turned into TEXT; the serving path applies it before planning,
 so such a unit is neither prefilled as a miss, nor planned, nor retained for that request.
 
+A policy may read the model too: one that ``needs_probe`` selects by the attention the
+request's own text pays the unit tokens (an :class:`AttentionProbe`, which the engine is), and
+serves only once :meth:`CompositionPolicy.bound` to one. The generation node binds its engine,
+offline composition the engine it composes on; the retrieval role, which has no model, reads
+what such a policy computed from the node's report.
+
 Policies are registered by name (``composition.policy`` in tessera.toml). This module knows
 nothing about tensors or engines.
 """
@@ -26,18 +32,36 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
 
 from tessera.composition.layout import Ranges, merge_ranges, text_ranges
 from tessera.config import CompositionConfig
+from tessera.errors import ConfigError
 from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.registry import Registry
+
+
+class AttentionProbe(Protocol):
+    """What a query-aware policy reads of the model (engines that can answer set ``probes_attention``)."""
+
+    probes_attention: bool
+
+    def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> Sequence[float]:
+        """Per position of the prompt ``token_ids``: the attention the tokens at ``query_from`` and
+        after pay it in the model's first layer, summed over heads and those tokens (causal).
+        The first layer's keys and queries depend on the tokens alone, so this is what full
+        prefill computes there, whatever is cached."""
+        ...
 
 
 class CompositionPolicy(ABC):
     """Base class of composition policies (see the module docstring for the contract)."""
 
     name: ClassVar[str]
+    # True: select() reads the model (bound() to an AttentionProbe); the retrieval role then
+    # takes the computed positions from the node's report instead of selecting them itself
+    needs_probe: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
@@ -51,6 +75,10 @@ class CompositionPolicy(ABC):
     def inline(self, layout: PromptLayout) -> PromptLayout:
         """``layout`` with the units this policy serves as plain text; by default none. Pure."""
         return layout
+
+    def bound(self, probe: AttentionProbe) -> CompositionPolicy:
+        """This policy reading ``probe`` (the engine that serves it); a policy that reads no model is itself."""
+        return self
 
 
 POLICIES: Registry[type[CompositionPolicy]] = Registry("composition.policy")
@@ -143,3 +171,61 @@ class LegoLink(CompositionPolicy):
             else:
                 out.append(seg)
         return PromptLayout(tuple(out))
+
+
+@register_policy("query")
+class QueryAware(LegoLink):
+    """EPIC's leading tokens, plus the unit tokens the request's own text attends to most.
+
+    Besides what :class:`LegoLink` recomputes (all text, the first tokens of every unit), it
+    recomputes ``ceil(query_budget * m)`` of the ``m`` other unit tokens of the prompt: those
+    the request's text after the last unit (its question and the generation prompt) pays the
+    most attention in the model's first layer (:class:`AttentionProbe`), ties to the earlier
+    position. Which tokens a question needs from its context differs per question; a
+    query-agnostic policy recomputes the same ones for all. The first layer is the only one
+    whose attention the cached states do not change, so the choice is the one full prefill
+    would make there, and serving it equals offline composition on the same engine.
+    ``recompute_tokens = 0`` selects by the question alone.
+    """
+
+    needs_probe = True
+
+    def __init__(self, recompute_tokens: int = _DEFAULTS.recompute_tokens,
+                 recompute_fraction: float = _DEFAULTS.recompute_fraction,
+                 inline_share: float = _DEFAULTS.inline_share, query_budget: float = _DEFAULTS.query_budget,
+                 probe: AttentionProbe | None = None) -> None:
+        super().__init__(recompute_tokens, recompute_fraction, inline_share)
+        CompositionConfig(query_budget=query_budget)
+        self.budget = query_budget
+        self.probe = probe
+
+    @classmethod
+    def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
+        return cls(config.recompute_tokens, config.recompute_fraction, config.inline_share, config.query_budget)
+
+    def bound(self, probe: AttentionProbe) -> CompositionPolicy:
+        if not getattr(probe, "probes_attention", False):
+            raise ConfigError(f"composition.policy = \"query\" selects unit tokens by the model's attention, and "
+                              f"{type(probe).__name__} cannot compute it; serve it with model.engine = \"reference\" "
+                              "or \"paged\", or choose composition.policy = \"epic\"")
+        return QueryAware(self.k, self.fraction, self.inline_share, self.budget, probe)
+
+    def select(self, layout: PromptLayout) -> Ranges:
+        base = super().select(layout)
+        candidates = [p for o, seg in layout.unit_offsets()
+                      for p in range(o + self.recompute_count(len(seg.token_ids)), o + len(seg.token_ids))]
+        picks = math.ceil(self.budget * len(candidates) - 1e-9)
+        if not picks:
+            return base
+        if self.probe is None:
+            raise ConfigError("composition.policy = \"query\" reads the model: bind the engine that serves it "
+                              "(QueryAware.bound(engine)) before selecting")
+        paid = self.probe.first_layer_attention(layout.token_ids(), query_start(layout))
+        chosen = sorted(candidates, key=lambda p: (-paid[p], p))[:picks]
+        return merge_ranges([*base, *((p, p + 1) for p in chosen)])
+
+
+def query_start(layout: PromptLayout) -> int:
+    """Where the request's own text after the last unit begins (its last token if none follows)."""
+    end = max((o + len(seg.token_ids) for o, seg in layout.unit_offsets()), default=0)
+    return min(end, layout.n_tokens - 1)

@@ -154,6 +154,8 @@ class EngineAdapter(ABC):
     # True: step() honours Extend.units (a missing unit is prefilled in its request's own
     # forward); False: the node prefills it as a separate UnitPrefill and places it first
     fuses_unit_prefills: bool = False
+    # True: first_layer_attention() answers (a query-aware composition policy can be served)
+    probes_attention: bool = False
     # True: step() honours Extend.tail_logits; False: a fixed answer is scored a decode step a token
     scores_tail: bool = False
 
@@ -188,6 +190,12 @@ class EngineAdapter(ABC):
         Loading may happen on another thread; an engine whose kernels keep per-thread state
         (an OpenMP team bound to cores) sets it up for this thread here. By default nothing."""
         return None
+
+    def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
+        """See :class:`~tessera.composition.policies.AttentionProbe`; engines that set
+        ``probes_attention`` implement it."""
+        raise ConfigError(f"engine {type(self).__name__} cannot compute first-layer attention "
+                          "(composition.policy = \"query\" needs model.engine = \"reference\" or \"paged\")")
 
     def decode(self, work: Sequence[Extend]) -> None:
         """One decode step (one token per request); backends may override with a faster path."""

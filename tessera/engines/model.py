@@ -34,6 +34,8 @@ from tessera.engines.rope import RopeTable
 from tessera.engines.weights import LayerWeights, ModelSpec, Weights, checkpoint_weights
 from tessera.kernels.rope import rope_place_span, rotate_into
 
+_PROBE_ROWS = 256  # query rows per block of first_layer_attention (bounds its memory on long prompts)
+
 
 @dataclass(frozen=True)
 class Feed:
@@ -190,6 +192,26 @@ class Model:
         if lw.b_down is not None:
             x += lw.b_down
         return x
+
+    @torch.no_grad()
+    def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
+        """Attention paid to each position by the tokens at ``query_from..`` in the first layer,
+        summed over heads and those tokens (causal), in float32. The first layer's inputs are
+        the embeddings, so this needs no cache: it is full prefill's first-layer attention."""
+        s, n = self.spec, len(token_ids)
+        assert 0 <= query_from < n, (query_from, n)
+        self.rope.ensure(n)
+        cos, sin = self.rope.lookup(torch.arange(n, device=self.device))
+        x = F.embedding(torch.tensor(list(token_ids), device=self.device), self.w.embed)
+        _, qk, _ = self.attention_inputs(self.w.layers[0], x, cos, sin)
+        keys = qk[:, s.n_heads:].float().repeat_interleave(s.n_heads // s.n_kv_heads, dim=1)  # [n, H, D]
+        paid = torch.zeros(n, dtype=torch.float32, device=self.device)
+        for a in range(query_from, n, _PROBE_ROWS):  # a bounded [H, rows, n] score block at a time
+            b = min(n, a + _PROBE_ROWS)
+            scores = torch.einsum("qhd,khd->hqk", qk[a:b, :s.n_heads].float(), keys) * self._scale
+            hidden = torch.arange(n, device=self.device)[None, :] > torch.arange(a, b, device=self.device)[:, None]
+            paid += scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+        return paid.tolist()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of hidden rows ``[R, hidden]``."""

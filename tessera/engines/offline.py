@@ -99,7 +99,7 @@ def compose(engine: EngineAdapter, layout: PromptLayout, policy: CompositionPoli
     slots = engine.allocate(n + max(max_new_tokens, len(forced)))
     try:
         prefix_len = engine.match_prefix(slots, leading_text_tokens(layout)[:n - 1]) if use_prefix_cache else 0
-        ranges = policy.select(layout)
+        ranges = policy.bound(engine).select(layout)
         check_ranges(layout, ranges)
         n_placed = place_units(engine, slots, placements(layout, ranges, prefix_len), states)
         ids, positions = tokens_to_compute(layout, ranges, prefix_len)

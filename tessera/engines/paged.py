@@ -107,6 +107,8 @@ class _Batch:
 
 @ENGINES.register("paged")
 class PagedEngine(Tokenized, EngineAdapter):
+    probes_attention = True  # first_layer_attention: the model's own
+
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False, pool_tokens: int = 0, page_tokens: int = 16,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, cuda_graphs: bool = False) -> None:
@@ -149,6 +151,9 @@ class PagedEngine(Tokenized, EngineAdapter):
         return int(free * CUDA_POOL_FRACTION) // row
 
     # --- slots ----------------------------------------------------------------------------
+
+    def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
+        return self.model.first_layer_attention(token_ids, query_from)
 
     def allocate(self, n_slots: int) -> PagedSlots:
         if not 0 < n_slots <= self.geometry.max_context:

@@ -41,7 +41,13 @@ from typing import Protocol
 
 import torch
 
-from tessera.composition.layout import Placement, leading_text_tokens, placements, tokens_to_compute
+from tessera.composition.layout import (
+    Placement,
+    computed_ranges,
+    leading_text_tokens,
+    placements,
+    tokens_to_compute,
+)
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import KVSlots, UnitFeed, UnitState
 from tessera.engines.sampling import Sampler
@@ -251,7 +257,10 @@ class Executor:
             stats.recomputed_tokens = len(prompt) - matched
             return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                                insert_prefix=(prompt, run.req.tenant))
-        ranges = self.policy.select(layout)
+        # a policy that reads the model selects on the engine's thread, between its forwards
+        ranges = (await self.scheduler.worker.call(self.policy.select, layout) if self.policy.needs_probe
+                  else self.policy.select(layout))
+        stats.computed_ranges = computed_ranges(layout, ranges, matched)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)

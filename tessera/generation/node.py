@@ -130,10 +130,9 @@ class GenerationNode:
             staging_bytes=self.config.transport.writeback_staging_bytes,
             outstanding=self.config.transport.writeback_outstanding,
         )
-        self.executor = Executor(
-            self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
-            self.control.release_later, policy_from_config(self._gate().served), self.config.control.mode,
-        )
+        policy = policy_from_config(self._gate().served).bound(self.engine)  # a policy may read the model
+        self.executor = Executor(self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
+                                 self.control.release_later, policy, self.config.control.mode)
         self.assists = Assists(self.prefills, self.cache, self.retainer)
         self.background.spawn(self._heartbeat(), name="heartbeat")
         if self.config.ha.enabled:  # the control plane is wherever the election says

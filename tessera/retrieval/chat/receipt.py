@@ -51,6 +51,8 @@ def receipt(rendered: PromptLayout, served: PromptLayout, composition: Compositi
     n = served.n_tokens
     if composition.policy is None:  # prefix mode: everything past the hit is computed in one pass
         computed: Ranges = ((prefix, n),) if prefix < n else ()
+    elif composition.policy.needs_probe:  # selected by the model, which only the node has
+        computed = stats.computed_ranges
     else:
         computed = computed_ranges(served, composition.policy.select(served), prefix)
     served_units = {offset for offset, _ in served.unit_offsets()}
