@@ -393,7 +393,7 @@ def verify(
     fractions: Annotated[str, typer.Option(help="epic, query: comma-separated recompute_fraction values.")] = "1.0",
     inline_shares: Annotated[str, typer.Option(help="epic, query: comma-separated inline_share values (default: the "
                                                "config's).")] = "",
-    budgets: Annotated[str, typer.Option(help="query: comma-separated query_budget values (default: the "
+    budgets: Annotated[str, typer.Option(help="query: comma-separated recompute_budget values (default: the "
                                          "config's).")] = "",
     leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>); default: "
                                        "the configured one (composition.unit_lead).")] = "",

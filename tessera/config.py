@@ -140,7 +140,7 @@ class CompositionConfig:
     # policy "query": besides EPIC's leading tokens, recompute this share of the other unit
     # tokens, those the request's own text (after the last unit) attends to most in the
     # model's first layer (exactly what full prefill's first layer computes)
-    query_budget: float = 0.1
+    recompute_budget: float = 0.1
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False
     # text whose tokens start every unit, kept in the unit and the prompt (an attention sink the
@@ -174,8 +174,8 @@ class CompositionConfig:
         _check(isinstance(self.inline_share, (int, float)) and not isinstance(self.inline_share, bool)
                and 0.0 < self.inline_share <= 1.0, "composition.inline_share", self.inline_share,
                "expected a share in (0, 1] (1.0: inline only units recomputed whole)")
-        _check(isinstance(self.query_budget, (int, float)) and not isinstance(self.query_budget, bool)
-               and 0.0 <= self.query_budget <= 1.0, "composition.query_budget", self.query_budget,
+        _check(isinstance(self.recompute_budget, (int, float)) and not isinstance(self.recompute_budget, bool)
+               and 0.0 <= self.recompute_budget <= 1.0, "composition.recompute_budget", self.recompute_budget,
                "expected a share of the unit tokens in [0, 1]")
         _check(isinstance(self.unit_bos, bool), "composition.unit_bos", self.unit_bos, "expected true or false")
         _check(isinstance(self.unit_lead, str) and len(self.unit_lead) <= 64, "composition.unit_lead",

@@ -56,7 +56,7 @@ def test_epic_selects_all_text_and_the_first_k_tokens_of_every_unit() -> None:
     assert first_k(0).select(layout) == get_policy("naive").select(layout)
 
 
-@pytest.mark.parametrize("name", ["epic", "naive", "full"])
+@pytest.mark.parametrize("name", ["epic", "query", "naive", "full"])
 def test_get_policy_without_settings_is_the_served_policy(name: str) -> None:
     """Regression: get_policy("epic") had k=16, fraction 1.0, inline 1.0; the cluster serves 0.25 / 0.75."""
     served = policy_from_config(dataclasses.replace(load_config().composition, policy=name))
@@ -154,8 +154,8 @@ def test_unit_states_are_unchanged_by_composition(engine: EngineAdapter) -> None
     layout = random_layout([("text", 8), ("unit", 40), ("text", 2), ("unit", 30), ("text", 6)], seed=7)
     states = prefill_units(engine, layout)
     before = {uid: (s.keys.clone(), s.values.clone()) for uid, s in states.items()}
-    for name in ("epic", "naive", "full"):
-        compose(engine, layout, get_policy(name), states, max_new_tokens=3)
+    for name in ("epic", "naive", "full", "query"):
+        compose(engine, layout, get_policy(name, recompute_budget=0.3), states, max_new_tokens=3)
     for uid, s in states.items():
         assert torch.equal(s.keys, before[uid][0]) and torch.equal(s.values, before[uid][1]), uid
 
@@ -189,7 +189,7 @@ def transformers_composition(model: Any, layout: PromptLayout, ranges: Ranges) -
         return run([prompt[p] for p in computed], computed, visible)
 
 
-@pytest.mark.parametrize("policy", ["epic", "naive", "query"])
+@pytest.mark.parametrize("policy", ["epic", "naive", "query", "deviation"])
 @pytest.mark.integration
 def test_composition_equals_an_independent_transformers_oracle(engine: EngineAdapter, tiny_dir: Path,
                                                               policy: str) -> None:
@@ -200,7 +200,8 @@ def test_composition_equals_an_independent_transformers_oracle(engine: EngineAda
     layout = random_layout([("text", 9), ("unit", 45), ("text", 2), ("unit", 33), ("text", 2), ("unit", 20),
                             ("text", 11)], seed=8)
     pol = (get_policy(policy, recompute_tokens=8) if policy == "epic"
-           else get_policy(policy, recompute_tokens=4, query_budget=0.2).bound(engine) if policy == "query"
+           else get_policy(policy, recompute_tokens=4, recompute_budget=0.2).bound(engine)
+           if policy in ("query", "deviation")
            else get_policy(policy))
     ours = compose(engine, layout, pol, prefill_units(engine, layout), use_prefix_cache=False).logits
     theirs = transformers_composition(hf, layout, pol.select(layout))
@@ -210,16 +211,20 @@ def test_composition_equals_an_independent_transformers_oracle(engine: EngineAda
 
 
 class _Paid:
-    """An attention probe paying what it is given (pure selection logic, no model)."""
+    """A model probe answering the scores it is given (pure selection logic, no model)."""
 
-    probes_attention = True
+    probes_model = True
 
     def __init__(self, paid: dict[int, float]) -> None:
         self.paid = paid
-        self.asked: list[tuple[int, int]] = []
+        self.asked: list[tuple[int, object]] = []
 
     def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
         self.asked.append((len(token_ids), query_from))
+        return [self.paid.get(p, 0.0) for p in range(len(token_ids))]
+
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]]) -> list[float]:
+        self.asked.append((len(token_ids), list(units)))
         return [self.paid.get(p, 0.0) for p in range(len(token_ids))]
 
 
@@ -229,19 +234,28 @@ def test_the_query_policy_adds_the_unit_tokens_the_question_pays_most_to_epics_h
     text after the last unit."""
     layout = random_layout(PARTS)  # text 0-5 | u1 5-25 | text 25-27 | u3 27-37 | text 37-44
     probe = _Paid({12: 5.0, 30: 4.0, 20: 3.0, 33: 3.0, 6: 9.0})  # 6 is a head (k=2): already computed
-    policy = get_policy("query", recompute_tokens=2, recompute_fraction=1.0, query_budget=0.1).bound(probe)
+    policy = get_policy("query", recompute_tokens=2, recompute_fraction=1.0, recompute_budget=0.1).bound(probe)
     # 26 non-head unit tokens (18 + 8): ceil(2.6) = 3 picks: 12, 30, then 20 before 33 (tie)
     assert policy.select(layout) == ((0, 7), (12, 13), (20, 21), (25, 29), (30, 31), (37, 44))
     assert probe.asked == [(44, 37)]
-    assert get_policy("query", recompute_tokens=2, recompute_fraction=1.0, query_budget=0.0).bound(
+    assert get_policy("query", recompute_tokens=2, recompute_fraction=1.0, recompute_budget=0.0).bound(
         probe).select(layout) == first_k(2).select(layout)
+
+
+def test_the_deviation_policy_asks_about_every_unit_span_and_picks_the_furthest_tokens() -> None:
+    """Same budget rule as query, scored by the probe's second-layer deviation over the unit spans."""
+    layout = random_layout(PARTS)
+    probe = _Paid({12: 5.0, 30: 4.0, 20: 3.0, 33: 3.0})
+    policy = get_policy("deviation", recompute_tokens=2, recompute_fraction=1.0, recompute_budget=0.1).bound(probe)
+    assert policy.select(layout) == ((0, 7), (12, 13), (20, 21), (25, 29), (30, 31), (37, 44))
+    assert probe.asked == [(44, [(5, 25), (27, 37)])]
 
 
 def test_the_query_policys_choice_follows_the_attention_it_reads() -> None:
     """Another question pays other tokens: the selection changes with it (same units, same budget)."""
     layout = random_layout(PARTS)
-    one = get_policy("query", recompute_tokens=0, query_budget=0.1).bound(_Paid({8: 1.0, 9: 1.0, 10: 1.0}))
-    other = get_policy("query", recompute_tokens=0, query_budget=0.1).bound(_Paid({30: 1.0, 31: 1.0, 32: 1.0}))
+    one = get_policy("query", recompute_tokens=0, recompute_budget=0.1).bound(_Paid({8: 1.0, 9: 1.0, 10: 1.0}))
+    other = get_policy("query", recompute_tokens=0, recompute_budget=0.1).bound(_Paid({30: 1.0, 31: 1.0, 32: 1.0}))
     assert one.select(layout) == ((0, 5), (8, 11), (25, 27), (37, 44))
     assert other.select(layout) == ((0, 5), (25, 27), (30, 33), (37, 44))
 
@@ -254,12 +268,12 @@ def test_the_query_policy_reads_a_model_and_says_so_without_one() -> None:
         get_policy("query").select(layout)
 
     class NoProbe:
-        probes_attention = False
+        probes_model = False
 
     with pytest.raises(ConfigError, match=r"model.engine = \"reference\""):
         get_policy("query").bound(NoProbe())  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"composition\.query_budget"):
-        get_policy("query", query_budget=1.5)
+    with pytest.raises(ConfigError, match=r"composition\.recompute_budget"):
+        get_policy("query", recompute_budget=1.5)
 
 
 @pytest.mark.integration
@@ -279,7 +293,7 @@ def test_first_layer_attention_is_full_prefills_and_the_query_choice_changes_wit
     assert max_diff(torch.tensor(engine.first_layer_attention(ids, 78)), expected) < 1e-4
     questions = [random_layout([("text", 9)], seed=s).segments[0] for s in (12, 13)]
     asked = [dataclasses.replace(layout, segments=(*layout.segments[:-1], q)) for q in questions]
-    policy = get_policy("query", recompute_tokens=4, query_budget=0.15).bound(engine)
+    policy = get_policy("query", recompute_tokens=4, recompute_budget=0.15).bound(engine)
     picks = [policy.select(x) for x in asked]
     assert picks[0] != picks[1]
     for x, ranges in zip(asked, picks, strict=True):
@@ -287,6 +301,55 @@ def test_first_layer_attention_is_full_prefills_and_the_query_choice_changes_wit
         served = compose(engine, x, policy, states, use_prefix_cache=False)
         named = compose(engine, x, _Fixed(ranges), states, use_prefix_cache=False)
         assert served.computed == named.computed and torch.equal(served.logits, named.logits)
+
+
+@pytest.mark.integration
+def test_second_layer_deviation_is_the_distance_transformers_computes(engine: EngineAdapter, tiny_dir: Path) -> None:
+    """The probe's deviation equals the squared distance between the second layer's k/v
+    projections (before RoPE) of each unit prefilled alone and of the whole prompt, as
+    transformers computes them; 0 outside the units."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    layout = random_layout([("text", 6), ("unit", 40), ("text", 2), ("unit", 30), ("text", 9)], seed=14)
+    ids = layout.token_ids()
+    attn = hf.model.layers[1].self_attn
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[0])) for m in (attn.k_proj, attn.v_proj)]
+
+    def kv(tokens: Sequence[int]) -> torch.Tensor:
+        seen.clear()
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([list(tokens)]))
+        return torch.cat(seen, dim=-1)
+
+    try:
+        whole = kv(ids)
+        expected = torch.zeros(len(ids))
+        spans = [(o, o + len(seg.token_ids)) for o, seg in layout.unit_offsets()]
+        for a, b in spans:
+            expected[a:b] = (whole[a:b] - kv(ids[a:b])).pow(2).sum(dim=-1)
+    finally:
+        for h in hooks:
+            h.remove()
+    got = torch.tensor(engine.second_layer_deviation(ids, spans))
+    assert max_diff(got, expected) < 1e-3 * max(1.0, float(expected.max()))
+    assert float(expected.max()) > 0 and not got[:6].any() and not got[46:48].any()
+
+
+@pytest.mark.parametrize("name", ["query", "deviation"])
+@pytest.mark.integration
+def test_a_policy_that_reads_the_model_recomputes_exactly_the_tokens_it_names(engine: EngineAdapter,
+                                                                          name: str) -> None:
+    """Composing with the policy is composing the ranges its select names, bit for bit."""
+    layout = random_layout([("text", 6), ("unit", 40), ("text", 2), ("unit", 30), ("text", 9)], seed=15)
+    policy = get_policy(name, recompute_tokens=2, recompute_budget=0.25).bound(engine)
+    ranges = policy.select(layout)
+    assert sum(b - a for a, b in ranges) > sum(b - a for a, b in get_policy("epic", recompute_tokens=2).select(layout))
+    states = prefill_units(engine, layout)
+    served = compose(engine, layout, policy, states, use_prefix_cache=False)
+    named = compose(engine, layout, _Fixed(ranges), states, use_prefix_cache=False)
+    assert served.computed == named.computed and torch.equal(served.logits, named.logits)
 
 
 class _Fixed(CompositionPolicy):

@@ -108,19 +108,22 @@ class Counts:
         }
 
 
-class _EvenAttention:
-    """Pays every position the same: how many tokens a policy that reads the model selects
+class _EvenScores:
+    """Scores every position the same: how many tokens a policy that reads the model selects
     does not depend on which (the trace has no model to ask)."""
 
-    probes_attention = True
+    probes_model = True
 
     def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
+        return [1.0] * len(token_ids)
+
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]]) -> list[float]:
         return [1.0] * len(token_ids)
 
 
 def reuse_cost(policy: CompositionPolicy) -> Callable[[int], int]:
     """Tokens ``policy`` recomputes of a reused unit of n tokens (all n when it inlines the unit)."""
-    policy = policy.bound(_EvenAttention())
+    policy = policy.bound(_EvenScores())
 
     @cache
     def cost(n: int) -> int:
@@ -220,11 +223,9 @@ def analyze_file(trace: Path, config: ClusterConfig) -> dict[str, Any]:
 
 
 def policy_label(config: ClusterConfig) -> str:
-    c = config.composition
-    if c.policy not in ("epic", "query"):
-        return c.policy
-    label = f"{c.policy} k={c.recompute_tokens} f={c.recompute_fraction:g} inline={c.inline_share:g}"
-    return label + f" budget={c.query_budget:g}" if c.policy == "query" else label
+    from tessera.composition.calibration import setting_label
+
+    return setting_label(config.composition, lead=False)
 
 
 def run_analyze(trace: Path, per_stream: bool, config: ClusterConfig) -> None:

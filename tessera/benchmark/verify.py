@@ -36,8 +36,9 @@ import torch
 
 from tessera.benchmark.traffic import UnitTexts, is_trace_not_request, parse_line
 from tessera.benchmark.workloads import BenchRequest, Workload
+from tessera.composition.calibration import knobs, setting_label
 from tessera.composition.layout import text_ranges
-from tessera.composition.policies import CompositionPolicy, policy_from_config
+from tessera.composition.policies import POLICIES, CompositionPolicy, policy_from_config
 from tessera.config import ClusterConfig, CompositionConfig
 from tessera.engines.base import EngineAdapter, UnitState, load_engine
 from tessera.engines.checkpoint import resolve
@@ -64,7 +65,7 @@ class Setting:
     # units prefilled behind BOS: the engine's, so one value for every setting of a run (the
     # config's); named in the label, since it changes every unit's state and so the score
     unit_bos: bool = False
-    query_budget: float = 0.0  # query only
+    recompute_budget: float = 0.0  # policies that read the model only
 
     @property
     def label(self) -> str:
@@ -75,44 +76,34 @@ class Setting:
         return dataclasses.replace(base, policy=self.policy, recompute_tokens=self.recompute_tokens,
                                    recompute_fraction=self.recompute_fraction, unit_lead=self.unit_lead,
                                    inline_share=self.inline_share, unit_bos=self.unit_bos,
-                                   query_budget=self.query_budget)
+                                   recompute_budget=self.recompute_budget)
 
     @classmethod
     def of(cls, config: CompositionConfig) -> Setting:
-        if config.policy not in HEADED:
+        read = POLICIES.get(config.policy).knobs
+        if "recompute_tokens" not in read:
             return cls(config.policy, unit_lead=config.unit_lead, unit_bos=config.unit_bos)
         return cls(config.policy, config.recompute_tokens, config.recompute_fraction, config.unit_lead,
-                   config.inline_share, config.unit_bos, config.query_budget if config.policy == "query" else 0.0)
-
-
-HEADED = ("epic", "query")  # policies with EPIC's knobs (k, fraction, inline share)
-
-
-def setting_label(config: CompositionConfig) -> str:
-    """The policy and every knob that shapes what it serves, named (``epic k=16 f=0.25 inline=0.75 lead=none``)."""
-    name = config.policy
-    if config.policy in HEADED:
-        name += f" k={config.recompute_tokens} f={config.recompute_fraction:g} inline={config.inline_share:g}"
-    if config.policy == "query":
-        name += f" budget={config.query_budget:g}"
-    name += f" lead={config.unit_lead}" if config.unit_lead else " lead=none"
-    return name + " bos" if config.unit_bos else name
+                   config.inline_share, config.unit_bos,
+                   config.recompute_budget if "recompute_budget" in read else 0.0)
 
 
 def settings_grid(policies: Iterable[str], ks: Iterable[int], fractions: Iterable[float],
                   leads: Iterable[str], inline_shares: Iterable[float] = (1.0,),
                   unit_bos: bool = False, budgets: Iterable[float] = (0.1,)) -> list[Setting]:
-    """Every policy × lead; ``epic`` and ``query`` also × k × fraction × inline share, ``query``
-    also × budget; all with ``unit_bos`` (the engine's). Duplicates dropped, order kept."""
+    """Every policy × lead; a policy with EPIC's knobs (epic, query, deviation) also × k ×
+    fraction × inline share, one that reads the model also × budget; all with ``unit_bos``
+    (the engine's). Duplicates dropped, order kept."""
     out: dict[Setting, None] = {}
-    shares, query_budgets = list(inline_shares), list(budgets)
+    shares, per_prompt = list(inline_shares), list(budgets)
     for lead in leads:
         for policy in policies:
-            if policy in HEADED:
+            read = POLICIES.get(policy).knobs
+            if "recompute_tokens" in read:
                 for k in ks:
                     for f in fractions:
                         for share in shares:
-                            for budget in (query_budgets if policy == "query" else [0.0]):
+                            for budget in (per_prompt if "recompute_budget" in read else [0.0]):
                                 out[Setting(policy, k, f, lead, share, unit_bos, budget)] = None
             else:
                 out[Setting(policy, unit_lead=lead, unit_bos=unit_bos)] = None
@@ -446,12 +437,8 @@ def format_fidelity(fid: dict[str, Any]) -> str:
 def overlay_toml(setting: Setting, base: str = "default") -> str:
     """A config overlay that selects ``setting`` on top of ``base`` (``tessera.config_file``)."""
     lines = [f"base = {json.dumps(base)}", "", "[composition]", f"policy = {json.dumps(setting.policy)}"]
-    if setting.policy in HEADED:
-        lines += [f"recompute_tokens = {setting.recompute_tokens}",
-                  f"recompute_fraction = {float(setting.recompute_fraction)!r}",
-                  f"inline_share = {float(setting.inline_share)!r}"]
-    if setting.policy == "query":
-        lines.append(f"query_budget = {float(setting.query_budget)!r}")
+    named = knobs(setting.composition(CompositionConfig()))
+    lines += [f"{key} = {value!r}" for key, value in named.items() if key not in ("policy", "unit_lead", "unit_bos")]
     lines.append(f"unit_lead = {json.dumps(setting.unit_lead)}")
     lines.append(f"unit_bos = {json.dumps(setting.unit_bos)}")
     return "\n".join(lines) + "\n"

@@ -74,7 +74,7 @@ def _settings(config: ClusterConfig, opts: VerifyOptions) -> tuple[vf.Setting, l
     except ValueError:
         raise ConfigError(f"--inline-shares must be comma-separated numbers, got {opts.inline_shares!r}") from None
     try:
-        budgets = [float(x) for x in opts.budgets.split(",") if x.strip()] or [config.composition.query_budget]
+        budgets = [float(x) for x in opts.budgets.split(",") if x.strip()] or [config.composition.recompute_budget]
     except ValueError:
         raise ConfigError(f"--budgets must be comma-separated numbers, got {opts.budgets!r}") from None
     grid = vf.settings_grid(options.names(opts.policies), options.ints(opts.ks, "--ks"), fracs,

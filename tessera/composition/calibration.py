@@ -42,6 +42,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tessera.composition.policies import POLICIES
 from tessera.config import CompositionConfig
 from tessera.errors import ConfigError
 
@@ -84,16 +85,34 @@ class RecordBody(_Schema):
     created: Annotated[str, Field(max_length=32)]
 
 
+_DEFAULTS = CompositionConfig()
+
+
 def knobs(config: CompositionConfig) -> dict[str, Any]:
-    """The ``[composition]`` keys that shape what ``config.policy`` serves, by name (all of them)."""
+    """The ``[composition]`` keys that shape what ``config.policy`` serves, by name (all of them),
+    each of its default's type (a TOML ``1`` and ``1.0`` are one setting)."""
     out: dict[str, Any] = {"policy": config.policy}
-    if config.policy in ("epic", "query"):
-        out.update(recompute_tokens=config.recompute_tokens, recompute_fraction=float(config.recompute_fraction),
-                   inline_share=float(config.inline_share))
-    if config.policy == "query":
-        out.update(query_budget=float(config.query_budget))
+    for key in POLICIES.get(config.policy).knobs:
+        out[key] = type(getattr(_DEFAULTS, key))(getattr(config, key))
     out.update(unit_lead=config.unit_lead, unit_bos=config.unit_bos)
     return out
+
+
+# how setting labels name the knobs (verify's tables, analyze's policy line)
+_SHORT = {"recompute_tokens": "k", "recompute_fraction": "f", "inline_share": "inline", "recompute_budget": "budget"}
+
+
+def setting_label(config: CompositionConfig, lead: bool = True) -> str:
+    """The policy and every knob that shapes what it serves, named: ``epic k=16 f=0.25
+    inline=0.75 lead=none`` (``lead``: also the unit lead and BOS)."""
+    named = knobs(config)
+    parts = [config.policy, *(f"{_SHORT.get(k, k)}={v:g}" if isinstance(v, float) else f"{_SHORT.get(k, k)}={v}"
+                              for k, v in named.items() if k not in ("policy", "unit_lead", "unit_bos"))]
+    if lead:
+        parts.append(f"lead={config.unit_lead}" if config.unit_lead else "lead=none")
+        if config.unit_bos:
+            parts.append("bos")
+    return " ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ Contract of :meth:`CompositionPolicy.inline`: it returns the layout with the uni
 would recompute (nearly) whole turned into TEXT; the serving path applies it before planning,
 so such a unit is neither prefilled as a miss, nor planned, nor retained for that request.
 
-A policy may read the model too: one that ``needs_probe`` selects by the attention the
-request's own text pays the unit tokens (an :class:`AttentionProbe`, which the engine is), and
+A policy may read the model too: one that ``needs_probe`` selects unit tokens by what the
+model computes from the prompt's tokens (a :class:`ModelProbe`, which the engine is), and
 serves only once :meth:`CompositionPolicy.bound` to one. The generation node binds its engine,
 offline composition the engine it composes on; the retrieval role, which has no model, reads
 what such a policy computed from the node's report.
@@ -42,16 +42,23 @@ from tessera.messages.prompt import PromptLayout, Segment, SegmentKind
 from tessera.registry import Registry
 
 
-class AttentionProbe(Protocol):
-    """What a query-aware policy reads of the model (engines that can answer set ``probes_attention``)."""
+class ModelProbe(Protocol):
+    """What a policy that reads the model asks of it (engines that can answer set ``probes_model``).
 
-    probes_attention: bool
+    Both answers depend on the prompt's tokens alone, never on what is cached."""
+
+    probes_model: bool
 
     def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> Sequence[float]:
         """Per position of the prompt ``token_ids``: the attention the tokens at ``query_from`` and
-        after pay it in the model's first layer, summed over heads and those tokens (causal).
-        The first layer's keys and queries depend on the tokens alone, so this is what full
-        prefill computes there, whatever is cached."""
+        after pay it in the model's first layer, summed over heads and those tokens (causal):
+        what full prefill computes there."""
+        ...
+
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]]) -> Sequence[float]:
+        """Per position: the squared distance between the second layer's keys and values (before
+        RoPE) of a token of the half-open spans ``units`` prefilled alone, as unit states are,
+        and in the whole prompt (0 outside them)."""
         ...
 
 
@@ -59,9 +66,11 @@ class CompositionPolicy(ABC):
     """Base class of composition policies (see the module docstring for the contract)."""
 
     name: ClassVar[str]
-    # True: select() reads the model (bound() to an AttentionProbe); the retrieval role then
+    # True: select() reads the model (bound() to a ModelProbe); the retrieval role then
     # takes the computed positions from the node's report instead of selecting them itself
     needs_probe: ClassVar[bool] = False
+    # the [composition] keys it reads besides the unit lead and BOS (calibration records, labels)
+    knobs: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
@@ -76,7 +85,7 @@ class CompositionPolicy(ABC):
         """``layout`` with the units this policy serves as plain text; by default none. Pure."""
         return layout
 
-    def bound(self, probe: AttentionProbe) -> CompositionPolicy:
+    def bound(self, probe: ModelProbe) -> CompositionPolicy:
         """This policy reading ``probe`` (the engine that serves it); a policy that reads no model is itself."""
         return self
 
@@ -132,6 +141,8 @@ class LegoLink(CompositionPolicy):
     less than preparing, planning and retaining it costs.
     """
 
+    knobs: ClassVar[tuple[str, ...]] = ("recompute_tokens", "recompute_fraction", "inline_share")
+
     def __init__(self, recompute_tokens: int = _DEFAULTS.recompute_tokens,
                  recompute_fraction: float = _DEFAULTS.recompute_fraction,
                  inline_share: float = _DEFAULTS.inline_share) -> None:
@@ -173,42 +184,43 @@ class LegoLink(CompositionPolicy):
         return PromptLayout(tuple(out))
 
 
-@register_policy("query")
-class QueryAware(LegoLink):
-    """EPIC's leading tokens, plus the unit tokens the request's own text attends to most.
+class ScoredRecompute(LegoLink):
+    """EPIC's leading tokens, plus the unit tokens the model scores highest.
 
     Besides what :class:`LegoLink` recomputes (all text, the first tokens of every unit), it
-    recomputes ``ceil(query_budget * m)`` of the ``m`` other unit tokens of the prompt: those
-    the request's text after the last unit (its question and the generation prompt) pays the
-    most attention in the model's first layer (:class:`AttentionProbe`), ties to the earlier
-    position. Which tokens a question needs from its context differs per question; a
-    query-agnostic policy recomputes the same ones for all. The first layer is the only one
-    whose attention the cached states do not change, so the choice is the one full prefill
-    would make there, and serving it equals offline composition on the same engine.
-    ``recompute_tokens = 0`` selects by the question alone.
+    recomputes ``ceil(recompute_budget * m)`` of the ``m`` other unit tokens of the prompt, the
+    highest by :meth:`scores` (ties to the earlier position), a budget over the whole prompt
+    (a unit that matters more gets more of it). Scores are read from the model
+    (:class:`ModelProbe`) and depend on the tokens alone, so serving a choice equals offline
+    composition on the same engine. ``recompute_tokens = 0`` selects by the scores alone.
     """
 
     needs_probe = True
+    knobs = (*LegoLink.knobs, "recompute_budget")
 
     def __init__(self, recompute_tokens: int = _DEFAULTS.recompute_tokens,
                  recompute_fraction: float = _DEFAULTS.recompute_fraction,
-                 inline_share: float = _DEFAULTS.inline_share, query_budget: float = _DEFAULTS.query_budget,
-                 probe: AttentionProbe | None = None) -> None:
+                 inline_share: float = _DEFAULTS.inline_share, recompute_budget: float = _DEFAULTS.recompute_budget,
+                 probe: ModelProbe | None = None) -> None:
         super().__init__(recompute_tokens, recompute_fraction, inline_share)
-        CompositionConfig(query_budget=query_budget)
-        self.budget = query_budget
+        CompositionConfig(recompute_budget=recompute_budget)
+        self.budget = recompute_budget
         self.probe = probe
 
     @classmethod
     def from_config(cls, config: CompositionConfig) -> CompositionPolicy:
-        return cls(config.recompute_tokens, config.recompute_fraction, config.inline_share, config.query_budget)
+        return cls(config.recompute_tokens, config.recompute_fraction, config.inline_share, config.recompute_budget)
 
-    def bound(self, probe: AttentionProbe) -> CompositionPolicy:
-        if not getattr(probe, "probes_attention", False):
-            raise ConfigError(f"composition.policy = \"query\" selects unit tokens by the model's attention, and "
-                              f"{type(probe).__name__} cannot compute it; serve it with model.engine = \"reference\" "
+    def bound(self, probe: ModelProbe) -> CompositionPolicy:
+        if not getattr(probe, "probes_model", False):
+            raise ConfigError(f"composition.policy = \"{self.name}\" selects unit tokens by reading the model, and "
+                              f"{type(probe).__name__} cannot; serve it with model.engine = \"reference\" "
                               "or \"paged\", or choose composition.policy = \"epic\"")
-        return QueryAware(self.k, self.fraction, self.inline_share, self.budget, probe)
+        return type(self)(self.k, self.fraction, self.inline_share, self.budget, probe)
+
+    @abstractmethod
+    def scores(self, probe: ModelProbe, layout: PromptLayout) -> Sequence[float]:
+        """A score per prompt position (only unit positions are read): higher, recomputed first."""
 
     def select(self, layout: PromptLayout) -> Ranges:
         base = super().select(layout)
@@ -218,11 +230,42 @@ class QueryAware(LegoLink):
         if not picks:
             return base
         if self.probe is None:
-            raise ConfigError("composition.policy = \"query\" reads the model: bind the engine that serves it "
-                              "(QueryAware.bound(engine)) before selecting")
-        paid = self.probe.first_layer_attention(layout.token_ids(), query_start(layout))
-        chosen = sorted(candidates, key=lambda p: (-paid[p], p))[:picks]
+            raise ConfigError(f"composition.policy = \"{self.name}\" reads the model: bind the engine that serves "
+                              "it (policy.bound(engine)) before selecting")
+        score = self.scores(self.probe, layout)
+        chosen = sorted(candidates, key=lambda p: (-score[p], p))[:picks]
         return merge_ranges([*base, *((p, p + 1) for p in chosen)])
+
+
+@register_policy("query")
+class QueryAware(ScoredRecompute):
+    """The unit tokens the request's own text attends to most (in the spirit of ProphetKV).
+
+    The score of a unit token is the attention the request's text after the last unit (its
+    question and the generation prompt) pays it in the model's first layer. Which tokens a
+    question needs from its context differs per question; a query-agnostic policy recomputes
+    the same ones for all. The first layer is the only one whose attention the cached states
+    do not change: the choice is the one full prefill would make there.
+    """
+
+    def scores(self, probe: ModelProbe, layout: PromptLayout) -> Sequence[float]:
+        return probe.first_layer_attention(layout.token_ids(), query_start(layout))
+
+
+@register_policy("deviation")
+class Deviation(ScoredRecompute):
+    """The unit tokens whose cached state is furthest from full prefill's (in the spirit of CacheBlend).
+
+    The score of a unit token is the squared distance between the second layer's keys and
+    values (before RoPE) it gets prefilled alone, as its cached state was, and in the whole
+    prompt: the first place where context changes a state, and a token whose early state
+    deviates most is the one whose recompute corrects most. Query-agnostic, like EPIC, but
+    chosen per token from the context the unit lands in.
+    """
+
+    def scores(self, probe: ModelProbe, layout: PromptLayout) -> Sequence[float]:
+        spans = [(o, o + len(seg.token_ids)) for o, seg in layout.unit_offsets()]
+        return probe.second_layer_deviation(layout.token_ids(), spans)
 
 
 def query_start(layout: PromptLayout) -> int:

@@ -142,6 +142,10 @@ class Extend:
         return len(self.token_ids) + sum(len(u.token_ids) for u in self.units)
 
 
+_NO_PROBE = ("engine {} cannot read its model for a composition policy (composition.policy = \"query\" or "
+             "\"deviation\" needs model.engine = \"reference\" or \"paged\")")
+
+
 class EngineAdapter(ABC):
     """Contract between a generation node and a model backend (see the module docstring).
 
@@ -154,8 +158,8 @@ class EngineAdapter(ABC):
     # True: step() honours Extend.units (a missing unit is prefilled in its request's own
     # forward); False: the node prefills it as a separate UnitPrefill and places it first
     fuses_unit_prefills: bool = False
-    # True: first_layer_attention() answers (a query-aware composition policy can be served)
-    probes_attention: bool = False
+    # True: first_layer_attention() and second_layer_deviation() answer (policies that read the model)
+    probes_model: bool = False
     # True: step() honours Extend.tail_logits; False: a fixed answer is scored a decode step a token
     scores_tail: bool = False
 
@@ -192,10 +196,13 @@ class EngineAdapter(ABC):
         return None
 
     def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
-        """See :class:`~tessera.composition.policies.AttentionProbe`; engines that set
-        ``probes_attention`` implement it."""
-        raise ConfigError(f"engine {type(self).__name__} cannot compute first-layer attention "
-                          "(composition.policy = \"query\" needs model.engine = \"reference\" or \"paged\")")
+        """See :class:`~tessera.composition.policies.ModelProbe`; engines that set ``probes_model``
+        implement it and :meth:`second_layer_deviation`."""
+        raise ConfigError(_NO_PROBE.format(type(self).__name__))
+
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]]) -> list[float]:
+        """See :class:`~tessera.composition.policies.ModelProbe`."""
+        raise ConfigError(_NO_PROBE.format(type(self).__name__))
 
     def decode(self, work: Sequence[Extend]) -> None:
         """One decode step (one token per request); backends may override with a faster path."""

@@ -213,6 +213,37 @@ class Model:
             paid += scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
         return paid.tolist()
 
+    @torch.no_grad()
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]],
+                               bos: int | None = None) -> list[float]:
+        """Per position: how far the second layer's keys and values (before RoPE) of a unit token
+        prefilled alone (behind ``bos`` if given, as unit states are) are from full prefill's of
+        the whole prompt, as a squared distance summed over heads (0 outside ``units``). The
+        first layer is the only one between them, so this is what a cached state gets wrong
+        first, computed from the tokens alone."""
+        n = len(token_ids)
+        deviation = torch.zeros(n, dtype=torch.float32, device=self.device)
+        if self.spec.n_layers < 2 or not units:
+            return deviation.tolist()
+        whole = self._second_layer_kv(list(token_ids))
+        lead = [] if bos is None else [bos]
+        for a, b in units:
+            alone = self._second_layer_kv([*lead, *token_ids[a:b]])[len(lead):]
+            deviation[a:b] = (whole[a:b] - alone).float().pow(2).sum(dim=(1, 2))
+        return deviation.tolist()
+
+    def _second_layer_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """The second layer's keys (before RoPE) and values of ``token_ids`` prefilled from
+        position 0, side by side: ``[n, 2 H_kv, D]``."""
+        items = [Item(token_ids)]
+        plans, positions, _ = self._plan(items)
+        self.rope.ensure(len(token_ids))
+        cos, sin = self.rope.lookup(torch.tensor(positions, device=self.device))
+        x = F.embedding(torch.tensor(token_ids, device=self.device), self.w.embed)
+        x = self._layer(0, self.w.layers[0], x, cos, sin, items, plans)
+        raw, _, v = self.attention_inputs(self.w.layers[1], x, cos, sin)
+        return torch.cat((raw[:, self.spec.n_heads:], v), dim=1)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of hidden rows ``[R, hidden]``."""
         return F.linear(self._norm(x, self.w.norm), self.w.lm_head).float()

@@ -107,7 +107,7 @@ class _Batch:
 
 @ENGINES.register("paged")
 class PagedEngine(Tokenized, EngineAdapter):
-    probes_attention = True  # first_layer_attention: the model's own
+    probes_model = True  # first_layer_attention, second_layer_deviation: the model's own
 
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False, pool_tokens: int = 0, page_tokens: int = 16,
@@ -154,6 +154,9 @@ class PagedEngine(Tokenized, EngineAdapter):
 
     def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
         return self.model.first_layer_attention(token_ids, query_from)
+
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]]) -> list[float]:
+        return self.model.second_layer_deviation(token_ids, units, self.bos)
 
     def allocate(self, n_slots: int) -> PagedSlots:
         if not 0 < n_slots <= self.geometry.max_context:

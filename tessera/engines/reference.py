@@ -54,7 +54,7 @@ class TorchSlots(KVSlots):
 class ReferenceEngine(Tokenized, EngineAdapter):
     fuses_unit_prefills = True  # Extend.units: see tessera.engines.model (Feed)
     scores_tail = True  # Extend.tail_logits: the model returns an item's last rows' logits
-    probes_attention = True  # first_layer_attention: the model's own
+    probes_model = True  # first_layer_attention, second_layer_deviation: the model's own
 
     def __init__(self, model: Model, tokenizer: Tokenizer, fingerprint: ServingFingerprint, *,
                  kv_dtype: str = "float16", unit_bos: bool = False,
@@ -83,6 +83,9 @@ class ReferenceEngine(Tokenized, EngineAdapter):
 
     def first_layer_attention(self, token_ids: Sequence[int], query_from: int) -> list[float]:
         return self.model.first_layer_attention(token_ids, query_from)
+
+    def second_layer_deviation(self, token_ids: Sequence[int], units: Sequence[tuple[int, int]]) -> list[float]:
+        return self.model.second_layer_deviation(token_ids, units, self.bos)
 
     def allocate(self, n_slots: int) -> TorchSlots:
         if not 0 < n_slots <= self.geometry.max_context:

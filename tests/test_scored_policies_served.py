@@ -1,5 +1,5 @@
-"""A cluster serving the query-aware policy: what it serves equals offline composition, and
-its receipts name the policy, every knob and the positions the node chose."""
+"""A cluster serving a policy that reads the model (query, deviation): what it serves equals
+offline composition, and its receipts name the policy, every knob and the positions the node chose."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ UNIT_A = "Record A: the lighthouse keeper logs every passing ship in a blue note
 UNIT_B = "Record B: the orchard on the hill grows pears, plums and late apples each autumn. " * 2
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-           start_module_cluster: StartCluster) -> ClusterConfig:
-    """One generation node serving ``query`` (k=4, a fifth of the other unit tokens)."""
+@pytest.fixture(scope="module", params=["query", "deviation"])
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, start_module_cluster: StartCluster,
+           request: pytest.FixtureRequest) -> ClusterConfig:
+    """One generation node serving the policy (k=4, a fifth of the other unit tokens)."""
     cfg = cluster_config(str(tiny_model), nodes=1)
-    root = tmp_path_factory.mktemp("query")
+    root = tmp_path_factory.mktemp(request.param)
     cfg = dataclasses.replace(cfg, composition=dataclasses.replace(
-        cfg.composition, policy="query", recompute_tokens=4, query_budget=0.2, calibration_dir=str(root / "records")))
+        cfg.composition, policy=request.param, recompute_tokens=4, recompute_budget=0.2,
+        calibration_dir=str(root / "records")))
     start_module_cluster(cfg, root / "logs")
     return cfg
 
@@ -41,9 +42,9 @@ def _offline(engine: ReferenceEngine, cfg: ClusterConfig, reply: dict[str, Any],
                    max_new_tokens=n, stop_ids=engine.eos_token_ids)
 
 
-def test_served_query_composition_equals_offline_and_its_receipt_counts_what_the_node_chose(
+def test_served_composition_equals_offline_and_its_receipt_counts_what_the_node_chose(
         served: ClusterConfig) -> None:
-    """Two questions over the same units (computed, then local): each reply is the engine's own
+    """Two requests over the same units (computed, then local): each reply is the engine's own
     offline composition of the served layout, token for token and in its first logprobs, and
     the receipt's recomputed unit tokens are the unit positions offline composition computed."""
     engine = ReferenceEngine.from_config(served)
@@ -61,9 +62,10 @@ def test_served_query_composition_equals_offline_and_its_receipt_counts_what_the
             assert entry["logprob"] == pytest.approx(float(first[entry["token_id"]]), abs=1e-3)
         receipt = reply["usage"]["tessera"]["receipt"]
         assert receipt["policy"] == knobs(served.composition)
-        assert receipt["policy"]["query_budget"] == 0.2
+        assert receipt["policy"]["recompute_budget"] == 0.2
         spans = reply["tessera_layout"]["units"]
         in_units = {p for a, b in comp.computed for p in range(a, b) if any(s <= p < e for s, e in spans)}
         assert sum(receipt["recomputed_tokens"].values()) == len(in_units)
         chosen.append(in_units)
-    assert chosen[0] != chosen[1]  # another question, other unit tokens recomputed
+    if served.composition.policy == "query":
+        assert chosen[0] != chosen[1]  # another question, other unit tokens recomputed
