@@ -10,7 +10,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tessera.benchmark.verify import Layouts, Setting, bootstrap, prompts_from_file, prompts_from_workload, verify
+from tessera.benchmark.verify import (
+    Layouts,
+    Setting,
+    bootstrap,
+    overlay_toml,
+    prompts_from_file,
+    prompts_from_workload,
+    verify,
+)
 from tessera.benchmark.workloads import synthetic_workload
 from tessera.cli import app
 from tessera.config_file import load_config
@@ -264,3 +272,28 @@ def test_the_first_hour_path_calibrates_from_a_trace_of_requests(tiny_config_fil
     assert len(list((tiny_config_file.parent / "records").glob("*.json"))) >= len(report["rows"])  # type: ignore[arg-type]
     assert Setting.of(load_config(overlay).composition).label == report["calibrated"]["setting"]  # type: ignore[index]
     assert float(str(report["seconds"])) > 0
+
+
+def test_policies_that_read_the_model_are_scored_per_budget_and_their_overlay_loads(tiny_config_file: Path,
+                                                                                    tmp_path: Path) -> None:
+    """--policies query,deviation × --ks × --budgets: a row per setting naming every knob, the
+    larger budget recomputing more, and a calibration overlay that serves the chosen one."""
+    overlay = tmp_path / "cal.toml"
+    code, report, output = _run(tiny_config_file, tmp_path, "--policies", "query,deviation", "--ks", "2",
+                                "--fractions", "1.0", "--budgets", "0.1,0.5", "--leads", "none",
+                                "--calibrate", "--target-kl", "100", "--overlay", str(overlay))
+    assert code == 0, output
+    rows = {r["setting"]: r for r in report["rows"]}  # type: ignore[union-attr]
+    for name in ("query", "deviation"):
+        low, high = (rows[f"{name} k=2 f=1 inline=0.75 budget={b} lead=none"] for b in ("0.1", "0.5"))
+        assert 0 < low["cost"] < high["cost"]
+    chosen = load_config(overlay).composition
+    assert Setting.of(chosen).label == report["calibrated"]["setting"]  # type: ignore[index]
+    for setting in (Setting("query", 2, 1.0, recompute_budget=0.5), Setting("deviation", 4, 0.25, "", 0.5,
+                                                                            recompute_budget=0.1)):
+        written = tmp_path / f"{setting.policy}.toml"
+        written.write_text(overlay_toml(setting, str(tiny_config_file)))
+        assert Setting.of(load_config(written).composition) == setting
+    bad = CliRunner().invoke(app, ["verify", "--workload", "synthetic", "--samples", "1", "--policies", "query",
+                                   "--budgets", "lots", "--config", str(tiny_config_file)])
+    assert bad.exit_code != 0 and "--budgets" in bad.output
