@@ -260,6 +260,10 @@ class RetrievalConfig:
     # usearch HNSW connectivity and expansion
     hnsw_connectivity: int = 16
     hnsw_expansion_search: int = 64
+    # threads that insert into an HNSW index (0: every core). Several threads build a different
+    # graph each time, so near-tie neighbours can differ between two stores of the same units;
+    # 1 makes the same units ingested in the same order answer every query the same way
+    index_threads: int = 0
     # where to put units by default: "system" (after the system prompt, RAG / Mem0 style) or
     # "user" (inside the newest user message, OpenViking style)
     unit_placement: str = "system"
@@ -309,6 +313,7 @@ class RetrievalConfig:
         _positive("retrieval.max_unit_tokens", self.max_unit_tokens)
         _positive("retrieval.hnsw_connectivity", self.hnsw_connectivity)
         _positive("retrieval.hnsw_expansion_search", self.hnsw_expansion_search)
+        _non_negative("retrieval.index_threads", self.index_threads)
         _choice("retrieval.unit_placement", self.unit_placement, UNIT_PLACEMENTS)
 
 

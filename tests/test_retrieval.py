@@ -11,7 +11,7 @@ from tessera.config import RetrievalConfig
 from tessera.config_file import load_config
 from tessera.engines.checkpoint import resolve
 from tessera.engines.tokenizer import load_tokenizer, serving_fingerprint
-from tessera.errors import BadRequest
+from tessera.errors import BadRequest, ConfigError
 from tessera.retrieval.embedder import Embedder
 from tessera.retrieval.store.unit_store import UnitStore
 from tessera.units import TokenCache, UnitFactory, unit_id_for
@@ -174,3 +174,26 @@ def test_precomputed_unit_embeddings_are_indexed_as_given(pool: UnitStore,
         pool.ingest([("own", "another note", {})], [[1.0, 2.0]])
     with pytest.raises(BadRequest, match="2 embeddings for 1 units"):
         pool.ingest([("own", "a third note", {})], [None, None])
+
+
+def test_an_index_built_by_one_thread_answers_every_query_the_same_way_every_time() -> None:
+    """``retrieval.index_threads = 1``: two indexes of the same vectors inserted in the same
+    batches give the same neighbours for every query (several inserting threads build a
+    different HNSW graph each time; the workload renderer of bench and verify uses one)."""
+    from tessera.retrieval.store.index import ScopeIndex
+
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((40, 384)).astype(np.float32)  # clustered: many near ties
+    vectors = centres[rng.integers(0, 40, 3000)] + 0.3 * rng.standard_normal((3000, 384)).astype(np.float32)
+    queries = rng.standard_normal((200, 384)).astype(np.float32)
+
+    def answers() -> list[list[int]]:
+        index = ScopeIndex(384, 16, 64, threads=1)
+        for i in range(0, len(vectors), 256):
+            index.add(list(range(i, min(i + 256, len(vectors)))), vectors[i:i + 256])
+        return [[key for key, _ in index.search(q, 6)] for q in queries]
+
+    first = answers()
+    assert all(answers() == first for _ in range(2))
+    with pytest.raises(ConfigError, match="index_threads"):
+        RetrievalConfig(index_threads=-1)

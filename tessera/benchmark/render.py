@@ -7,6 +7,7 @@ prompt builder as ``tessera run --role retrieval``, without any server. Used for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -30,7 +31,9 @@ class PromptRenderer:
         self.tokenizer = tokenizer or load_tokenizer(resolve(config.model))
         fingerprint = serving_fingerprint(config, resolve(config.model), self.tokenizer)
         self.factory = unit_factory(config, fingerprint, self.tokenizer)
-        self.pool = UnitStore(self.factory, Embedder(threads=config.retrieval.embed_threads), config.retrieval)
+        # one inserting thread: a workload retrieves the same records in every run, so runs compare
+        retrieval = dataclasses.replace(config.retrieval, index_threads=1)
+        self.pool = UnitStore(self.factory, Embedder(threads=config.retrieval.embed_threads), retrieval)
         self.builder = PromptBuilder(self.tokenizer, self.factory.tokens)
 
     def ingest(self, workload: Workload, batch: int = 256) -> None:

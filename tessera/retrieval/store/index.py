@@ -70,8 +70,9 @@ def check_scope(scope: str, field: str = "scope") -> None:
 class ScopeIndex:
     """HNSW index of one scope, keyed by the units' record keys (see :mod:`tessera.retrieval.store.records`)."""
 
-    def __init__(self, dim: int, connectivity: int, expansion_search: int) -> None:
+    def __init__(self, dim: int, connectivity: int, expansion_search: int, threads: int = 0) -> None:
         self.dim = dim
+        self.threads = threads  # inserting threads (0: every core; 1: the same graph every time)
         self._index = Index(ndim=dim, metric="cos", dtype="f32", connectivity=connectivity,
                             expansion_search=expansion_search)
 
@@ -85,7 +86,8 @@ class ScopeIndex:
         """Index new keys. vectors: [N, dim]."""
         assert vectors.shape == (len(keys), self.dim), (vectors.shape, len(keys), self.dim)
         if len(keys):
-            self._index.add(np.asarray(keys, dtype=np.uint64), np.ascontiguousarray(vectors, dtype=np.float32))
+            self._index.add(np.asarray(keys, dtype=np.uint64), np.ascontiguousarray(vectors, dtype=np.float32),
+                            threads=self.threads)
 
     def remove(self, keys: Sequence[int]) -> None:
         for key in keys:
@@ -132,10 +134,11 @@ class ScopeIndex:
 class UnitIndex:
     """Every scope's index. Verbs: ``add``, ``remove``, ``search``, ``save``/``load``."""
 
-    def __init__(self, dim: int, connectivity: int = 16, expansion_search: int = 64) -> None:
+    def __init__(self, dim: int, connectivity: int = 16, expansion_search: int = 64, threads: int = 0) -> None:
         self.dim = dim
         self.connectivity = connectivity
         self.expansion_search = expansion_search
+        self.threads = threads
         self._scopes: dict[str, ScopeIndex] = {}
 
     @property
@@ -149,7 +152,7 @@ class UnitIndex:
         """The scope's index, created empty if it has none yet."""
         index = self._scopes.get(scope)
         if index is None:
-            index = self._scopes[scope] = ScopeIndex(self.dim, self.connectivity, self.expansion_search)
+            index = self._scopes[scope] = ScopeIndex(self.dim, self.connectivity, self.expansion_search, self.threads)
         return index
 
     def scope_reset(self, scope: str) -> ScopeIndex:

@@ -126,7 +126,8 @@ class UnitStore:
         # where a follower of the PostgreSQL change sequence starts: read before the indexes are
         # opened, so every change they miss comes after it (applying one twice is harmless)
         self.change_cursor = self.records.last_change() if isinstance(self.records, PgUnitRecords) else 0
-        self.index = UnitIndex(embedder.dim, config.hnsw_connectivity, config.hnsw_expansion_search)
+        self.index = UnitIndex(embedder.dim, config.hnsw_connectivity, config.hnsw_expansion_search,
+                               config.index_threads)
         self._index_dir = private_dir(self.directory / "index")
         self._dirty: set[str] = set()  # scopes whose index changed since it was saved
         self.rebuilt: list[str] = []  # scopes whose index was rebuilt from the records at start
