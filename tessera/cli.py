@@ -389,11 +389,12 @@ def verify(
     samples: Annotated[int, typer.Option(help="Prompts to score (0: all).")] = 40,
     policies: Annotated[str, typer.Option(help="Comma-separated composition policies (full is the reference "
                                           "itself: add it to check that it scores exactly).")] = "naive,epic",
-    ks: Annotated[str, typer.Option(help="epic, query: comma-separated k (recompute_tokens).")] = "4,16",
-    fractions: Annotated[str, typer.Option(help="epic, query: comma-separated recompute_fraction values.")] = "1.0",
-    inline_shares: Annotated[str, typer.Option(help="epic, query: comma-separated inline_share values (default: the "
-                                               "config's).")] = "",
-    budgets: Annotated[str, typer.Option(help="query: comma-separated recompute_budget values (default: the "
+    ks: Annotated[str, typer.Option(help="epic, query, deviation: comma-separated k (recompute_tokens).")] = "4,16",
+    fractions: Annotated[str, typer.Option(
+        help="epic, query, deviation: comma-separated recompute_fraction values.")] = "1.0",
+    inline_shares: Annotated[str, typer.Option(
+        help="epic, query, deviation: comma-separated inline_share values (default: the config's).")] = "",
+    budgets: Annotated[str, typer.Option(help="query, deviation: comma-separated recompute_budget values (default: the "
                                          "config's).")] = "",
     leads: Annotated[str, typer.Option(help="Comma-separated unit leads: none, lead (<|endoftext|>); default: "
                                        "the configured one (composition.unit_lead).")] = "",

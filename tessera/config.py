@@ -127,7 +127,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CompositionConfig:
-    # registered composition policy: epic | query | naive | full (see tessera.composition.policies)
+    # registered composition policy: epic | query | deviation | naive | full (tessera.composition.policies)
     policy: str = "epic"
     # EPIC LegoLink: recompute the first k tokens of every unit
     recompute_tokens: int = 16
@@ -137,9 +137,9 @@ class CompositionConfig:
     # a unit whose recomputed share reaches this is plain text for the request: not prefilled,
     # planned or retained (1.0: only units recomputed whole)
     inline_share: float = 0.75
-    # policy "query": besides EPIC's leading tokens, recompute this share of the other unit
-    # tokens, those the request's own text (after the last unit) attends to most in the
-    # model's first layer (exactly what full prefill's first layer computes)
+    # policies "query" and "deviation": besides EPIC's leading tokens, recompute this share of
+    # the other unit tokens, the highest-scoring first (query: the attention the request's own
+    # text pays them in the first layer; deviation: how far their cached state is from full prefill's)
     recompute_budget: float = 0.1
     # prefill units behind BOS (attention sink); changes the unit's KV, so it is part of identity
     unit_bos: bool = False

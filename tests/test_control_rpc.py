@@ -221,13 +221,9 @@ async def test_a_followers_wait_calls_a_late_node_the_leader_still_hears_slow(
     heard = _heard(remote, tasks)
     served.heartbeat("gen0")
     watch = RemoteWatch("gen0", 0.1, heard)
-
-    async def heartbeats() -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            served.heartbeat("gen0")
-
-    beating = asyncio.ensure_future(heartbeats())
+    stalled = asyncio.Event()
+    stalled.set()  # it reports in, and runs no prompt work
+    beating = asyncio.ensure_future(_beating(served, stalled))
     try:
         with pytest.raises(NodeSlow):
             await _wait_on(watch, 0.1)

@@ -37,7 +37,7 @@ class VerifyOptions:
     ks: str  # comma-separated epic k
     fractions: str  # comma-separated epic recompute fractions
     inline_shares: str  # comma-separated epic inline shares ("": the config's)
-    budgets: str  # comma-separated query budgets ("": the config's)
+    budgets: str  # comma-separated recompute budgets of query and deviation ("": the config's)
     leads: str  # comma-separated: none, lead ("": the configured lead)
     threads: int  # torch threads of the scoring engine (0: every core this process may use)
     answer_tokens: int
@@ -59,24 +59,23 @@ class VerifyOptions:
     config_path: Path | None  # the --config file, named as the overlay's base
 
 
+def _numbers(text: str, flag: str, default: list[float]) -> list[float]:
+    """The comma-separated numbers of ``flag``, in order (``default`` when it names none)."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()] or default
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
 def _settings(config: ClusterConfig, opts: VerifyOptions) -> tuple[vf.Setting, list[vf.Setting]]:
     """The configured setting and every setting to score (the configured one first), each a valid policy."""
     lead_of = {"none": "", "lead": config.composition.unit_lead or vf.LEAD}
     lead_names = options.names(opts.leads) or ["lead" if config.composition.unit_lead else "none"]
     if not lead_names or any(x not in lead_of for x in lead_names) or opts.answer_tokens < 1 or opts.kl_positions < 1:
         raise ConfigError("--leads takes none and/or lead; --answer-tokens and --kl-positions must be >= 1")
-    try:
-        fracs = [float(x) for x in opts.fractions.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--fractions must be comma-separated numbers, got {opts.fractions!r}") from None
-    try:
-        shares = [float(x) for x in opts.inline_shares.split(",") if x.strip()] or [config.composition.inline_share]
-    except ValueError:
-        raise ConfigError(f"--inline-shares must be comma-separated numbers, got {opts.inline_shares!r}") from None
-    try:
-        budgets = [float(x) for x in opts.budgets.split(",") if x.strip()] or [config.composition.recompute_budget]
-    except ValueError:
-        raise ConfigError(f"--budgets must be comma-separated numbers, got {opts.budgets!r}") from None
+    fracs = _numbers(opts.fractions, "--fractions", [])
+    shares = _numbers(opts.inline_shares, "--inline-shares", [config.composition.inline_share])
+    budgets = _numbers(opts.budgets, "--budgets", [config.composition.recompute_budget])
     grid = vf.settings_grid(options.names(opts.policies), options.ints(opts.ks, "--ks"), fracs,
                             [lead_of[x] for x in lead_names], shares, config.composition.unit_bos, budgets)
     configured = vf.Setting.of(config.composition)

@@ -257,10 +257,11 @@ class Executor:
             stats.recomputed_tokens = len(prompt) - matched
             return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                                insert_prefix=(prompt, run.req.tenant))
-        # a policy that reads the model selects on the engine's thread, between its forwards
-        ranges = (await self.scheduler.worker.call(self.policy.select, layout) if self.policy.needs_probe
-                  else self.policy.select(layout))
-        stats.computed_ranges = computed_ranges(layout, ranges, matched)
+        if self.policy.needs_probe:  # it reads the model: on the engine's thread, between its forwards
+            ranges = await self.scheduler.worker.call(self.policy.select, layout)
+            stats.computed_ranges = computed_ranges(layout, ranges, matched)  # the receipt cannot select it
+        else:
+            ranges = self.policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)

@@ -157,8 +157,8 @@ class RequestStats:
     coalesced_units: int = 0
     fallbacks: int = 0  # remote fetches that failed and were computed instead
     recomputed_tokens: int = 0  # tokens computed in the final extend pass
-    # the prompt positions that pass computed (half-open ranges): a policy that selects by the
-    # model (needs_probe) is known only here, so receipts read them from this report
+    # the prompt positions that pass computed (half-open ranges), under a policy that selects by
+    # the model (needs_probe; empty otherwise): only the node can select them, so receipts read them here
     computed_ranges: tuple[tuple[int, int], ...] = ()
     bytes_fetched: int = 0
     completion_tokens: int = 0
