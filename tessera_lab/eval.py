@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tessera.benchmark.options import names, say
+from tessera.benchmark.quality import best_f1
 from tessera.benchmark.render import PromptRenderer
 from tessera.benchmark.workloads import BenchRequest, Workload, WorkloadName, select_workload
 from tessera.composition.policies import policy_from_config
@@ -28,7 +29,6 @@ from tessera.engines.base import UnitPrefill, UnitState
 from tessera.engines.offline import compose
 from tessera.engines.reference import ReferenceEngine
 from tessera.errors import ConfigError
-from tessera_lab.quality import best_f1
 
 
 @dataclass

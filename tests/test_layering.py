@@ -26,7 +26,7 @@ LAYERS = {"composition": 1, "kernels": 2, "engines": 2, "transport": 3, "control
           "kvpool": 5, "generation": 5, "retrieval": 5, "launcher": 6, "benchmark": 6}
 LAB = 9  # above the entry points (8)
 # inside the lab: the answer scorer, then the harnesses, then many hosts (built on the chaos run)
-LAB_LAYERS = {"quality": 0, "eval": 1, "chaos": 1, "simulate": 1, "hosts": 2}
+LAB_LAYERS = {"eval": 1, "chaos": 1, "simulate": 1, "hosts": 2}
 
 
 def _ours(module: str) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.benchmark.quality import best_f1, f1, normalize_answer
 from tessera.benchmark.trace import StreamState, analyze, classify
-from tessera_lab.quality import best_f1, f1, normalize_answer
 
 
 def test_first_prompt_is_all_new() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,18 +12,24 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from tessera.benchmark.quality import best_f1
 from tessera.benchmark.verify import (
     Layouts,
     Setting,
     bootstrap,
+    format_rows,
     overlay_toml,
     prompts_from_file,
     prompts_from_workload,
+    ratio_interval,
+    summarize,
     verify,
 )
 from tessera.benchmark.workloads import synthetic_workload
 from tessera.cli import app
+from tessera.composition.policies import get_policy
 from tessera.config_file import load_config
+from tessera.engines.offline import compose, prefill_units
 from tessera.engines.reference import ReferenceEngine
 from tessera.engines.tiny import write_tiny_checkpoint
 from tessera.errors import ConfigError
@@ -297,3 +305,41 @@ def test_policies_that_read_the_model_are_scored_per_budget_and_their_overlay_lo
     bad = CliRunner().invoke(app, ["verify", "--workload", "synthetic", "--samples", "1", "--policies", "query",
                                    "--budgets", "lots", "--config", str(tiny_config_file)])
     assert bad.exit_code != 0 and "--budgets" in bad.output
+
+
+def test_the_answer_f1_ratio_scores_each_settings_own_greedy_answer_against_gold(tiny_config_file: Path) -> None:
+    """With full prefill's answer as the gold answer, full scores F1 1 and a ratio of 1; naive's
+    F1 is that of its own greedy answer, and its ratio their sum over full's; prompts without
+    gold answers are not graded."""
+    cfg = load_config(tiny_config_file)
+    engine = ReferenceEngine.from_config(cfg, prefix_cache_tokens=0)
+    tok, stops = engine.tokenizer, engine.tokenizer.eos_token_ids
+    plain = prompts_from_workload(cfg, synthetic_workload(3, n_units=6, unit_words=12, units_per_request=2), tok)
+    layouts = Layouts(engine, tok, cfg)
+    full, naive = get_policy("full"), get_policy("naive")
+
+    def answer(prompt: Any, policy: Any) -> str:
+        built = layouts.build(prompt, "", policy, 4)
+        comp = compose(engine, built.served, policy, prefill_units(engine, built.rendered), max_new_tokens=4,
+                       stop_ids=stops, use_prefix_cache=False)
+        return tok.decode([t for t in comp.generated if t not in stops])
+
+    graded = [dataclasses.replace(p, answers=(answer(p, full),)) for p in plain]
+    settings = [Setting("full"), Setting("naive")]
+    scores = verify(engine, tok, cfg, graded, settings, answer_tokens=4, kl_positions=2)
+    assert scores[Setting("full")].f1 == [1.0] * 3 and scores[Setting("full")].full_f1 == [1.0] * 3
+    own = [best_f1(answer(p, naive), p.answers) for p in graded]
+    assert scores[Setting("naive")].f1 == pytest.approx(own)
+    rows = {r.setting: r for r in summarize(scores)}
+    assert rows[Setting("full")].f1_ratio.mean == 1.0
+    assert rows[Setting("naive")].f1_ratio.mean == pytest.approx(sum(own) / 3)
+    assert "answer F1 / full's" in format_rows(list(rows.values()))[0]
+    ungraded = summarize(verify(engine, tok, cfg, plain, settings, answer_tokens=4, kl_positions=2))
+    assert all(math.isnan(r.f1_ratio.mean) for r in ungraded)
+    assert "answer F1" not in format_rows(ungraded)[0]
+
+
+def test_the_ratio_interval_brackets_the_ratio_of_means() -> None:
+    iv = ratio_interval([0.5, 1.0, 0.0, 1.0], [1.0, 1.0, 0.5, 1.0])
+    assert iv.mean == pytest.approx(2.5 / 3.5) and iv.lo <= iv.mean <= iv.hi
+    assert math.isnan(ratio_interval([0.0], [0.0]).mean) and math.isnan(ratio_interval([], []).mean)

@@ -12,7 +12,9 @@ answer. From the logits before each answer token:
   token (teacher forcing is exact up to there, so this is the composed greedy agreement);
 * ``exact``: the whole answer reproduced;
 * ``top1``: the first answer token reproduced;
-* ``cost``: unit tokens recomputed per prompt (what the setting pays, the calibration's price).
+* ``cost``: unit tokens recomputed per prompt (what the setting pays, the calibration's price);
+* ``f1_ratio``: on prompts with gold answers (a workload's questions), the setting's own greedy
+  answer's word F1 (:mod:`tessera.benchmark.quality`) over full prefill's, summed over prompts.
 
 Each mean comes with a bootstrap 95% interval over prompts; each setting's label names every
 knob that shaped it (policy, k, fraction, inline share, lead). This module never talks to a server.
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessera.benchmark.quality import best_f1
 from tessera.benchmark.traffic import UnitTexts, is_trace_not_request, parse_line
 from tessera.benchmark.workloads import BenchRequest, Workload
 from tessera.composition.calibration import knobs, setting_label
@@ -117,6 +120,7 @@ class Prompt:
     messages: tuple[dict[str, str], ...]
     placement: str
     units: tuple[tuple[str, str], ...]
+    answers: tuple[str, ...] = ()  # gold answers (a workload's questions): the answer F1 is scored against them
 
 
 def prompts_from_file(path: Path, config: ClusterConfig) -> list[Prompt]:
@@ -205,9 +209,10 @@ def prompts_from_workload(config: ClusterConfig, workload: Workload, tokenizer: 
         renderer = PromptRenderer(config, tokenizer)
         renderer.ingest(workload)
         units = [renderer.units(r) for r in requests]
-        return [Prompt(r.messages, r.placement, tuple((u.scope, u.text) for u in us))
+        return [Prompt(r.messages, r.placement, tuple((u.scope, u.text) for u in us), r.answers)
                 for r, us in zip(requests, units, strict=True)]
-    return [Prompt(r.messages, r.placement, tuple((r.scope, t) for t in r.context_units)) for r in requests]
+    return [Prompt(r.messages, r.placement, tuple((r.scope, t) for t in r.context_units), r.answers)
+            for r in requests]
 
 
 def sample(prompts: Sequence[Prompt], n: int, seed: int = 0) -> list[Prompt]:
@@ -255,6 +260,10 @@ class Scores:
     top1: list[float] = field(default_factory=list)
     cost: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # composed prefill wall time (``timed`` only)
+    # answer F1 against the gold answers of the prompts that have some: the setting's own greedy
+    # answer, and full prefill's on the same prompts (paired, for the ratio)
+    f1: list[float] = field(default_factory=list)
+    full_f1: list[float] = field(default_factory=list)
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -319,6 +328,7 @@ def _score_prompt(engine: EngineAdapter, layouts: Layouts, prompt: Prompt, polic
     plain = layouts.build(prompt, "", full, answer_tokens).served
     greedy = compose(engine, plain, full, {}, max_new_tokens=answer_tokens, stop_ids=stops, use_prefix_cache=False)
     answer = greedy.generated
+    full_f1 = _answer_f1(layouts.tokenizer, answer, stops, prompt.answers)
     ref = compose(engine, plain, full, {}, forced=answer, use_prefix_cache=False).forced_logits
     text_tokens = sum(b - a for a, b in text_ranges(plain))
     states: dict[str, dict[str, UnitState]] = {}
@@ -335,10 +345,25 @@ def _score_prompt(engine: EngineAdapter, layouts: Layouts, prompt: Prompt, polic
         sc.exact.append(exact)
         sc.top1.append(top1)
         sc.cost.append(_cost(comp.computed, text_tokens))
+        if full_f1 is not None:
+            # teacher forcing reproduced the whole answer: the setting's greedy answer is full's
+            own = answer if exact == 1.0 else compose(engine, layout, policy, states[s.unit_lead],
+                                                      max_new_tokens=answer_tokens, stop_ids=stops,
+                                                      use_prefix_cache=False).generated
+            sc.f1.append(_answer_f1(layouts.tokenizer, own, stops, prompt.answers) or 0.0)
+            sc.full_f1.append(full_f1)
         if timed:
             t0 = time.perf_counter()
             compose(engine, layout, policy, states[s.unit_lead], use_prefix_cache=False)
             sc.seconds.append(time.perf_counter() - t0)
+
+
+def _answer_f1(tokenizer: Tokenizer, tokens: Sequence[int], stops: Sequence[int],
+               golds: Sequence[str]) -> float | None:
+    """Word F1 of the greedy answer against its best gold answer (None: the prompt has none)."""
+    if not golds:
+        return None
+    return best_f1(tokenizer.decode([t for t in tokens if t not in stops]), golds)
 
 
 @dataclass(frozen=True)
@@ -362,6 +387,22 @@ def bootstrap(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> Int
     return Interval(float(x.mean()), float(lo), float(hi))
 
 
+def ratio_interval(values: Sequence[float], reference: Sequence[float], n_boot: int = 1000,
+                   seed: int = 0) -> Interval:
+    """Mean of ``values`` over mean of ``reference`` (paired per prompt), with a percentile
+    bootstrap 95% interval over prompts; NaN where the reference's mean is 0 or there is none."""
+    x, y = np.asarray(values, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    if x.size == 0 or y.sum() == 0:
+        return Interval(math.nan, math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, size=(n_boot, x.size))
+    num, den = x[idx].sum(axis=1), y[idx].sum(axis=1)
+    ratios = np.divide(num, den, out=np.full(n_boot, np.nan), where=den > 0)
+    lo, hi = np.nanpercentile(ratios, [2.5, 97.5])
+    return Interval(float(x.sum() / y.sum()), float(lo), float(hi))
+
+
 @dataclass(frozen=True)
 class Row:
     setting: Setting
@@ -371,11 +412,14 @@ class Row:
     top1: Interval
     cost: float  # mean unit tokens recomputed per prompt
     seconds: float = math.nan  # mean composed prefill time (``timed`` runs)
+    # the setting's mean answer F1 over full prefill's, on the prompts with gold answers (NaN: none)
+    f1_ratio: Interval = Interval(math.nan, math.nan, math.nan)
+    f1: float = math.nan  # the setting's mean answer F1 on those prompts
 
     def as_dict(self) -> dict[str, Any]:
         return {"setting": self.setting.label, "composition": dataclasses.asdict(self.setting), "cost": self.cost,
-                "prefill_s": self.seconds,
-                **{k: dataclasses.asdict(getattr(self, k)) for k in ("kl", "prefix", "exact", "top1")}}
+                "prefill_s": self.seconds, "f1": self.f1,
+                **{k: dataclasses.asdict(getattr(self, k)) for k in ("kl", "prefix", "exact", "top1", "f1_ratio")}}
 
     def meets(self, max_kl: float | None, min_agreement: float | None) -> bool:
         return (max_kl is None or self.kl.mean <= max_kl) and (min_agreement is None or
@@ -385,7 +429,9 @@ class Row:
 def summarize(scores: dict[Setting, Scores]) -> list[Row]:
     return [Row(s, bootstrap(v.kl), bootstrap(v.prefix), bootstrap(v.exact), bootstrap(v.top1),
                 float(np.mean(v.cost)) if v.cost else math.nan,
-                float(np.mean(v.seconds)) if v.seconds else math.nan) for s, v in scores.items()]
+                float(np.mean(v.seconds)) if v.seconds else math.nan,
+                ratio_interval(v.f1, v.full_f1), float(np.mean(v.f1)) if v.f1 else math.nan)
+            for s, v in scores.items()]
 
 
 def cheapest(rows: Sequence[Row], max_kl: float | None, min_agreement: float | None) -> Row | None:
@@ -396,13 +442,16 @@ def cheapest(rows: Sequence[Row], max_kl: float | None, min_agreement: float | N
 
 def format_rows(rows: Sequence[Row], marked: Setting | None = None) -> list[str]:
     timed = any(not math.isnan(r.seconds) for r in rows)
+    graded = any(not math.isnan(r.f1_ratio.mean) for r in rows)
     lines = ["| setting | recomputed unit tokens |" + (" composed prefill (s) |" if timed else "") +
-             " mean KL [95% CI] | greedy prefix agreement | exact answer | first-token top-1 |",
-             "|---|---|" + ("---|" if timed else "") + "---|---|---|---|"]
+             " mean KL [95% CI] | greedy prefix agreement | exact answer | first-token top-1 |" +
+             (" answer F1 / full's [95% CI] |" if graded else ""),
+             "|---|---|" + ("---|" if timed else "") + "---|---|---|---|" + ("---|" if graded else "")]
     for r in rows:
         name = r.setting.label + (" (configured)" if r.setting == marked else "")
         secs = f" {r.seconds:.3f} |" if timed else ""
-        lines.append(f"| {name} | {r.cost:.1f} |{secs} {r.kl} | {r.prefix} | {r.exact} | {r.top1} |")
+        f1 = f" {r.f1_ratio} |" if graded else ""
+        lines.append(f"| {name} | {r.cost:.1f} |{secs} {r.kl} | {r.prefix} | {r.exact} | {r.top1} |{f1}")
     return lines
 
 
