@@ -41,6 +41,7 @@ KV_DTYPES = ("float32", "float16", "bfloat16")
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 MODES = ("compose", "prefix")
 UNIT_PLACEMENTS = ("system", "user")
+UNIT_ORDERS = ("fixed", "free")
 ACCESS_LOG_LEVELS = ("debug", "info", "warning", "off")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("sqlite", "postgres")
@@ -150,6 +151,11 @@ class CompositionConfig:
     # the fidelity gate (tessera.composition.calibration): approximate composition serves only under
     # a calibration record (tessera verify --calibrate) meeting max_kl and min_agreement, else full prefill
     require_calibration: bool = False
+    # choose per request among every calibrated setting (each record in calibration_dir for this
+    # model, engine, dtypes, unit lead and BOS that meets max_kl and min_agreement) the one whose
+    # final extend computes the fewest positions for that prompt; full prefill when none is
+    # calibrated (tessera.composition.choice)
+    per_request: bool = False
     max_kl: float = 0.2
     min_agreement: float = 0.35
     # where calibration records live; "" = $XDG_DATA_HOME/tessera/calibration (~/.local/share/...)
@@ -158,6 +164,8 @@ class CompositionConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.require_calibration, bool), "composition.require_calibration",
                self.require_calibration, "expected true or false")
+        _check(isinstance(self.per_request, bool), "composition.per_request", self.per_request,
+               "expected true or false")
         _check(isinstance(self.max_kl, (int, float)) and not isinstance(self.max_kl, bool) and self.max_kl >= 0,
                "composition.max_kl", self.max_kl, "expected a KL >= 0")
         _check(isinstance(self.min_agreement, (int, float)) and not isinstance(self.min_agreement, bool)
@@ -267,6 +275,13 @@ class RetrievalConfig:
     # where to put units by default: "system" (after the system prompt, RAG / Mem0 style) or
     # "user" (inside the newest user message, OpenViking style)
     unit_placement: str = "system"
+    # whether a request's units keep the order they came in ("fixed") or may be deduplicated and
+    # reordered so that exact prefixes recur ("free"; tessera.retrieval.order) when the request
+    # does not say (its `unit_order`); scopes listed in order_free_scopes are "free" whatever this says
+    unit_order: str = "fixed"
+    # scope names, or prefixes ending in "*" ("*": every scope), whose units are order-free by
+    # default: a request whose units all come from such scopes is "free" unless it says "fixed"
+    order_free_scopes: tuple[str, ...] = ()
     # torch threads of the query/ingest embedder (MiniLM); the generation nodes need the rest
     embed_threads: int = 1
     # where units (SQLite) and their ANN indexes persist; "" = a fresh temporary directory,
@@ -315,6 +330,16 @@ class RetrievalConfig:
         _positive("retrieval.hnsw_expansion_search", self.hnsw_expansion_search)
         _non_negative("retrieval.index_threads", self.index_threads)
         _choice("retrieval.unit_placement", self.unit_placement, UNIT_PLACEMENTS)
+        _choice("retrieval.unit_order", self.unit_order, UNIT_ORDERS)
+        _check(isinstance(self.order_free_scopes, tuple)
+               and all(isinstance(s, str) and s and "*" not in s[:-1] for s in self.order_free_scopes),
+               "retrieval.order_free_scopes", self.order_free_scopes,
+               'expected a list of scope names or prefixes ending in "*", such as ["docs", "memory/*"]')
+
+    def order_free(self, scope: str) -> bool:
+        """Whether units of ``scope`` are order-free by default (retrieval.order_free_scopes)."""
+        return self.unit_order == "free" or any(
+            scope == s or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.order_free_scopes)
 
 
 @dataclass(frozen=True)

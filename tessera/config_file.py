@@ -51,6 +51,8 @@ def _build(cls: type, section: str, raw: object) -> Any:
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; allowed: {', '.join(known)}")
+    raw = {k: tuple(v) if isinstance(v, list) and isinstance(known[k].default, tuple) else v
+           for k, v in raw.items()}
     for key, value in raw.items():
         default = known[key].default
         if default is dataclasses.MISSING or default is None:
@@ -166,6 +168,8 @@ def dump_toml(config: ClusterConfig) -> str:
             return "true" if value else "false"
         if isinstance(value, str):
             return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(value, (tuple, list)):
+            return "[" + ", ".join(fmt(v) for v in value) + "]"
         return repr(value)
 
     raw = config_to_dict(config)

@@ -125,7 +125,7 @@ def test_the_table_shows_each_runs_share_of_the_peak_and_the_nodes_failed_writeb
     rows = table({"systems": {"tessera": {"runs": [run(1, 1.0, 0), run(2, 2.0, 0), run(4, 1.5, 33)]}}}).splitlines()
     assert "throughput (of peak)" in rows[0] and "failed writebacks" in rows[0]
     assert "| 2.00 (100%) |" in rows[3] and "| 1.50 (75%) |" in rows[4]
-    assert rows[4].split("|")[-3].strip() == "33" and rows[2].split("|")[-3].strip() == "0"
+    assert rows[4].split("|")[-4].strip() == "33" and rows[2].split("|")[-4].strip() == "0"
 
 
 def test_sustained_rate_interpolates_the_crossing() -> None:

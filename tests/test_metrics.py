@@ -87,7 +87,7 @@ def test_a_unit_prefill_two_replies_share_counts_as_computed_tokens_once() -> No
     ran = RequestStats(prompt_tokens=9, computed_unit_tokens=4, computed_units=1, recomputed_tokens=5)
     joined = RequestStats(prompt_tokens=9, coalesced_unit_tokens=4, coalesced_units=1, recomputed_tokens=5)
     for stats in (ran, joined):
-        chat.finished(stats, {"units": {}, "unit_tokens": {}, "recomputed_tokens": {}})
+        chat.finished(stats, {"units": {}, "unit_tokens": {}, "recomputed_tokens": {}, "way": "composed"})
     samples = _samples(chat.registry.render().decode())
     assert samples[("tessera_prompt_tokens_total", (("source", "computed"),))] == 4
     assert samples[("tessera_prompt_tokens_total", (("source", "coalesced"),))] == 4

@@ -39,6 +39,7 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
         coalesced_units += t.get("coalesced_units", 0)
     unit_tokens = tiers["local"] + tiers["remote"] + tiers["computed"] + tiers["coalesced"]
     reusable, reused = reuse(results, start)
+    exact, receipted = exact_units(ok)
     span = 0.0
     if ok:
         first = min(r.sent_at for r in ok)
@@ -68,6 +69,9 @@ def summarize(results: Sequence[Result], warmup_frac: float, rate: float) -> dic
         # (the trace's ceiling in the measured window); None without per-unit receipts
         "reuse_efficiency": reused / reusable if reusable else None,
         "reusable_unit_tokens": reusable,
+        # unit tokens served exactly from a cache (inside the exact-prefix hit) over all unit
+        # tokens, from the receipts; None without receipts
+        "exact_unit_share": exact / receipted if receipted else None,
         "mean_prompt_tokens": tiers["prompt"] / max(len(ok), 1),
     }
     if len(ttfts):
@@ -108,6 +112,17 @@ def reuse(results: Sequence[Result], start: int) -> tuple[int, int]:
                     reused += u["tokens"] if u["source"] in REUSED_SOURCES else 0
         seen.update(u["unit_id"] for u in units)
     return reusable, reused
+
+
+def exact_units(results: Sequence[Result]) -> tuple[int, int]:
+    """(exact, all) unit tokens of the replies' receipts: those inside the exact-prefix hit, and all."""
+    exact = total = 0
+    for r in results:
+        receipt = (r.usage.get("tessera") or {}).get("receipt") or {}
+        if "unit_tokens" in receipt:
+            exact += receipt["unit_tokens"].get("prefix", 0)
+            total += sum(receipt["unit_tokens"].values())
+    return exact, total
 
 
 def _interp_rate_at(rates: Sequence[float], means: Sequence[float], level: float) -> float | None:
@@ -186,12 +201,13 @@ def table(report: dict[str, Any]) -> str:
     """One row per system and offered rate: TTFT, achieved throughput (and its share of the
     system's peak, so goodput past the peak shows), the prompt share served from a cache, the
     unit tokens' tiers, coalesced units, failed shared writebacks (the nodes' counters over
-    the whole run; ``-`` where the server keeps none) and reuse efficiency."""
+    the whole run; ``-`` where the server keeps none), reuse efficiency and the share of unit
+    tokens served exactly from the prefix cache (receipts' ``prefix`` unit tokens)."""
     rows = ["| system | rate (req/s) | mean TTFT (s) | p50 | p90 | p99 | throughput (of peak) | ok/sent "
             "| cached share | unit tokens local/remote/computed | coalesced units | failed writebacks "
-            "| reuse efficiency |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    dashes = " - |" * 10
+            "| reuse efficiency | exact unit share |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    dashes = " - |" * 11
     for name, sysrep in report["systems"].items():
         unloaded = [sysrep["unloaded"]] if "unloaded" in sysrep else []
         peak = max((r.get("throughput", 0.0) for r in sysrep["runs"]), default=0.0)
@@ -201,7 +217,7 @@ def table(report: dict[str, Any]) -> str:
                 continue
             if "mean" not in r:
                 rows.append(f"| {name} | {r['rate']:g} | - | - | - | - | - | {r['ok']}/{r['requests']} |"
-                            + " - |" * 5)
+                            + " - |" * 6)
                 continue
             h = r["hit_rate"]
             is_unloaded = bool(unloaded) and r is unloaded[0]
@@ -213,7 +229,8 @@ def table(report: dict[str, Any]) -> str:
                 f"{r['throughput']:.2f}{of_peak} | {r['ok']}/{r['requests']} | "
                 f"{_share(r.get('cached_share_of_prompt'))} | "
                 f"{h['local']:.0%}/{h['remote']:.0%}/{h['computed']:.0%} | {r.get('coalesced_units', '-')} | "
-                f"{'-' if failed is None else f'{failed:g}'} | {_share(r.get('reuse_efficiency'))} |")
+                f"{'-' if failed is None else f'{failed:g}'} | {_share(r.get('reuse_efficiency'))} | "
+                f"{_share(r.get('exact_unit_share'))} |")
     return "\n".join(rows)
 
 

@@ -314,3 +314,72 @@ def decide(config: CompositionConfig, mode: str, model: str, dtype: str, kv_dtyp
     if config.require_calibration:
         return Decision(config, fallback, "fallback-full", fp, record, reason + "; serving full prefill")
     return Decision(config, config, "below-target", fp, record, reason)
+
+
+def calibrated_settings(config: CompositionConfig, model: str, dtype: str, kv_dtype: str,
+                        engine: str = DEFAULT_ENGINE) -> tuple[list[Decision], list[str]]:
+    """Every setting that a record in ``calibration_dir`` calibrates for this model, engine and
+    dtypes, with the configured unit lead and BOS (they change the unit states themselves),
+    and that meets ``max_kl`` and ``min_agreement``, as "calibrated" decisions, in file order;
+    and why each other record there was passed over (the start-up log says it).
+
+    A record that cannot be trusted or does not fit the schema is passed over, or raises
+    :class:`BadRecord` with ``require_calibration`` on, as :func:`decide` does.
+    """
+    directory = records_dir(config)
+    chosen: list[Decision] = []
+    passed: list[str] = []
+    if not directory.is_dir():
+        return chosen, [f"no calibration folder {directory}"]
+    for path in sorted(directory.glob("*.json")):
+        try:
+            decision = _calibrated(path, config, model, dtype, kv_dtype, engine)
+        except BadRecord as exc:
+            if config.require_calibration:
+                raise
+            passed.append(str(exc))
+            continue
+        if isinstance(decision, str):
+            passed.append(f"{path.name}: {decision}")
+        else:
+            chosen.append(decision)
+    return chosen, passed
+
+
+def _calibrated(path: Path, config: CompositionConfig, model: str, dtype: str, kv_dtype: str,
+                engine: str) -> Decision | str:
+    """The record at ``path`` as a calibrated decision, or why it is not one."""
+    data = _read_trusted(path)
+    if data is None:
+        return "gone"
+    try:
+        body = RecordBody.model_validate_json(data)
+    except ValidationError:
+        raise BadRecord(f"calibration record {path} does not fit the record schema; write it again with "
+                        "tessera verify --calibrate") from None
+    fp: dict[str, Any] = dict(body.fingerprint)
+    served = {"model": model, "dtype": dtype, "kv_dtype": kv_dtype, "engine": engine,
+              "unit_lead": config.unit_lead, "unit_bos": config.unit_bos}
+    fp.setdefault("engine", DEFAULT_ENGINE)
+    other = [k for k, v in served.items() if fp.get(k) != v]
+    if other:
+        return f"another {', '.join(other)}"
+    policy = fp.get("policy")
+    if not isinstance(policy, str) or policy not in POLICIES.names():
+        return f"unknown policy {policy!r}"
+    try:
+        setting = dataclasses.replace(config, policy=policy,
+                                      **{k: fp[k] for k in POLICIES.get(policy).knobs if k in fp})
+    except (ConfigError, TypeError) as exc:
+        return f"not a valid setting ({exc})"
+    fingerprint = Fingerprint.of(setting, model, dtype, kv_dtype, engine)
+    if record_name(fingerprint) != path.name or fingerprint.as_dict() != body.fingerprint:
+        raise BadRecord(f"calibration record {path} is not named by its own fingerprint; write it again with "
+                        "tessera verify --calibrate")
+    check_folder(path.parent)
+    kl, agreement = body.kl.mean, body.agreement.mean
+    if kl > config.max_kl or agreement < config.min_agreement:
+        return f"misses the targets (KL {kl:.4f}, agreement {agreement:.3f})"
+    record = body.model_dump()
+    return Decision(setting, setting, "calibrated", fingerprint, record,
+                    f"calibrated: KL {kl:.4f} <= {config.max_kl}, agreement {agreement:.3f} >= {config.min_agreement}")

@@ -85,6 +85,12 @@ class CompositionPolicy(ABC):
         """``layout`` with the units this policy serves as plain text; by default none. Pure."""
         return layout
 
+    def extend_tokens(self, layout: PromptLayout) -> int:
+        """Positions the final extend computes for ``layout`` (as served: after :meth:`inline`)
+        with no prefix hit: the price the per-request choice compares. Known without the model,
+        for every policy. Pure."""
+        return sum(b - a for a, b in self.select(layout))
+
     def bound(self, probe: ModelProbe) -> CompositionPolicy:
         """This policy reading ``probe`` (the engine that serves it); a policy that reads no model is itself."""
         return self
@@ -222,11 +228,19 @@ class ScoredRecompute(LegoLink):
     def scores(self, probe: ModelProbe, layout: PromptLayout) -> Sequence[float]:
         """A score per prompt position (only unit positions are read): higher, recomputed first."""
 
-    def select(self, layout: PromptLayout) -> Ranges:
-        base = super().select(layout)
+    def _candidates(self, layout: PromptLayout) -> tuple[list[int], int]:
+        """The unit positions past EPIC's heads, and how many of them the budget recomputes."""
         candidates = [p for o, seg in layout.unit_offsets()
                       for p in range(o + self.recompute_count(len(seg.token_ids)), o + len(seg.token_ids))]
-        picks = math.ceil(self.budget * len(candidates) - 1e-9)
+        return candidates, math.ceil(self.budget * len(candidates) - 1e-9)
+
+    def extend_tokens(self, layout: PromptLayout) -> int:
+        # the picks lie outside LegoLink's ranges (past the heads, in units): how many, not which
+        return sum(b - a for a, b in LegoLink.select(self, layout)) + self._candidates(layout)[1]
+
+    def select(self, layout: PromptLayout) -> Ranges:
+        base = super().select(layout)
+        candidates, picks = self._candidates(layout)
         if not picks:
             return base
         if self.probe is None:

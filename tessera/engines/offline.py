@@ -91,14 +91,18 @@ class Composition:
 
 def compose(engine: EngineAdapter, layout: PromptLayout, policy: CompositionPolicy,
             states: Mapping[str, UnitState], *, max_new_tokens: int = 0, stop_ids: Sequence[int] = (),
-            use_prefix_cache: bool = True, insert_prefix: bool = False, forced: Sequence[int] = ()) -> Composition:
-    """Compose ``layout`` and greedy-continue ``max_new_tokens``, or (``forced``) score a fixed answer."""
+            use_prefix_cache: bool = True, insert_prefix: bool = False, forced: Sequence[int] = (),
+            match_into_units: bool = False) -> Composition:
+    """Compose ``layout`` and greedy-continue ``max_new_tokens``, or (``forced``) score a fixed answer.
+    ``match_into_units``: the prefix cache may match past the leading text, into the units (an
+    order-free request, as the generation node serves it)."""
     n = layout.n_tokens
     assert n > 0, "empty prompt"
     assert not (forced and max_new_tokens), "greedy continuation and a forced answer are exclusive"
     slots = engine.allocate(n + max(max_new_tokens, len(forced)))
+    lead = layout.token_ids() if match_into_units else leading_text_tokens(layout)
     try:
-        prefix_len = engine.match_prefix(slots, leading_text_tokens(layout)[:n - 1]) if use_prefix_cache else 0
+        prefix_len = engine.match_prefix(slots, lead[:n - 1]) if use_prefix_cache else 0
         ranges = policy.bound(engine).select(layout)
         check_ranges(layout, ranges)
         n_placed = place_units(engine, slots, placements(layout, ranges, prefix_len), states)

@@ -35,12 +35,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from tessera.composition.choice import Choices
 from tessera.composition.layout import (
     Placement,
     computed_ranges,
@@ -51,13 +52,13 @@ from tessera.composition.layout import (
 from tessera.composition.policies import CompositionPolicy
 from tessera.engines.base import KVSlots, UnitFeed, UnitState
 from tessera.engines.sampling import Sampler
-from tessera.errors import ControlPlaneError, Overloaded, TransferError
+from tessera.errors import ConfigError, ControlPlaneError, Overloaded, TransferError
 from tessera.generation.prefills import PrefillCoalescer
 from tessera.generation.retention import Retainer
 from tessera.generation.scheduler import Scheduler, StartDeadline, UnplacedUnits
 from tessera.generation.unit_cache import LocalUnitCache
 from tessera.messages.generation import DoneEvent, ExecuteRequest, RequestStats, TokenEvent, TopLogprob
-from tessera.messages.plan import Preparation, ReadLease, UnitPlan
+from tessera.messages.plan import Preparation, ReadLease, Retention, UnitPlan
 from tessera.messages.prompt import PromptLayout
 from tessera.wire import WIRE_VERSION
 
@@ -157,6 +158,7 @@ class Executor:
         release_lease: Callable[[str], None],
         policy: CompositionPolicy,
         mode: str,
+        choices: Choices | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.prefills = prefills
@@ -166,6 +168,7 @@ class Executor:
         self.release_lease = release_lease
         self.policy = policy
         self.mode = mode
+        self.choices = choices  # composition.per_request: the settings a request may name
         self.active = 0  # requests running here now
 
     async def run(self, req: ExecuteRequest) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
@@ -229,10 +232,11 @@ class Executor:
         return self.mode == "prefix" or not req.plan.units
 
     def _lead(self, req: ExecuteRequest) -> list[int]:
-        """The tokens the exact prefix cache may cover: the whole prompt in prefix mode, else its
-        leading text; never the last token (its logits are the extend's output)."""
+        """The tokens the exact prefix cache may cover: the whole prompt in prefix mode and for
+        units ordered for it (``exact_into_units``), else its leading text; never the last token
+        (its logits are the extend's output)."""
         layout = req.layout
-        if self._exact_only(req):
+        if self._exact_only(req) or req.exact_into_units:
             return layout.token_ids()[:-1]
         return leading_text_tokens(layout)[: layout.n_tokens - 1]
 
@@ -257,16 +261,23 @@ class Executor:
             stats.recomputed_tokens = len(prompt) - matched
             return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                                insert_prefix=(prompt, run.req.tenant))
-        if self.policy.needs_probe:  # it reads the model: on the engine's thread, between its forwards
-            ranges = await self.scheduler.worker.call(self.policy.select, layout)
+        policy = self._policy(run.req)
+        if policy.needs_probe:  # it reads the model: on the engine's thread, between its forwards
+            ranges = await self.scheduler.worker.call(policy.select, layout)
             stats.computed_ranges = computed_ranges(layout, ranges, matched)  # the receipt cannot select it
         else:
-            ranges = self.policy.select(layout)
+            ranges = policy.select(layout)
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)
         plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
+        if run.req.exact_into_units:
+            token_ids, _ = tokens_to_compute(layout, ranges, matched)
+            if _exact_is_cheaper(layout.n_tokens - matched, len(token_ids), spans, plans, tokens):
+                return await self._exact_rest(run, plans.values())
+        # units the exact prefix covers or the policy recomputes whole need no state: their grants go back now
+        self._give_back(plans[uid] for uid in plans if uid not in spans)
         peers = [uid for uid in spans if plans[uid].peer]
         # with a peer computing some units, this node's own prefill them apart, at once, so that
         # both nodes work at the same time (fused, they would wait for the peer's units)
@@ -275,6 +286,10 @@ class Executor:
             run.peer_deadline = self._peer_deadline(sum(len(tokens[uid]) for uid in peers))
             run.group = self.scheduler.new_group()  # its own units in one forward
         token_ids, positions = tokens_to_compute(layout, ranges, matched)
+        # what the prefix cache is offered: the lead up to the first placed state (everything
+        # before it is matched or computed causally, exactly as full prefill would)
+        exact = lead[: min((p.offset + p.start for unit_spans in spans.values() for p in unit_spans),
+                           default=len(lead))]
         # held and leased states first: they are the plan's to use whenever the work runs
         fetched = await asyncio.gather(*(self._reuse(run, plans[uid], len(tokens[uid])) for uid in spans))
         states = dict(zip(spans, fetched, strict=True))
@@ -305,7 +320,7 @@ class Executor:
                         ticket.release()  # its job is queued next, with no await between
                     logits = await self.scheduler.extend(
                         slots, token_ids, positions, run.deadline, fused.feeds if fused is not None else (),
-                        insert_prefix=(lead, run.req.tenant) if lead and matched < len(lead) else None,
+                        insert_prefix=(exact, run.req.tenant) if len(exact) > matched else None,
                         place=placing)
                     break
                 except UnplacedUnits as exc:
@@ -338,6 +353,33 @@ class Executor:
             finally:
                 self.prefills.finish(plan.unit_id, claim, feed.state)
         return logits
+
+    def _policy(self, req: ExecuteRequest) -> CompositionPolicy:
+        """The policy the request names (composition.per_request), else this node's."""
+        if not req.setting:
+            return self.policy
+        choice = self.choices.named(req.setting) if self.choices is not None else None
+        if choice is None:
+            raise ConfigError(f"request {req.request_id} names the composition setting {req.setting!r}, which this "
+                              "node has no calibration record for (or composition.per_request is off here): give "
+                              "every role the same [composition] and calibration records")
+        return choice.policy
+
+    async def _exact_rest(self, run: Run, plans: Iterable[UnitPlan]) -> torch.Tensor:
+        """Serve everything past the matched prefix exactly, as prefix caching would (the plan's
+        grants go back: no unit state is computed), and offer the prompt to the prefix cache."""
+        self._give_back(plans)
+        prompt, matched, stats = run.layout.token_ids(), run.matched, run.stats
+        stats.served_exactly = True
+        stats.recomputed_tokens = len(prompt) - matched
+        stats.computed_ranges = ((matched, len(prompt)),)
+        return await self.scheduler.extend(run.slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
+                                           insert_prefix=(prompt, run.req.tenant))
+
+    def _give_back(self, plans: Iterable[UnitPlan]) -> None:
+        for plan in plans:
+            if plan.grant is not None:
+                self.retainer.give_back(plan.grant)
 
     def _reused(self, run: Run, plan: UnitPlan, r: Reused) -> None:
         """A reused state is in place: count it, and retain it off the critical path."""
@@ -484,6 +526,19 @@ class Executor:
         finally:
             run.unreleased.discard(lease.lease_id)
             self.release_lease(lease.lease_id)
+
+
+def _exact_is_cheaper(exact: int, extend: int, spans: Mapping[str, Sequence[Placement]],
+                      plans: Mapping[str, UnitPlan], tokens: Mapping[str, Sequence[int]]) -> bool:
+    """Whether computing the ``exact`` tokens past the matched prefix costs no more than
+    composing them: the ``extend`` tokens the policy computes plus the units this node must
+    prefill first and keeps nowhere (planned as misses, not a peer's, retained neither locally
+    nor shared). A prefill that is kept is not counted: later requests reuse it at any position,
+    which the prefix cache cannot. A tie is served exactly."""
+    prefills = sum(len(tokens[uid]) for uid in spans
+                   if plans[uid].preparation is Preparation.COMPUTE and not plans[uid].peer
+                   and plans[uid].retention is Retention.NEITHER)
+    return exact <= extend + prefills
 
 
 def _logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[TopLogprob, ...]]:

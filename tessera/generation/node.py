@@ -33,6 +33,7 @@ from aiohttp import web
 
 from tessera.auth import ClusterAuth
 from tessera.composition.calibration import Decision, decide
+from tessera.composition.choice import Choices
 from tessera.composition.policies import policy_from_config
 from tessera.config import LOOPBACK_HOSTS, ClusterConfig, GenerationNodeConfig, parse_cpus
 from tessera.control.client import NodeControl
@@ -132,7 +133,7 @@ class GenerationNode:
         )
         policy = policy_from_config(self._gate().served).bound(self.engine)  # a policy may read the model
         self.executor = Executor(self.scheduler, self.prefills, self.cache, self.retainer, self.pool,
-                                 self.control.release_later, policy, self.config.control.mode)
+                                 self.control.release_later, policy, self.config.control.mode, self._choices())
         self.assists = Assists(self.prefills, self.cache, self.retainer)
         self.background.spawn(self._heartbeat(), name="heartbeat")
         if self.config.ha.enabled:  # the control plane is wherever the election says
@@ -165,6 +166,18 @@ class GenerationNode:
         if decision.warning:
             log.warning("%s: %s", self.name, decision.warning)
         return decision
+
+    def _choices(self) -> Choices | None:
+        """composition.per_request: the settings a request may name, read from the same records
+        as the retrieval role's and bound to this node's engine."""
+        c = self.config
+        if not c.composition.per_request or c.control.mode != "compose":
+            return None
+        choices, passed = Choices.gate(c.composition, self.engine.fingerprint.model, c.model.dtype, c.kv_dtype,
+                                       c.model.engine)
+        for why in passed:
+            log.info("%s: calibration record passed over: %s", self.name, why)
+        return choices.bound(self.engine)
 
     async def _heartbeat(self) -> None:
         # one beat waits at most this: a beat stuck on a stopped leader must not hold back the

@@ -84,6 +84,11 @@ class Retainer:
                 self.tasks.spawn(self._write_shared(grant, state, received_at, nbytes),
                                  name=f"writeback-{unit_id[:8]}")
 
+    def give_back(self, grant: WriteGrant) -> None:
+        """A grant whose unit this node will not compute (its request was served without it):
+        the plane frees the pending entry now instead of when the grant expires."""
+        self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{grant.unit_id[:8]}")
+
     def _reserve(self, nbytes: int) -> bool:
         """Take the writeback budget for one state now, or refuse (one oversized state may go alone)."""
         if self.writing >= self.outstanding:

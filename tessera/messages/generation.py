@@ -77,6 +77,13 @@ class ExecuteRequest:
     # node refuses the request if its first-token step has not begun within it (see
     # tessera.generation.scheduler, "late starts")
     queue_budget_s: float | None = None
+    # the units' order was chosen for exact prefix reuse (an order-free request): the node
+    # matches its exact-prefix cache across units, not only the text before the first one,
+    # and may serve the rest exactly when that computes no more than composing it
+    exact_into_units: bool = False
+    # the composition setting to serve it with (composition.per_request: its label,
+    # tessera.composition.choice); "" = the node's own
+    setting: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +167,9 @@ class RequestStats:
     # the prompt positions that pass computed (half-open ranges), under a policy that selects by
     # the model (needs_probe; empty otherwise): only the node can select them, so receipts read them here
     computed_ranges: tuple[tuple[int, int], ...] = ()
+    # an order-free request whose prompt past the exact-prefix hit was computed in full, as
+    # prefix caching does, because that was no dearer than composing it (computed_ranges says what)
+    served_exactly: bool = False
     bytes_fetched: int = 0
     completion_tokens: int = 0
     # on the node, from the plan's arrival: until the request's first engine step began (its

@@ -66,6 +66,12 @@ class Built:
 
     rendered: PromptLayout
     served: PromptLayout
+    # its units were deduplicated and ordered for exact prefix reuse (tessera.retrieval.order):
+    # the node may match its exact-prefix cache into them
+    order_free: bool = False
+    # the setting chosen for it (composition.per_request: its label, tessera.composition.choice);
+    # "" = the process's own
+    setting: str = ""
 
 
 @dataclass

@@ -86,8 +86,11 @@ class ChatDriver:
         self.target = ""
         self.plan: RequestPlan | None = None
 
-    async def run(self, layout: PromptLayout, receiver: Receiver) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
-        """Yield the serving node's events; another node is tried while nothing reached the client."""
+    async def run(self, layout: PromptLayout, receiver: Receiver, order_free: bool = False,
+                  setting: str = "") -> AsyncGenerator[TokenEvent | DoneEvent, None]:
+        """Yield the serving node's events; another node is tried while nothing reached the client.
+        ``order_free``: the layout's units were ordered for exact prefix reuse (the node may match
+        its prefix cache into them); ``setting``: the composition setting chosen for it ("": the node's)."""
         refs = self._unit_refs(layout)
         tried: set[str] = set()
         failed: Failure | None = None
@@ -98,7 +101,7 @@ class ChatDriver:
             began = time.perf_counter()
             self.target, watch = await self._route(refs, tried, failed, layout.n_tokens)
             try:
-                msg = await self._plan(watch, layout, refs)
+                msg = await self._plan(watch, layout, refs, order_free, setting)
                 async with contextlib.aclosing(self.nodes.execute(watch, msg)) as node_events:
                     async for event in node_events:
                         if not delivered:
@@ -150,7 +153,8 @@ class ChatDriver:
                 raise failed from None  # every node that could serve is full: 429, not 503
             raise
 
-    async def _plan(self, watch: Watch, layout: PromptLayout, refs: dict[str, int]) -> ExecuteRequest:
+    async def _plan(self, watch: Watch, layout: PromptLayout, refs: dict[str, int],
+                    order_free: bool = False, setting: str = "") -> ExecuteRequest:
         """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
         snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
         self.plan = await self.path.finalize(self.request_id, self.target, snap.held)
@@ -161,7 +165,7 @@ class ChatDriver:
         # begin within it (tessera.generation.scheduler, late starts)
         budget = max(0.0, bound - self._waited_s()) if bound > 0 else None
         return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant,
-                              queue_budget_s=budget)
+                              queue_budget_s=budget, exact_into_units=order_free, setting=setting)
 
     def _waited_s(self) -> float:
         """The time that counts against the queueing bound: since arrival, less failed attempts."""

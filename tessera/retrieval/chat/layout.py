@@ -5,6 +5,8 @@ chat template around them on the retrieval worker thread and refuses, with a 400
 what to send instead, a prompt that cannot fit (the steps of :mod:`~tessera.retrieval.prompt_path`,
 which the offline tools share). Work is bounded before it is done: the
 prompt's characters are checked before anything is tokenized (:mod:`tessera.retrieval.limits`).
+An order-free request's units are deduplicated and ordered before the template is rendered
+(:mod:`tessera.retrieval.order`).
 
 This module knows nothing about routing, generation nodes or the reply: it ends at the layout.
 """
@@ -15,6 +17,7 @@ from tessera.retrieval.chat.request import ChatRequest
 from tessera.retrieval.chat.serving import Serving
 from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.order import lead_key
 from tessera.retrieval.prompt_path import Built, served_layout
 from tessera.tenants import OPEN, Tenant
 from tessera.units import ContextUnit
@@ -53,7 +56,14 @@ async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, 
     check_prompt_chars([*texts, *(u.text for u in chat.units)], limit)
     units = await request_units(node, chat, tenant)
     check_prompt_chars([*texts, *(u.text for u in units)], limit)
+    free = bool(units) and chat.order_free(node.config.retrieval.order_free)
+    if free:  # deduplicated, and ordered so that what earlier prompts began with recurs
+        units = serving.orders.arrange(lead_key(tenant.name, chat.messages, chat.placement), units)
     # tokenizing runs on the retrieval worker thread, never on the event loop
     rendered = await node.in_worker(builder.build, chat.messages, units, chat.placement)
     policy = serving.policy if node.config.control.mode == "compose" else None
-    return Built(rendered, served_layout(rendered, policy, chat.max_tokens, limit))
+    setting = ""
+    if serving.choices is not None:  # the cheapest calibrated setting for this prompt
+        choice, _ = serving.choices.choose(rendered)
+        policy, setting = choice.policy, choice.label
+    return Built(rendered, served_layout(rendered, policy, chat.max_tokens, limit), order_free=free, setting=setting)

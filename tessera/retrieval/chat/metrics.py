@@ -50,6 +50,11 @@ class ChatMetrics:
         self._composed = m.counter("tessera_composition_requests_total", "Replies by served composition policy "
                                    "and calibration status (exact, calibrated, uncalibrated, below-target, "
                                    "fallback-full)", ["policy", "calibration"])
+        self._ways = m.counter("tessera_requests_by_way_total", "Replies by how the prompt past the exact-prefix "
+                               "hit was served: exact (computed in full) or composed (by the policy)", ["way"])
+        self._settings = m.counter("tessera_requests_by_setting_total", "Replies by the composition setting that "
+                                   "served them, every knob named (with composition.per_request: the setting "
+                                   "chosen for each request)", ["setting"])
         m.read_at_scrape(lambda: plane().metrics())
 
     def request(self, status: str) -> None:
@@ -70,6 +75,9 @@ class ChatMetrics:
             self._receipt_recomputed.labels(source=source).inc(receipt["recomputed_tokens"][source])
         policy = receipt.get("policy", {}).get("policy", "prefix")
         self._composed.labels(policy=policy, calibration=receipt.get("calibration", "exact")).inc()
+        self._ways.labels(way=receipt["way"]).inc()
+        named = receipt.get("policy", {"policy": "prefix"})
+        self._settings.labels(setting=" ".join(f"{k}={v}" for k, v in named.items())).inc()
         for source, n in stats.tokens_by_source():
             self._tokens.labels(source=source).inc(n)
         for preparation, n in stats.units_by_preparation():

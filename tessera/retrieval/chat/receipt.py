@@ -10,7 +10,9 @@ Every reply's ``usage.tessera.receipt`` says, per source, how many units and uni
   this one joined (the request that ran it says ``computed``);
 * ``inlined``: sent as plain text because the policy would recompute (nearly) all of it;
 
-and how many tokens of each were recomputed in the request's final extend. It names the
+and how many tokens of each were recomputed in the request's final extend. ``way`` says how the
+prompt past the prefix hit was served: ``exact`` (computed in full, as prefix caching does) or
+``composed`` (by the policy). The ``prefix`` unit tokens are the ones served exactly from a cache. It names the
 composition policy that served the request with every knob, and its fidelity record (see
 :mod:`tessera.composition.calibration`). With ``return_layout`` it also lists every unit.
 
@@ -40,6 +42,12 @@ class Composition:
     description: dict[str, Any] = field(default_factory=dict)  # policy knobs, fidelity record, gate
 
 
+def way(composition: Composition, stats: RequestStats) -> str:
+    """How the prompt past the exact-prefix hit was served: ``exact`` (computed in full, prefix
+    mode or an order-free request the node served so) or ``composed`` (the policy's ranges)."""
+    return "exact" if composition.policy is None or stats.served_exactly else "composed"
+
+
 def _overlap(a: int, b: int, ranges: Ranges) -> int:
     return sum(max(0, min(b, y) - max(a, x)) for x, y in ranges)
 
@@ -51,7 +59,7 @@ def receipt(rendered: PromptLayout, served: PromptLayout, composition: Compositi
     n = served.n_tokens
     if composition.policy is None:  # prefix mode: everything past the hit is computed in one pass
         computed: Ranges = ((prefix, n),) if prefix < n else ()
-    elif composition.policy.needs_probe:  # selected by the model, which only the node has
+    elif composition.policy.needs_probe or stats.served_exactly:  # the node's choice, which only it can make
         computed = stats.computed_ranges
     else:
         computed = computed_ranges(served, composition.policy.select(served), prefix)
@@ -77,6 +85,7 @@ def receipt(rendered: PromptLayout, served: PromptLayout, composition: Compositi
             listed.append({"unit_id": seg.unit_id, "offset": offset, "tokens": len(seg.token_ids),
                            "source": source, "prefix_tokens": in_prefix, "recomputed_tokens": again})
     out: dict[str, Any] = {"units": units, "unit_tokens": tokens, "recomputed_tokens": recomputed,
+                           "way": way(composition, stats),
                            **composition.description}
     if per_unit:
         out["per_unit"] = listed

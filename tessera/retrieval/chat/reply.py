@@ -76,7 +76,7 @@ async def answer(request: web.Request, serving: Serving, node: RetrievalNode, ch
     driver = ChatDriver(node, serving.nodes, chat.sampling, tenant.name, arrived=started)
     built = await chat_layout(serving, node, chat, tenant)
     trace = trace_record(built.served, chat.retrieval.scope if chat.retrieval else "") if chat.return_layout else None
-    reply = Reply(serving.metrics, node.tokenizer, chat, driver, built, serving.composition, started)
+    reply = Reply(serving.metrics, node.tokenizer, chat, driver, built, serving.composition_of(built.setting), started)
     if chat.stream:
         return await reply.stream(request, trace)
     return await reply.complete(trace), "200"
@@ -113,7 +113,8 @@ class Reply:
         """Run the request, ``send`` each text delta as it comes; the outcome once the reply is complete."""
         # closing the run at once (a stop string, a client gone) aborts the node's work now, not
         # whenever the garbage collector finalizes the generator
-        async with contextlib.aclosing(self.driver.run(self.layout, self)) as node_events:
+        async with contextlib.aclosing(self.driver.run(self.layout, self, self.built.order_free,
+                                                            self.built.setting)) as node_events:
             async for event in node_events:
                 delta = self._take(event)
                 if self.done:

@@ -13,6 +13,9 @@ Extensions (sent by the official client through ``extra_body``):
 * ``context_units: [{text, scope?} | "text", ...]`` — the caller brings recalled records;
 * ``unit_placement: "system" | "user"`` — after the system prompt, or inside the newest user
   message as a ``<relevant-memories>`` block;
+* ``unit_order: "fixed" | "free"`` — keep the units' order, or let the server deduplicate and
+  reorder them so exact prefixes recur (:mod:`tessera.retrieval.order`; default: the scope's,
+  ``retrieval.order_free_scopes``);
 * ``scope`` — default sharing scope of ``context_units``;
 * ``return_layout`` — the response carries the prompt layout (``tessera_layout``).
 
@@ -29,7 +32,7 @@ clients that send vendor fields) turns both refusals off: such fields are then i
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -49,6 +52,7 @@ from tessera.wire import unknown_keys
 
 Role = Literal["system", "user", "assistant"]
 Placement = Literal["system", "user"]
+UnitOrder = Literal["fixed", "free"]
 SCOPE_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
 MAX_UNITS = 64
 DEFAULT_MAX_TOKENS = 16
@@ -179,6 +183,7 @@ class ChatCompletionRequest(_Closed):
     retrieval: RetrievalOptions | None = None
     context_units: list[ContextUnitInput] | None = Field(None, max_length=MAX_UNITS)
     unit_placement: Placement | None = None
+    unit_order: UnitOrder | None = None
     scope: str | None = None
     return_layout: bool = False
 
@@ -261,6 +266,7 @@ class ChatRequest:
     retrieval: RetrievalSpec | None = None
     units: tuple[UnitInput, ...] = ()
     return_layout: bool = False
+    unit_order: str = ""  # "fixed" | "free" as the request said; "": its scopes' default
 
     @property
     def max_tokens(self) -> int:
@@ -270,6 +276,14 @@ class ChatRequest:
     def top_logprobs(self) -> int:
         """-1: no logprobs (OpenAI ``logprobs: false``)."""
         return self.sampling.top_logprobs
+
+    def order_free(self, scope_free: Callable[[str], bool]) -> bool:
+        """Whether its units may be reordered: as the request says, else when every scope its
+        units come from is order-free (``scope_free``: the config's default per scope)."""
+        if self.unit_order:
+            return self.unit_order == "free"
+        scopes = {self.retrieval.scope} if self.retrieval is not None else {u.scope for u in self.units}
+        return bool(scopes) and all(scope_free(s) for s in scopes)
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
@@ -323,4 +337,5 @@ def parse_chat_request(body: Any, *, default_top_k: int, default_placement: str,
         retrieval=retrieval,
         units=tuple(UnitInput(u.text, u.scope or scope) for u in req.context_units or ()),
         return_layout=req.return_layout,
+        unit_order=req.unit_order or "",
     )

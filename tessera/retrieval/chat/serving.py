@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 from tessera.composition.calibration import decide
+from tessera.composition.choice import Choices
 from tessera.composition.policies import policy_from_config
 from tessera.config import ClusterConfig
 from tessera.control.plane import ControlPlane
@@ -31,6 +32,7 @@ from tessera.retrieval.chat.generation_client import NodeClients
 from tessera.retrieval.chat.metrics import ChatMetrics
 from tessera.retrieval.chat.receipt import Composition
 from tessera.retrieval.node import RetrievalNode
+from tessera.retrieval.order import UnitOrders
 from tessera.retrieval.prompt import PromptBuilder
 from tessera.units import TokenCache
 
@@ -50,6 +52,10 @@ class Serving:
         self.pending = 0
         self.builder: PromptBuilder | None = None  # set by start()
         self.max_context = 0  # tokens of the model's context, set by start()
+        self.orders = UnitOrders()  # the unit orders served, for order-free requests
+        # composition.per_request: the settings a request may be served with, and what their receipts say
+        self.choices: Choices | None = None
+        self._compositions: dict[str, Composition] = {}
 
     @property
     def ready(self) -> bool:
@@ -68,11 +74,26 @@ class Serving:
         if decision.warning:
             log.warning("retrieval: %s", decision.warning)
         self.policy = policy_from_config(decision.served)
-        if c.control.mode == "compose":
+        if c.control.mode == "compose" and c.composition.per_request:
+            self.choices, passed = Choices.gate(c.composition, node.fingerprint.model, c.model.dtype, c.kv_dtype,
+                                                c.model.engine)
+            log.info("retrieval: composing per request among %s", self.choices.labels or "none (full prefill)")
+            for why in passed:
+                log.info("retrieval: calibration record passed over: %s", why)
+            for choice in (*self.choices.options, self.choices.fallback):
+                self._compositions[choice.label] = Composition(choice.policy, {**choice.decision.describe(),
+                                                                               "choice": "per-request"})
+            self.policy = self.choices.fallback.policy
+            self.composition = self._compositions[self.choices.fallback.label]
+        elif c.control.mode == "compose":
             self.composition = Composition(self.policy, decision.describe())
         else:  # exact prefix caching: no policy shapes the prompt
             self.composition = Composition(None, {"policy": {"policy": "prefix-caching"}, "calibration": "exact"})
         self.builder = PromptBuilder(node.tokenizer, TokenCache(node.tokenizer.encode_plain))
+
+    def composition_of(self, setting: str) -> Composition:
+        """What the receipt of a request served with ``setting`` says ("": the process's own)."""
+        return self._compositions[setting] if setting else self.composition
 
     async def close(self) -> None:
         await self.nodes.close()
