@@ -64,13 +64,14 @@ async def node(engine: EngineAdapter) -> AsyncIterator[Node]:
 
 
 def order_free(layout: PromptLayout, preparations: dict[str, Preparation], request_id: str,
-               granted: str = "", retain: bool = False) -> ExecuteRequest:
+               granted: str = "", retain: bool = False, recurring: bool = False) -> ExecuteRequest:
     """The request as the retrieval role sends an order-free one (``granted``: a unit with a write
     grant; ``retain``: every unit kept in the local tier)."""
     req = execute_request(layout, preparations, max_tokens=4, request_id=request_id, retain_local=retain)
     units = tuple(dataclasses.replace(u, retention=Retention.SHARED, grant=GRANT) if u.unit_id == granted else u
                   for u in req.plan.units)
-    return dataclasses.replace(req, plan=dataclasses.replace(req.plan, units=units), exact_into_units=True)
+    return dataclasses.replace(req, plan=dataclasses.replace(req.plan, units=units), exact_into_units=True,
+                               recurring=recurring)
 
 
 async def test_an_order_free_prompt_is_served_exactly_when_that_computes_less(engine: EngineAdapter) -> None:
@@ -98,6 +99,20 @@ async def test_cold_units_that_will_be_kept_are_composed_not_served_exactly(engi
         _, done = await run_request(n.executor, req)
     s = done.stats
     assert not s.served_exactly and s.computed_units == 2 and s.prefix_cached_tokens == 0
+
+
+async def test_an_order_served_before_is_served_exactly_even_where_composing_costs_less(
+        engine: EngineAdapter) -> None:
+    """The same kept cold units in an order the retrieval role served before (``recurring``): the
+    rest is computed exactly (full prefill's tokens), so the next prompt in this order is a hit."""
+    full = prefill(engine, PROMPT_A.token_ids(), max_new_tokens=4, stop_ids=())
+    async with node(engine) as n:
+        computed = {"u1": Preparation.COMPUTE, "u3": Preparation.COMPUTE}
+        tokens, done = await run_request(n.executor, order_free(PROMPT_A, computed, "a1", retain=True,
+                                                                recurring=True))
+        _, again = await run_request(n.executor, order_free(PROMPT_A, computed, "a2", retain=True))
+    assert tokens == full.generated and done.stats.served_exactly and done.stats.computed_units == 0
+    assert again.stats.prefix_cached_tokens == PROMPT_A.n_tokens - 1
 
 
 async def test_past_a_hit_into_its_units_the_rest_is_composed_when_that_computes_less(

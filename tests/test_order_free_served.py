@@ -76,11 +76,12 @@ def test_units_an_earlier_prompt_began_with_lead_and_are_served_exactly(prefixin
     assert "prefix" not in sources(fixed)
 
 
-def test_a_composed_free_prompt_offers_the_prefix_cache_what_precedes_its_first_placed_state(
+def test_a_free_order_seen_twice_is_served_exactly_and_then_from_the_prefix_cache(
         served: ClusterConfig) -> None:
-    """Composed (its cold units are kept, so composing is cheaper than computing it whole), a free
-    prompt leaves in the prefix cache its lead and the first unit's recomputed head, which the
-    same units again, in any order, then hit: more than the leading text, short of the first unit."""
+    """First sight: composed (its cold units are kept, so composing is cheaper than computing it
+    whole), leaving in the prefix cache the lead and the first unit's recomputed head. Second
+    sight, in any order: the hit covers that much, and the rest is computed exactly. Third
+    sight, with another question: both units come from the prefix cache."""
     url = served.retrieval_url
     first = chat(url, [C, D], "Which ferry?", scope="s3", unit_order="free")
     assert first["usage"]["tessera"]["receipt"]["way"] == "composed"
@@ -88,7 +89,9 @@ def test_a_composed_free_prompt_offers_the_prefix_cache_what_precedes_its_first_
     assert spans(again) == spans(first)
     lead = again["usage"]["tessera"]["receipt"]["per_unit"][0]["offset"]
     assert lead < again["usage"]["tessera"]["prefix_cached_tokens"] < lead + len(spans(again)[0])
-    assert again["usage"]["tessera"]["receipt"]["way"] == "composed"
+    assert again["usage"]["tessera"]["receipt"]["way"] == "exact"
+    third = chat(url, [C, D], "When does it return?", scope="s3", unit_order="free")
+    assert sources(third) == ["prefix", "prefix"]
 
 
 def test_a_scope_listed_as_order_free_is_free_unless_the_request_says_fixed(served: ClusterConfig) -> None:

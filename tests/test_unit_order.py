@@ -13,7 +13,7 @@ from tessera.config import RetrievalConfig
 from tessera.config_file import dump_toml, load_config, parse_config
 from tessera.errors import BadRequest, ConfigError
 from tessera.retrieval.chat.request import parse_chat_request
-from tessera.retrieval.order import UnitOrders, deduplicated, lead_key
+from tessera.retrieval.order import Arranged, UnitOrders, deduplicated, lead_key
 from tessera.units import ContextUnit
 
 KEY = b"lead"
@@ -23,8 +23,8 @@ def unit(name: str, n: int = 10) -> ContextUnit:
     return ContextUnit(name, "s", f"text of {name}", tuple(range(n)))
 
 
-def ids(units: list[ContextUnit]) -> list[str]:
-    return [u.unit_id for u in units]
+def ids(units: list[ContextUnit] | Arranged) -> list[str]:
+    return [u.unit_id for u in (units.units if isinstance(units, Arranged) else units)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -36,7 +36,8 @@ def test_arranging_never_changes_the_set_of_units_or_their_text(requests: list[l
         units = [unit(n, 5 + ord(n) % 7) for n in names]
         out = orders.arrange(KEY, units)
         assert sorted(ids(out)) == sorted(set(names))
-        assert {(u.unit_id, u.text, u.token_ids) for u in out} == {(u.unit_id, u.text, u.token_ids) for u in units}
+        assert {(u.unit_id, u.text, u.token_ids) for u in out.units} == \
+            {(u.unit_id, u.text, u.token_ids) for u in units}
         assert len(orders) <= 16  # pruned back once past its bound
 
 
@@ -51,6 +52,15 @@ def test_units_an_earlier_prompt_began_with_go_first_in_its_order() -> None:
     assert ids(orders.arrange(KEY, [unit("a"), unit("b"), unit("c")])) == ["a", "b", "c"]
     assert ids(orders.arrange(KEY, [unit("d"), unit("c"), unit("b")])) == ["d", "c", "b"]  # no path starts with b, c
     assert ids(orders.arrange(KEY, [unit("c"), unit("e"), unit("a"), unit("b")])) == ["a", "b", "c", "e"]
+
+
+def test_an_order_served_before_whole_or_as_a_beginning_is_recurring() -> None:
+    orders = UnitOrders()
+    assert not orders.arrange(KEY, [unit("a"), unit("b"), unit("c")]).recurring
+    assert orders.arrange(KEY, [unit("b"), unit("a"), unit("c")]).recurring  # the same set, any order
+    assert orders.arrange(KEY, [unit("b"), unit("a")]).recurring  # the beginning of a served order
+    assert not orders.arrange(KEY, [unit("b"), unit("c")]).recurring  # no served order begins with b, c
+    assert not orders.arrange(KEY, []).recurring
 
 
 def test_the_path_covering_the_most_tokens_wins_and_the_latest_on_a_tie() -> None:

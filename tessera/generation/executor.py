@@ -274,7 +274,8 @@ class Executor:
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
         if run.req.exact_into_units:
             token_ids, _ = tokens_to_compute(layout, ranges, matched)
-            if _exact_is_cheaper(layout.n_tokens - matched, len(token_ids), spans, plans, tokens):
+            if run.req.recurring or _exact_is_cheaper(layout.n_tokens - matched, len(token_ids), spans, plans,
+                                                      tokens):
                 return await self._exact_rest(run, plans.values())
         # units the exact prefix covers or the policy recomputes whole need no state: their grants go back now
         self._give_back(plans[uid] for uid in plans if uid not in spans)

@@ -81,6 +81,9 @@ class ExecuteRequest:
     # matches its exact-prefix cache across units, not only the text before the first one,
     # and may serve the rest exactly when that computes no more than composing it
     exact_into_units: bool = False
+    # ... and its units' order was served before: the rest is served exactly whatever it costs,
+    # so that the next prompt in this order is a prefix hit (admitted on its second sight)
+    recurring: bool = False
     # the composition setting to serve it with (composition.per_request: its label,
     # tessera.composition.choice); "" = the node's own
     setting: str = ""

@@ -58,6 +58,17 @@ def lead_key(tenant: str, messages: Sequence[dict[str, Any]], placement: str) ->
     return h.digest()
 
 
+@dataclass(frozen=True)
+class Arranged:
+    """A request's units in the order to serve them."""
+
+    units: list[ContextUnit]
+    # every unit lies on one remembered path: this order was served before, as a prompt or the
+    # beginning of one (the prefix cache may hold it; if not, computing it exactly now pays
+    # off when it comes again)
+    recurring: bool
+
+
 @dataclass
 class _Node:
     used: int = 0  # the clock of the latest order served through this node (a child's <= its parent's)
@@ -78,19 +89,19 @@ class UnitOrders:
         """Trie nodes held (the roots not counted)."""
         return self._nodes
 
-    def arrange(self, key: Hashable, units: Sequence[ContextUnit]) -> list[ContextUnit]:
+    def arrange(self, key: Hashable, units: Sequence[ContextUnit]) -> Arranged:
         """``units`` deduplicated and ordered along the best remembered path after ``key`` (the
         module docstring); the order returned is remembered."""
         units = deduplicated(units)
         if not units:
-            return units
+            return Arranged(units, False)
         root = self._roots.setdefault(key, _Node())
         by_id = {u.unit_id: u for u in units}
         path = self._best(root, by_id)
         on_path = set(path)
         ordered = [by_id[u] for u in path] + [u for u in units if u.unit_id not in on_path]
         self._remember(root, [u.unit_id for u in ordered])
-        return ordered
+        return Arranged(ordered, len(path) == len(ordered))
 
     def clear(self) -> None:
         self._roots.clear()

@@ -69,6 +69,7 @@ class Built:
     # its units were deduplicated and ordered for exact prefix reuse (tessera.retrieval.order):
     # the node may match its exact-prefix cache into them
     order_free: bool = False
+    recurring: bool = False  # order-free, and served in this order before (tessera.retrieval.order.Arranged)
     # the setting chosen for it (composition.per_request: its label, tessera.composition.choice);
     # "" = the process's own
     setting: str = ""

@@ -86,11 +86,12 @@ class ChatDriver:
         self.target = ""
         self.plan: RequestPlan | None = None
 
-    async def run(self, layout: PromptLayout, receiver: Receiver, order_free: bool = False,
+    async def run(self, layout: PromptLayout, receiver: Receiver, order_free: bool = False, recurring: bool = False,
                   setting: str = "") -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         """Yield the serving node's events; another node is tried while nothing reached the client.
         ``order_free``: the layout's units were ordered for exact prefix reuse (the node may match
-        its prefix cache into them); ``setting``: the composition setting chosen for it ("": the node's)."""
+        its prefix cache into them), ``recurring``: in an order served before; ``setting``: the
+        composition setting chosen for it ("": the node's)."""
         refs = self._unit_refs(layout)
         tried: set[str] = set()
         failed: Failure | None = None
@@ -101,7 +102,7 @@ class ChatDriver:
             began = time.perf_counter()
             self.target, watch = await self._route(refs, tried, failed, layout.n_tokens)
             try:
-                msg = await self._plan(watch, layout, refs, order_free, setting)
+                msg = await self._plan(watch, layout, refs, order_free, recurring, setting)
                 async with contextlib.aclosing(self.nodes.execute(watch, msg)) as node_events:
                     async for event in node_events:
                         if not delivered:
@@ -154,7 +155,7 @@ class ChatDriver:
             raise
 
     async def _plan(self, watch: Watch, layout: PromptLayout, refs: dict[str, int],
-                    order_free: bool = False, setting: str = "") -> ExecuteRequest:
+                    order_free: bool = False, recurring: bool = False, setting: str = "") -> ExecuteRequest:
         """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
         snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
         self.plan = await self.path.finalize(self.request_id, self.target, snap.held)
@@ -165,7 +166,8 @@ class ChatDriver:
         # begin within it (tessera.generation.scheduler, late starts)
         budget = max(0.0, bound - self._waited_s()) if bound > 0 else None
         return ExecuteRequest(WIRE_VERSION, self.request_id, layout, self.plan, self.sampling, self.tenant,
-                              queue_budget_s=budget, exact_into_units=order_free, setting=setting)
+                              queue_budget_s=budget, exact_into_units=order_free, recurring=recurring,
+                              setting=setting)
 
     def _waited_s(self) -> float:
         """The time that counts against the queueing bound: since arrival, less failed attempts."""

@@ -57,8 +57,10 @@ async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, 
     units = await request_units(node, chat, tenant)
     check_prompt_chars([*texts, *(u.text for u in units)], limit)
     free = bool(units) and chat.order_free(node.config.retrieval.order_free)
+    recurring = False
     if free:  # deduplicated, and ordered so that what earlier prompts began with recurs
-        units = serving.orders.arrange(lead_key(tenant.name, chat.messages, chat.placement), units)
+        arranged = serving.orders.arrange(lead_key(tenant.name, chat.messages, chat.placement), units)
+        units, recurring = arranged.units, arranged.recurring
     # tokenizing runs on the retrieval worker thread, never on the event loop
     rendered = await node.in_worker(builder.build, chat.messages, units, chat.placement)
     policy = serving.policy if node.config.control.mode == "compose" else None
@@ -66,4 +68,5 @@ async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, 
     if serving.choices is not None:  # the cheapest calibrated setting for this prompt
         choice, _ = serving.choices.choose(rendered)
         policy, setting = choice.policy, choice.label
-    return Built(rendered, served_layout(rendered, policy, chat.max_tokens, limit), order_free=free, setting=setting)
+    return Built(rendered, served_layout(rendered, policy, chat.max_tokens, limit), order_free=free,
+                 recurring=recurring, setting=setting)

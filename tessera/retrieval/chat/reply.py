@@ -114,7 +114,7 @@ class Reply:
         # closing the run at once (a stop string, a client gone) aborts the node's work now, not
         # whenever the garbage collector finalizes the generator
         async with contextlib.aclosing(self.driver.run(self.layout, self, self.built.order_free,
-                                                            self.built.setting)) as node_events:
+                                                            self.built.recurring, self.built.setting)) as node_events:
             async for event in node_events:
                 delta = self._take(event)
                 if self.done:
