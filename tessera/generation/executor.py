@@ -261,6 +261,9 @@ class Executor:
             stats.recomputed_tokens = len(prompt) - matched
             return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                                insert_prefix=(prompt, run.req.tenant))
+        plans = {u.unit_id: u for u in run.req.plan.units}
+        if run.req.exact_into_units and run.req.recurring:  # an order seen before: seed the prefix cache
+            return await self._exact_rest(run, plans.values())
         policy = self._policy(run.req)
         if policy.needs_probe:  # it reads the model: on the engine's thread, between its forwards
             ranges = await self.scheduler.worker.call(policy.select, layout)
@@ -270,13 +273,11 @@ class Executor:
         spans: dict[str, list[Placement]] = {}
         for p in placements(layout, ranges, matched):
             spans.setdefault(p.unit_id, []).append(p)
-        plans = {u.unit_id: u for u in run.req.plan.units}
         tokens = {seg.unit_id: seg.token_ids for _, seg in layout.unit_offsets()}
-        if run.req.exact_into_units:
-            token_ids, _ = tokens_to_compute(layout, ranges, matched)
-            if run.req.recurring or _exact_is_cheaper(layout.n_tokens - matched, len(token_ids), spans, plans,
-                                                      tokens):
-                return await self._exact_rest(run, plans.values())
+        token_ids, positions = tokens_to_compute(layout, ranges, matched)
+        if run.req.exact_into_units and _exact_is_cheaper(layout.n_tokens - matched, len(token_ids), spans, plans,
+                                                          tokens):
+            return await self._exact_rest(run, plans.values())
         # units the exact prefix covers or the policy recomputes whole need no state: their grants go back now
         self._give_back(plans[uid] for uid in plans if uid not in spans)
         peers = [uid for uid in spans if plans[uid].peer]
@@ -286,7 +287,6 @@ class Executor:
         if peers:
             run.peer_deadline = self._peer_deadline(sum(len(tokens[uid]) for uid in peers))
             run.group = self.scheduler.new_group()  # its own units in one forward
-        token_ids, positions = tokens_to_compute(layout, ranges, matched)
         # what the prefix cache is offered: the lead up to the first placed state (everything
         # before it is matched or computed causally, exactly as full prefill would)
         exact = lead[: min((p.offset + p.start for unit_spans in spans.values() for p in unit_spans),
