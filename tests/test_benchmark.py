@@ -116,6 +116,21 @@ def test_a_coalesced_unit_is_reused_not_computed_in_the_summary() -> None:
     assert "coalesced units" in row[0] and "| 0%/0%/50% | 1 | - | 100% |" in row[2]
 
 
+def test_the_exact_unit_share_is_the_prefix_hits_unit_tokens_over_all_from_the_receipts() -> None:
+    """Unit tokens inside the exact-prefix hit (receipt source ``prefix``) over every unit token
+    of the measured replies; a reply without a receipt (another server) adds nothing."""
+    def reply(index: int, prefix: int, local: int) -> Result:
+        r = _served(index, ("a", prefix, "prefix"), ("b", local, "local"))
+        r.usage["tessera"]["receipt"]["unit_tokens"] = {"prefix": prefix, "local": local, "computed": 0}
+        return r
+
+    other = Result(2, 2.0, ttft=0.1, latency=0.2, status=200, usage={"prompt_tokens": 100})
+    s = summarize([reply(0, 30, 70), reply(1, 60, 40), other], 0.0, 1.0)
+    assert s["exact_unit_share"] == pytest.approx(90 / 200)
+    assert summarize([other], 0.0, 1.0)["exact_unit_share"] is None
+    assert table({"systems": {"tessera": {"runs": [s]}}}).splitlines()[2].endswith("| 45% |")
+
+
 def test_the_table_shows_each_runs_share_of_the_peak_and_the_nodes_failed_writebacks() -> None:
     """Goodput past the peak and lost writebacks are columns, not something to dig out of logs."""
     def run(rate: float, throughput: float, failed: float) -> dict[str, object]:
