@@ -86,8 +86,8 @@ class ChatDriver:
         self.target = ""
         self.plan: RequestPlan | None = None
 
-    async def run(self, layout: PromptLayout, receiver: Receiver, order_free: bool = False, recurring: bool = False,
-                  setting: str = "") -> AsyncGenerator[TokenEvent | DoneEvent, None]:
+    async def run(self, layout: PromptLayout, receiver: Receiver, *, order_free: bool = False,
+                  recurring: bool = False, setting: str = "") -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         """Yield the serving node's events; another node is tried while nothing reached the client.
         ``order_free``: the layout's units were ordered for exact prefix reuse (the node may match
         its prefix cache into them), ``recurring``: in an order served before; ``setting``: the
@@ -102,7 +102,8 @@ class ChatDriver:
             began = time.perf_counter()
             self.target, watch = await self._route(refs, tried, failed, layout.n_tokens)
             try:
-                msg = await self._plan(watch, layout, refs, order_free, recurring, setting)
+                msg = await self._plan(watch, layout, refs, order_free=order_free, recurring=recurring,
+                                       setting=setting)
                 async with contextlib.aclosing(self.nodes.execute(watch, msg)) as node_events:
                     async for event in node_events:
                         if not delivered:
@@ -154,8 +155,8 @@ class ChatDriver:
                 raise failed from None  # every node that could serve is full: 429, not 503
             raise
 
-    async def _plan(self, watch: Watch, layout: PromptLayout, refs: dict[str, int],
-                    order_free: bool = False, recurring: bool = False, setting: str = "") -> ExecuteRequest:
+    async def _plan(self, watch: Watch, layout: PromptLayout, refs: dict[str, int], *,
+                    order_free: bool, recurring: bool, setting: str) -> ExecuteRequest:
         """Snapshot the routed node (it pins what it holds) and finalize the plan against it."""
         snap = await self.nodes.snapshot(watch, self.request_id, list(refs))
         self.plan = await self.path.finalize(self.request_id, self.target, snap.held)

@@ -113,8 +113,10 @@ class Reply:
         """Run the request, ``send`` each text delta as it comes; the outcome once the reply is complete."""
         # closing the run at once (a stop string, a client gone) aborts the node's work now, not
         # whenever the garbage collector finalizes the generator
-        async with contextlib.aclosing(self.driver.run(self.layout, self, self.built.order_free,
-                                                            self.built.recurring, self.built.setting)) as node_events:
+        built = self.built
+        run = self.driver.run(self.layout, self, order_free=built.order_free, recurring=built.recurring,
+                              setting=built.setting)
+        async with contextlib.aclosing(run) as node_events:
             async for event in node_events:
                 delta = self._take(event)
                 if self.done:
