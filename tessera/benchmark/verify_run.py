@@ -179,6 +179,10 @@ def run_verify(config: ClusterConfig, opts: VerifyOptions) -> int:
     report: dict[str, object] = {"source": source, "prompts": len(chosen_prompts),
                                  "answer_tokens": opts.answer_tokens, "kl_positions": opts.kl_positions,
                                  "configured": configured.label, "rows": [r.as_dict() for r in rows]}
+    graded = next((s.full_f1 for s in scores.values() if s.full_f1), None)
+    if graded is not None:  # what the ratios divide by: a small F1 makes them noisy
+        report["full_f1"] = float(sum(graded) / len(graded))
+        say(f"full prefill's answer F1 on the {len(graded)} prompts with gold answers: {report['full_f1']:.3f}")
     mine = next(r for r in rows if r.setting == configured)
     judged = _limits(config, opts)
     passed = None if judged is None else _verdict(mine, *judged, len(chosen_prompts))
