@@ -1,7 +1,10 @@
 """Per-process state of the chat API: node clients, composition policy, prompt builder, admission, metrics.
 
 The composition policy is the one the fidelity gate lets this process serve
-(:func:`tessera.composition.calibration.decide`, decided in :meth:`Serving.start`).
+(:func:`tessera.composition.calibration.decide`, decided in :meth:`Serving.start`), or, with
+``composition.per_request``, one chosen for each request among the calibrated settings
+(:class:`~tessera.composition.choice.Choices`; the receipt of each says which). Order-free
+requests are ordered by :attr:`Serving.orders` (:mod:`tessera.retrieval.order`).
 
 One :class:`Serving` lives on the aiohttp app (``routes.SERVING``). It is built with the app
 and started by an explicit step, :meth:`Serving.start`, once the retrieval node has loaded
