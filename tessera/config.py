@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tessera.errors import ConfigError
+from tessera.units import in_scopes
 
 # a password in a libpq DSN: the key/value form's or a URI query's password=, or a URI's user:password@
 _DSN_PASSWORD = re.compile(r"(?:^|\s|[?&])password\s*=|^postgres(?:ql)?://[^/@?]*:[^/@?]*@", re.IGNORECASE)
@@ -338,8 +339,7 @@ class RetrievalConfig:
 
     def order_free(self, scope: str) -> bool:
         """Whether units of ``scope`` are order-free by default (retrieval.order_free_scopes)."""
-        return self.unit_order == "free" or any(
-            scope == s or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.order_free_scopes)
+        return self.unit_order == "free" or in_scopes(scope, self.order_free_scopes)
 
 
 @dataclass(frozen=True)

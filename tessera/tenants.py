@@ -38,6 +38,7 @@ from aiohttp import web
 
 from tessera.errors import BadRequest, ConfigError
 from tessera.private_files import check_private
+from tessera.units import in_scopes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -49,7 +50,7 @@ class Tenant:
     admin: bool = False
 
     def allows(self, scope: str) -> bool:
-        return any(scope == s or (s.endswith("*") and scope.startswith(s[:-1])) for s in self.scopes)
+        return in_scopes(scope, self.scopes)
 
     def check_scope(self, scope: str, where: str = "scope") -> None:
         """403 unless this tenant owns ``scope``; the message names nothing but that scope."""

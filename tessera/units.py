@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # Bumped when the layout of the reusable form changes; part of every fingerprint.
@@ -47,6 +47,12 @@ class ServingFingerprint:
 
 
 UNIT_ID_PATTERN = "[0-9a-f]{32}"  # what unit_id_for returns: a unit id in a URL path matches this
+
+
+def in_scopes(scope: str, patterns: Iterable[str]) -> bool:
+    """Whether ``scope`` is one of ``patterns``: exact scope names, or prefixes ending in ``*``
+    (``"*"``: every scope), as tenants and ``retrieval.order_free_scopes`` write them."""
+    return any(scope == p or (p.endswith("*") and scope.startswith(p[:-1])) for p in patterns)
 
 
 def unit_id_for(scope: str, token_ids: Sequence[int], fingerprint: ServingFingerprint, tenant: str = "") -> str:

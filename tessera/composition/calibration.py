@@ -232,17 +232,23 @@ def read_record(directory: Path, fingerprint: Fingerprint) -> dict[str, Any] | N
     if data is None:
         return None
     check_folder(directory)
+    body = _parse(path, data)
+    if body.fingerprint != fingerprint.as_dict():
+        raise BadRecord(f"calibration record {path} is the record of another serving fingerprint; "
+                        "write it again with tessera verify --calibrate")
+    return body.model_dump()
+
+
+def _parse(path: Path, data: bytes) -> RecordBody:
+    """The record schema's reading of ``data`` (the file at ``path``), or :class:`BadRecord`
+    naming the file and what does not fit."""
     try:
-        body = RecordBody.model_validate_json(data)
+        return RecordBody.model_validate_json(data)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg']}"
                              for e in exc.errors(include_url=False)[:5])
         raise BadRecord(f"calibration record {path} does not fit the record schema ({problems}); "
                         "write it again with tessera verify --calibrate") from None
-    if body.fingerprint != fingerprint.as_dict():
-        raise BadRecord(f"calibration record {path} is the record of another serving fingerprint; "
-                        "write it again with tessera verify --calibrate")
-    return body.model_dump()
 
 
 @dataclass(frozen=True)
@@ -352,11 +358,7 @@ def _calibrated(path: Path, config: CompositionConfig, model: str, dtype: str, k
     data = _read_trusted(path)
     if data is None:
         return "gone"
-    try:
-        body = RecordBody.model_validate_json(data)
-    except ValidationError:
-        raise BadRecord(f"calibration record {path} does not fit the record schema; write it again with "
-                        "tessera verify --calibrate") from None
+    body = _parse(path, data)
     fp: dict[str, Any] = dict(body.fingerprint)
     served = {"model": model, "dtype": dtype, "kv_dtype": kv_dtype, "engine": engine,
               "unit_lead": config.unit_lead, "unit_bos": config.unit_bos}

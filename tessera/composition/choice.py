@@ -38,9 +38,9 @@ class Choice:
 class Choices:
     """The settings this role may serve per request (verbs ``choose``, ``named``)."""
 
-    def __init__(self, calibrated: Sequence[Decision], fallback: Decision) -> None:
-        self.options = [Choice(setting_label(d.served), policy_from_config(d.served), d) for d in calibrated]
-        self.fallback = Choice(setting_label(fallback.served), policy_from_config(fallback.served), fallback)
+    def __init__(self, options: Sequence[Choice], fallback: Choice) -> None:
+        self.options = list(options)
+        self.fallback = fallback  # full prefill: what a request gets when no setting is calibrated
         self._by_label = {c.label: c for c in (*self.options, self.fallback)}
 
     @classmethod
@@ -52,14 +52,11 @@ class Choices:
                             Fingerprint.of(config, model, dtype, kv_dtype, engine), None,
                             "no calibrated setting meets the targets; serving full prefill; measure settings "
                             "with: tessera verify --calibrate")
-        return cls(calibrated, fallback), passed
+        return cls([_choice(d) for d in calibrated], _choice(fallback)), passed
 
     def bound(self, probe: ModelProbe) -> Choices:
         """The same choices, their policies reading ``probe`` (the node's engine)."""
-        out = Choices([], self.fallback.decision)
-        out.options = [dataclasses.replace(c, policy=c.policy.bound(probe)) for c in self.options]
-        out._by_label = {c.label: c for c in (*out.options, out.fallback)}
-        return out
+        return Choices([dataclasses.replace(c, policy=c.policy.bound(probe)) for c in self.options], self.fallback)
 
     def choose(self, layout: PromptLayout) -> tuple[Choice, PromptLayout]:
         """The setting that computes the fewest positions for ``layout`` (as rendered), and the
@@ -82,3 +79,7 @@ class Choices:
     @property
     def labels(self) -> list[str]:
         return [c.label for c in self.options]
+
+
+def _choice(decision: Decision) -> Choice:
+    return Choice(setting_label(decision.served), policy_from_config(decision.served), decision)

@@ -257,10 +257,7 @@ class Executor:
         layout, slots, stats, lead, matched = run.layout, run.slots, run.stats, run.lead, run.matched
         stats.prefix_cached_tokens = matched
         if self._exact_only(run.req):
-            prompt = layout.token_ids()  # the lead is all of it but the last token
-            stats.recomputed_tokens = len(prompt) - matched
-            return await self.scheduler.extend(slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
-                                               insert_prefix=(prompt, run.req.tenant))
+            return await self._extend_whole(run)
         plans = {u.unit_id: u for u in run.req.plan.units}
         if run.req.exact_into_units and run.req.recurring:  # an order seen before: seed the prefix cache
             return await self._exact_rest(run, plans.values())
@@ -367,13 +364,18 @@ class Executor:
         return choice.policy
 
     async def _exact_rest(self, run: Run, plans: Iterable[UnitPlan]) -> torch.Tensor:
-        """Serve everything past the matched prefix exactly, as prefix caching would (the plan's
-        grants go back: no unit state is computed), and offer the prompt to the prefix cache."""
+        """An order-free request served exactly past its prefix hit (the plan's grants go back:
+        no unit state is computed); the receipt reads what was computed from the stats."""
         self._give_back(plans)
-        prompt, matched, stats = run.layout.token_ids(), run.matched, run.stats
-        stats.served_exactly = True
-        stats.recomputed_tokens = len(prompt) - matched
-        stats.computed_ranges = ((matched, len(prompt)),)
+        run.stats.served_exactly = True
+        run.stats.computed_ranges = ((run.matched, run.layout.n_tokens),)
+        return await self._extend_whole(run)
+
+    async def _extend_whole(self, run: Run) -> torch.Tensor:
+        """Compute everything past the matched prefix, as prefix caching does, and offer the
+        whole prompt to the prefix cache (all of it is exact)."""
+        prompt, matched = run.layout.token_ids(), run.matched
+        run.stats.recomputed_tokens = len(prompt) - matched
         return await self.scheduler.extend(run.slots, prompt[matched:], range(matched, len(prompt)), run.deadline,
                                            insert_prefix=(prompt, run.req.tenant))
 

@@ -79,14 +79,14 @@ class Retainer:
             nbytes = state.nbytes()
             if self.writer is None or not self._reserve(nbytes):
                 self.over_budget += self.writer is not None
-                self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
+                self.give_back(grant)
             else:
                 self.tasks.spawn(self._write_shared(grant, state, received_at, nbytes),
                                  name=f"writeback-{unit_id[:8]}")
 
     def give_back(self, grant: WriteGrant) -> None:
-        """A grant whose unit this node will not compute (its request was served without it):
-        the plane frees the pending entry now instead of when the grant expires."""
+        """A grant this node will not write (no budget, no state, or its request was served
+        without the unit): the plane frees the pending entry now, not when the grant expires."""
         self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{grant.unit_id[:8]}")
 
     def _reserve(self, nbytes: int) -> bool:
@@ -108,7 +108,7 @@ class Retainer:
             if local:
                 self.tasks.spawn(self.control.residency([], [unit_id]), name="residency")
             if grant is not None:
-                self.tasks.spawn(self.control.give_up(grant), name=f"cancel-{unit_id[:8]}")
+                self.give_back(grant)
             return
         self.retain(unit_id, host, local, grant, evict, received_at)
 

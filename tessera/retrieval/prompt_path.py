@@ -53,6 +53,11 @@ def served_layout(layout: PromptLayout, policy: CompositionPolicy | None, max_to
     if policy is not None:
         # units the policy recomputes (nearly) whole are plain text: never prefilled, planned or retained
         layout = policy.inline(layout)
+    return fitting(layout, max_tokens, max_context)
+
+
+def fitting(layout: PromptLayout, max_tokens: int, max_context: int) -> PromptLayout:
+    """``layout`` as served, refused (400) when it and ``max_tokens`` exceed the context."""
     if layout.n_tokens + max_tokens > max_context:
         raise BadRequest(
             f"the prompt has {layout.n_tokens} tokens (units included) and max_tokens is {max_tokens}, "

@@ -18,7 +18,7 @@ from tessera.retrieval.chat.serving import Serving
 from tessera.retrieval.limits import check_prompt_chars
 from tessera.retrieval.node import RetrievalNode
 from tessera.retrieval.order import lead_key
-from tessera.retrieval.prompt_path import Built, served_layout
+from tessera.retrieval.prompt_path import Built, fitting, served_layout
 from tessera.tenants import OPEN, Tenant
 from tessera.units import ContextUnit
 
@@ -63,10 +63,10 @@ async def chat_layout(serving: Serving, node: RetrievalNode, chat: ChatRequest, 
         units, recurring = arranged.units, arranged.recurring
     # tokenizing runs on the retrieval worker thread, never on the event loop
     rendered = await node.in_worker(builder.build, chat.messages, units, chat.placement)
+    if serving.choices is not None:  # the cheapest calibrated setting for this prompt, as it serves it
+        choice, served = serving.choices.choose(rendered)
+        return Built(rendered, fitting(served, chat.max_tokens, limit), order_free=free, recurring=recurring,
+                     setting=choice.label)
     policy = serving.policy if node.config.control.mode == "compose" else None
-    setting = ""
-    if serving.choices is not None:  # the cheapest calibrated setting for this prompt
-        choice, _ = serving.choices.choose(rendered)
-        policy, setting = choice.policy, choice.label
     return Built(rendered, served_layout(rendered, policy, chat.max_tokens, limit), order_free=free,
-                 recurring=recurring, setting=setting)
+                 recurring=recurring)

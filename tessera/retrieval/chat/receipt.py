@@ -12,9 +12,10 @@ Every reply's ``usage.tessera.receipt`` says, per source, how many units and uni
 
 and how many tokens of each were recomputed in the request's final extend. ``way`` says how the
 prompt past the prefix hit was served: ``exact`` (computed in full, as prefix caching does) or
-``composed`` (by the policy). The ``prefix`` unit tokens are the ones served exactly from a cache. It names the
-composition policy that served the request with every knob, and its fidelity record (see
-:mod:`tessera.composition.calibration`). With ``return_layout`` it also lists every unit.
+``composed`` (by the policy); the ``prefix`` unit tokens are the ones served exactly from a
+cache. It names the composition policy that served the request with every knob, and its
+fidelity record (see :mod:`tessera.composition.calibration`). With ``return_layout`` it also
+lists every unit.
 
 The receipt is computed here from the layout as rendered and as served, the node's per-unit
 sources and its prefix hit: the same pure layout math the node ran (:func:`computed_ranges`).
